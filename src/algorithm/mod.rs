@@ -1,0 +1,378 @@
+//! The six rate-limit algorithms, as pure functions of (state, now, limit, cost).
+//!
+//! Nothing here reads a clock, allocates shared state or talks to a store: a store keeps one
+//! [`State`] per (rule, key), calls [`check`] to decide without changing anything and, when every
+//! rule of a request admits it, [`apply`] to consume. All arithmetic is on integers of at most 53
+//! bits (microseconds, request counts) so the Redis Lua scripts, whose numbers are doubles,
+//! reproduce every decision exactly.
+//!
+//! A clock that steps backwards is treated as no time passing for the bucket and window
+//! algorithms. GCRA and the leaky bucket keep a single timestamp and cannot tell a stepped-back
+//! clock from a busy key: they stay conservative (they may deny a little longer, never admit more).
+
+mod fixed_window;
+mod gcra;
+mod sliding_counter;
+mod sliding_log;
+mod token_bucket;
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::duration::Micros;
+use crate::duration::{HumanDuration, MICROS_PER_MS};
+
+/// Largest integer a Lua number (an IEEE double) holds exactly.
+pub const MAX_EXACT: u64 = (1 << 53) - 1;
+/// The largest `requests` or `burst` a rule may declare.
+pub const MAX_REQUESTS: u64 = u32::MAX as u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Algorithm {
+    /// Capacity `burst`, refilled continuously at `requests` per `per`; starts full.
+    TokenBucket,
+    /// Generic cell rate algorithm: the token bucket's decisions with one timestamp per key.
+    Gcra,
+    /// Drains `requests` per `per` with a queue of `burst`; with `maxDelay` it shapes (admits with
+    /// a delay), without it it polices (rejects when full).
+    LeakyBucket,
+    /// `requests` per window of `per`, windows aligned to multiples of `per` since the Unix epoch.
+    /// Up to twice the limit can pass across a window boundary.
+    FixedWindow,
+    /// Exact: never more than `requests` in any trailing `per`. Memory grows with `requests`.
+    SlidingWindowLog,
+    /// Weighted estimate of the trailing window from the previous and current fixed windows.
+    SlidingWindowCounter,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+    ];
+
+    /// The name used in policies and scripts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "tokenBucket",
+            Algorithm::Gcra => "gcra",
+            Algorithm::LeakyBucket => "leakyBucket",
+            Algorithm::FixedWindow => "fixedWindow",
+            Algorithm::SlidingWindowLog => "slidingWindowLog",
+            Algorithm::SlidingWindowCounter => "slidingWindowCounter",
+        }
+    }
+
+    /// Whether `burst` means anything to this algorithm.
+    pub fn uses_burst(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket)
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Algorithm::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            format!(
+                "unknown algorithm {s:?}; expected one of {}",
+                Algorithm::ALL.map(Algorithm::name).join(", ")
+            )
+        })
+    }
+}
+
+/// Why a set of limit numbers cannot be enforced exactly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    #[error("requests must be at least 1")]
+    ZeroRequests,
+    #[error("requests must be at most {MAX_REQUESTS}")]
+    TooManyRequests,
+    #[error("per must be at least 1ms")]
+    PeriodTooShort,
+    #[error("per must be a whole number of milliseconds, got {0}")]
+    PeriodNotWholeMilliseconds(String),
+    #[error("per must be at most 366d")]
+    PeriodTooLong,
+    #[error("burst must be at least 1")]
+    ZeroBurst,
+    #[error("burst must be at most {MAX_REQUESTS}")]
+    BurstTooLarge,
+    #[error("burst is only used by tokenBucket, gcra and leakyBucket, not {0}")]
+    BurstNotApplicable(Algorithm),
+    #[error("maxDelay is only used by leakyBucket, not {0}")]
+    MaxDelayNotApplicable(Algorithm),
+    #[error("rate too high: {requests} per {per} is faster than one request per microsecond")]
+    RateTooHigh { requests: u64, per: String },
+    #[error("requests × per (in ms) must stay below 2^53 so every store computes the same estimate")]
+    WindowProductTooLarge,
+    #[error("burst × emission interval must stay below 2^53 µs")]
+    BucketTooLarge,
+}
+
+/// A validated limit, ready for the algorithms. Build it with [`Limit::new`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Limit {
+    algorithm: Algorithm,
+    requests: u64,
+    per: Micros,
+    burst: u64,
+    max_delay: Option<Micros>,
+    /// Emission interval T = per / requests, rounded up to whole microseconds so that rounding can
+    /// only ever admit slightly less, never more.
+    interval: Micros,
+}
+
+impl Limit {
+    /// `burst` defaults to `requests`; it must be `None` for window algorithms, as must
+    /// `max_delay` for anything but the leaky bucket.
+    pub fn new(
+        algorithm: Algorithm,
+        requests: u64,
+        per: Micros,
+        burst: Option<u64>,
+        max_delay: Option<Micros>,
+    ) -> Result<Limit, LimitError> {
+        if requests == 0 {
+            return Err(LimitError::ZeroRequests);
+        }
+        if requests > MAX_REQUESTS {
+            return Err(LimitError::TooManyRequests);
+        }
+        if per < MICROS_PER_MS {
+            return Err(LimitError::PeriodTooShort);
+        }
+        if per % MICROS_PER_MS != 0 {
+            return Err(LimitError::PeriodNotWholeMilliseconds(HumanDuration(per).to_string()));
+        }
+        if per > 366 * 86_400_000_000 {
+            return Err(LimitError::PeriodTooLong);
+        }
+        if burst.is_some() && !algorithm.uses_burst() {
+            return Err(LimitError::BurstNotApplicable(algorithm));
+        }
+        if max_delay.is_some() && algorithm != Algorithm::LeakyBucket {
+            return Err(LimitError::MaxDelayNotApplicable(algorithm));
+        }
+        let burst = burst.unwrap_or(requests);
+        if burst == 0 {
+            return Err(LimitError::ZeroBurst);
+        }
+        if burst > MAX_REQUESTS {
+            return Err(LimitError::BurstTooLarge);
+        }
+        if requests > per {
+            return Err(LimitError::RateTooHigh { requests, per: HumanDuration(per).to_string() });
+        }
+        if requests.saturating_mul(per / MICROS_PER_MS) > MAX_EXACT {
+            return Err(LimitError::WindowProductTooLarge);
+        }
+        let interval = per.div_ceil(requests);
+        if burst.saturating_mul(interval) > MAX_EXACT / 4 {
+            return Err(LimitError::BucketTooLarge);
+        }
+        Ok(Limit { algorithm, requests, per, burst, max_delay, interval })
+    }
+
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+    pub fn per(&self) -> Micros {
+        self.per
+    }
+    /// Capacity of the bucket algorithms; equals `requests` for the window algorithms.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+    pub fn max_delay(&self) -> Option<Micros> {
+        self.max_delay
+    }
+    /// Emission interval in microseconds (per / requests, rounded up).
+    pub fn interval(&self) -> Micros {
+        self.interval
+    }
+    /// The most a request may cost and still ever be admitted.
+    pub fn capacity(&self) -> u64 {
+        if self.algorithm.uses_burst() { self.burst } else { self.requests }
+    }
+}
+
+/// What one rule says about one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Decision {
+    pub allowed: bool,
+    /// Requests of cost 1 still admissible right now (after this one, when it is admitted).
+    pub remaining: u64,
+    /// Time until the key is back to a full quota.
+    pub reset_after: Micros,
+    /// On a denial, how long until the same request would be admitted; `None` when its cost can
+    /// never fit, and always `None` when admitted.
+    pub retry_after: Option<Micros>,
+    /// How long the caller must hold an admitted request (leaky-bucket shaping); 0 otherwise.
+    pub delay: Micros,
+}
+
+/// One entry of a sliding-window log: when requests were admitted and their total cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LogEntry {
+    pub at: Micros,
+    pub cost: u64,
+}
+
+/// Per-key state. A key without state is pristine (full bucket, empty window).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// GCRA and leaky bucket: theoretical arrival time.
+    Tat(Micros),
+    /// Token bucket: credit in microseconds of emission (one token = one interval) and the time
+    /// it was computed at.
+    Bucket { credit: Micros, updated: Micros },
+    /// Fixed window: window index (now / per) and admitted cost in it.
+    Window { index: u64, count: u64 },
+    /// Sliding window counter: current window index and the counts of the previous and current
+    /// windows.
+    Counter { index: u64, previous: u32, current: u32 },
+    /// Sliding window log: admitted requests still inside the window, oldest first.
+    Log(Box<VecDeque<LogEntry>>),
+}
+
+/// Decides whether `cost` may pass now, without changing anything.
+pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> Decision {
+    match limit.algorithm {
+        Algorithm::TokenBucket => token_bucket::check(limit, token_bucket::view(state), now, cost),
+        Algorithm::Gcra | Algorithm::LeakyBucket => gcra::check(limit, gcra::view(state), now, cost),
+        Algorithm::FixedWindow => fixed_window::check(limit, fixed_window::view(state), now, cost),
+        Algorithm::SlidingWindowLog => sliding_log::check(limit, sliding_log::view(state), now, cost),
+        Algorithm::SlidingWindowCounter => {
+            sliding_counter::check(limit, sliding_counter::view(state), now, cost)
+        }
+    }
+}
+
+/// Consumes `cost` (the caller has checked that every rule admits it) and returns the time at
+/// which the new state is pristine again, after which the key can be forgotten.
+///
+/// A state of another algorithm's shape (the rule's algorithm was edited) is replaced.
+pub fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
+    match limit.algorithm {
+        Algorithm::TokenBucket => token_bucket::apply(limit, state, now, cost),
+        Algorithm::Gcra | Algorithm::LeakyBucket => gcra::apply(limit, state, now, cost),
+        Algorithm::FixedWindow => fixed_window::apply(limit, state, now, cost),
+        Algorithm::SlidingWindowLog => sliding_log::apply(limit, state, now, cost),
+        Algorithm::SlidingWindowCounter => sliding_counter::apply(limit, state, now, cost),
+    }
+}
+
+/// `check`, then `apply` when admitted: the single-rule decision.
+pub fn decide(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Decision {
+    let decision = check(limit, state.as_ref(), now, cost);
+    if decision.allowed {
+        apply(limit, state, now, cost);
+    }
+    decision
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::duration::parse_duration;
+
+    fn limit(algorithm: Algorithm, requests: u64, per: &str, burst: Option<u64>) -> Limit {
+        Limit::new(algorithm, requests, parse_duration(per).unwrap(), burst, None).unwrap()
+    }
+
+    #[test]
+    fn limit_validation_names_the_problem() {
+        let s = 1_000_000;
+        assert_eq!(Limit::new(Algorithm::Gcra, 0, s, None, None), Err(LimitError::ZeroRequests));
+        assert_eq!(Limit::new(Algorithm::Gcra, 1, 10, None, None), Err(LimitError::PeriodTooShort));
+        assert!(matches!(
+            Limit::new(Algorithm::Gcra, 1, 1_500, None, None),
+            Err(LimitError::PeriodNotWholeMilliseconds(_))
+        ));
+        assert_eq!(
+            Limit::new(Algorithm::FixedWindow, 1, s, Some(2), None),
+            Err(LimitError::BurstNotApplicable(Algorithm::FixedWindow))
+        );
+        assert_eq!(
+            Limit::new(Algorithm::Gcra, 1, s, None, Some(5)),
+            Err(LimitError::MaxDelayNotApplicable(Algorithm::Gcra))
+        );
+        assert!(matches!(
+            Limit::new(Algorithm::Gcra, 2_000_000, s, None, None),
+            Err(LimitError::RateTooHigh { .. })
+        ));
+        assert_eq!(Limit::new(Algorithm::Gcra, 1, s, Some(0), None), Err(LimitError::ZeroBurst));
+    }
+
+    #[test]
+    fn interval_rounds_up() {
+        assert_eq!(limit(Algorithm::Gcra, 3, "1s", None).interval(), 333_334);
+        assert_eq!(limit(Algorithm::Gcra, 10, "1s", None).interval(), 100_000);
+    }
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>(), Ok(a));
+        }
+        assert!("bogus".parse::<Algorithm>().unwrap_err().contains("tokenBucket"));
+    }
+
+    /// The seed note's measurement with golang.org/x/time/rate: capacity 5 refilled 10/s admits
+    /// 5 of 20 immediate requests, then 3 of 20 after 300 ms.
+    #[test]
+    fn seed_token_bucket_5_then_3() {
+        for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::LeakyBucket] {
+            let l = limit(algorithm, 10, "1s", Some(5));
+            let mut state = None;
+            let t0 = 1_700_000_000_000_000;
+            let first = (0..20).filter(|_| decide(&l, &mut state, t0, 1).allowed).count();
+            let later = (0..20).filter(|_| decide(&l, &mut state, t0 + 300_000, 1).allowed).count();
+            assert_eq!((first, later), (5, 3), "{algorithm}");
+        }
+    }
+
+    /// The book's sliding-window-counter example: limit 7, previous window 5, current 3, 30% into
+    /// the window: 3 + 5 × 0.7 = 6.5, floored to 6, so one more request is admitted.
+    #[test]
+    fn seed_sliding_counter_book_example() {
+        let l = limit(Algorithm::SlidingWindowCounter, 7, "1m", None);
+        let index = 28_333_333; // any whole minute
+        let state = State::Counter { index, previous: 5, current: 3 };
+        let now = index * 60_000_000 + 18_000_000; // 30% into the window
+        let d = check(&l, Some(&state), now, 1);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 0);
+        // A second request would make floor(6.5) + 1 + 1 = 8 > 7.
+        let mut state = Some(state);
+        apply(&l, &mut state, now, 1);
+        assert!(!check(&l, state.as_ref(), now, 1).allowed);
+    }
+
+    /// The fixed window's nature: N at the end of one window and N at the start of the next.
+    #[test]
+    fn seed_fixed_window_two_n_across_boundary() {
+        let l = limit(Algorithm::FixedWindow, 100, "1m", None);
+        let boundary = 28_333_334 * 60_000_000;
+        let mut state = None;
+        let before = (0..150).filter(|_| decide(&l, &mut state, boundary - 1_000_000, 1).allowed).count();
+        let after = (0..150).filter(|_| decide(&l, &mut state, boundary + 1_000_000, 1).allowed).count();
+        assert_eq!(before + after, 200, "2N within two seconds across the boundary");
+    }
+}

@@ -1,0 +1,9 @@
+//! Sluice: a Kubernetes-native distributed rate limiter.
+//!
+//! The pure core (`duration`, `algorithm`) takes time as an argument; `store` keeps per-key
+//! state; `clock` is the one place time is read.
+
+pub mod algorithm;
+pub mod clock;
+pub mod duration;
+pub mod store;

@@ -1,0 +1,76 @@
+//! Where per-key state lives: in this process ([`memory::MemoryStore`]) or shared through Redis.
+//!
+//! Every store decides all the rules a request matched in one atomic step: the request is
+//! admitted only when every enforcing rule admits it, and only then does each admitting rule
+//! consume. A denial consumes nothing anywhere.
+
+pub mod memory;
+
+use std::future::Future;
+
+use crate::algorithm::{Decision, Limit, Micros};
+
+/// Stable identity of a rule (a hash of namespace, policy and rule name, never of its numbers),
+/// so editing a limit keeps its counters.
+pub type RuleId = u64;
+
+/// One rule's part in a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RuleCheck<'a> {
+    pub rule: RuleId,
+    pub limit: &'a Limit,
+    /// The rule's key for this request (the joined key parts).
+    pub key: &'a [u8],
+    pub cost: u64,
+    /// Shadow rules (`false`) are decided and counted but never deny the request.
+    pub enforce: bool,
+}
+
+/// The decision for a whole request.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Every enforcing rule admitted the request.
+    pub allowed: bool,
+    /// One decision per [`RuleCheck`], in order.
+    pub decisions: Vec<Decision>,
+}
+
+impl Verdict {
+    /// Combines per-rule decisions the way every store must.
+    pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
+        let allowed = checks.iter().zip(&decisions).all(|(c, d)| d.allowed || !c.enforce);
+        Verdict { allowed, decisions }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("store did not answer within {0} ms")]
+    Timeout(u64),
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store gave an unexpected answer: {0}")]
+    Protocol(String),
+}
+
+impl StoreError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::Protocol(_) => "protocol",
+        }
+    }
+}
+
+/// A place that decides requests against shared per-key state.
+pub trait Store: Send + Sync + 'static {
+    /// Decides `checks` atomically. `now` is `None` in production (the store's own clock: the
+    /// process clock for memory, Redis `TIME` for Redis); tests pass a time.
+    fn check(
+        &self,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
+}
