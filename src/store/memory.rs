@@ -279,7 +279,14 @@ mod tests {
     }
 
     fn one<'a>(rule: RuleId, limit: &'a Limit, key: &'a str) -> RuleCheck<'a> {
-        RuleCheck { rule, limit, key: key.as_bytes(), cost: 1, enforce: true }
+        RuleCheck {
+            rule,
+            limit,
+            key: key.as_bytes(),
+            cost: 1,
+            enforce: true,
+            on_store_failure: super::super::FailureMode::Allow,
+        }
     }
 
     #[test]

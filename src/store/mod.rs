@@ -24,6 +24,31 @@ pub struct RuleCheck<'a> {
     pub cost: u64,
     /// Shadow rules (`false`) are decided and counted but never deny the request.
     pub enforce: bool,
+    /// What to decide for this rule when a shared store cannot answer in time.
+    pub on_store_failure: FailureMode,
+}
+
+/// What a rule decides when its shared store (Redis) is slow or unreachable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum FailureMode {
+    /// Admit the request (fail open).
+    Allow,
+    /// Refuse the request (fail closed).
+    Deny,
+    /// Enforce the same rule in this replica's memory with its share of the limit.
+    #[default]
+    LocalFallback,
+}
+
+impl FailureMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureMode::Allow => "allow",
+            FailureMode::Deny => "deny",
+            FailureMode::LocalFallback => "localFallback",
+        }
+    }
 }
 
 /// The decision for a whole request.
