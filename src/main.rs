@@ -1,1 +1,112 @@
-fn main() {}
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use sluice::clock::SystemClock;
+use sluice::server::engine::Engine;
+use sluice::server::{http, serve};
+use sluice::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
+use sluice::telemetry::Metrics;
+use tokio::sync::watch;
+
+#[derive(Parser)]
+#[command(name = "sluice", version, about = "Kubernetes-native distributed rate limiter")]
+struct Cli {
+    /// Log format.
+    #[arg(long, global = true, env = "SLUICE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Standalone enforcement endpoint on RateLimitPolicy YAML files, hot-reloaded.
+    Serve(ServeArgs),
+    /// Print the RateLimitPolicy CustomResourceDefinition (what crds/ holds).
+    Crd,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Policy files or directories (their *.yaml and *.yml files); multi-document YAML.
+    #[arg(long = "policies", short = 'p', required = true, num_args = 1.., env = "SLUICE_POLICIES", value_delimiter = ',')]
+    policies: Vec<PathBuf>,
+    /// Address of the check API.
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Most keys the in-memory store holds; beyond it, the keys closest to a full quota are evicted.
+    #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
+    max_keys: usize,
+    /// How often policy files are checked for changes.
+    #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = parse_interval)]
+    reload_interval: Duration,
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let micros = sluice::duration::parse_duration(text).map_err(|e| e.to_string())?;
+    if micros == 0 {
+        return Err("must be above zero".into());
+    }
+    Ok(Duration::from_micros(micros))
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => {
+            print!("{}", sluice::policy::crd_yaml());
+            Ok(())
+        }
+        Command::Serve(args) => {
+            init_logging(&cli.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            runtime.block_on(run_serve(args))
+        }
+    }
+}
+
+async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let paths = args.policies.clone();
+    let snapshot = match tokio::task::spawn_blocking(move || serve::load_snapshot(&paths)).await? {
+        Ok(snapshot) => snapshot,
+        Err(message) => bail!("cannot start: invalid policies:\n{message}"),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let clock = Arc::new(SystemClock);
+    let store = Arc::new(MemoryStore::with_clock(args.max_keys, clock.clone()));
+    let engine = Arc::new(Engine::new(store.clone(), clock, metrics));
+    tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
+    engine.install(Arc::new(snapshot));
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    tracing::info!(address = %listener.local_addr()?, "check API listening");
+
+    let (stop, stopped) = watch::channel(false);
+    let watcher = tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
+    let sweeper = tokio::spawn(serve::sweep_memory(store, stopped.clone()));
+    let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped));
+
+    serve::termination_signal().await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let _ = stop.send(true);
+    server.await?.context("HTTP server failed")?;
+    let _ = tokio::join!(watcher, sweeper);
+    Ok(())
+}

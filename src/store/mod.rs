@@ -99,3 +99,13 @@ pub trait Store: Send + Sync + 'static {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
 }
+
+impl<T: Store> Store for std::sync::Arc<T> {
+    fn check(
+        &self,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        (**self).check(now, checks)
+    }
+}

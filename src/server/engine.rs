@@ -1,0 +1,292 @@
+//! The enforcement engine: the live snapshot, the store, and the rules for turning a check
+//! request into a decision. No HTTP here; the axum layer and the sidecar both sit on top.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
+use super::request::CheckRequest;
+use crate::algorithm::{Decision, Micros};
+use crate::clock::Clock;
+use crate::duration::MICROS_PER_MS;
+use crate::policy::{Matched, Snapshot};
+use crate::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
+use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
+
+/// What the check API answers.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckResponse {
+    pub allowed: bool,
+    pub status: u16,
+    pub retry_after_ms: Option<u64>,
+    pub delay_ms: u64,
+    #[serde(serialize_with = "ordered_map")]
+    pub headers: Vec<(&'static str, String)>,
+    pub rules: Vec<RuleResult>,
+    /// The snapshot version that decided (empty before the first load).
+    pub snapshot: String,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleResult {
+    pub policy: String,
+    pub rule: String,
+    pub allowed: bool,
+    pub shadow: bool,
+    pub limit: u64,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    pub retry_after_ms: Option<u64>,
+    /// Set when the shared store failed and the rule's `onStoreFailure` decided.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_failure: Option<&'static str>,
+}
+
+fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut map = s.serialize_map(Some(pairs.len()))?;
+    for (k, v) in pairs {
+        map.serialize_entry(k, v)?;
+    }
+    map.end()
+}
+
+fn ceil_ms(micros: Micros) -> u64 {
+    micros.div_ceil(MICROS_PER_MS)
+}
+
+/// Rule ids are already hashes.
+#[derive(Default)]
+struct IdHasher(u64);
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+/// Per-rule things resolved once per snapshot rather than per request.
+struct RuleExtras {
+    header_name: String,
+    counters: RuleCounters,
+}
+
+/// A snapshot with what the engine derives from it.
+pub struct Live {
+    pub snapshot: Arc<Snapshot>,
+    /// Unix microseconds when it went live.
+    pub loaded_at: Micros,
+    extras: HashMap<RuleId, RuleExtras, BuildHasherDefault<IdHasher>>,
+}
+
+/// Why the most recent reload did not go live.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReloadError {
+    pub at: Micros,
+    pub message: String,
+}
+
+pub struct Engine<S> {
+    live: ArcSwap<Live>,
+    loaded: std::sync::atomic::AtomicBool,
+    last_error: Mutex<Option<ReloadError>>,
+    store: S,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+}
+
+impl<S: Store> Engine<S> {
+    pub fn new(store: S, clock: Arc<dyn Clock>, metrics: Arc<Metrics>) -> Engine<S> {
+        let empty = Live { snapshot: Arc::new(Snapshot::default()), loaded_at: 0, extras: HashMap::default() };
+        Engine {
+            live: ArcSwap::from_pointee(empty),
+            loaded: std::sync::atomic::AtomicBool::new(false),
+            last_error: Mutex::new(None),
+            store,
+            clock,
+            metrics,
+        }
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Swaps `snapshot` in atomically; requests in flight finish on the one they started with.
+    pub fn install(&self, snapshot: Arc<Snapshot>) {
+        let mut extras = HashMap::default();
+        for rule in snapshot.rules() {
+            extras.insert(
+                rule.id(),
+                RuleExtras {
+                    header_name: header_name(rule.policy(), rule.name()),
+                    counters: self.metrics.rule_counters(rule.policy(), rule.name()),
+                },
+            );
+        }
+        let now = self.clock.now();
+        self.metrics.snapshot_rules.set(snapshot.rule_count() as i64);
+        self.metrics.snapshot_loaded_seconds.set(now as f64 / 1e6);
+        self.live.store(Arc::new(Live { snapshot, loaded_at: now, extras }));
+        self.loaded.store(true, std::sync::atomic::Ordering::Release);
+        *self.last_error.lock() = None;
+        self.metrics.reloads.get_or_create(&crate::telemetry::ResultLabels { result: "success" }).inc();
+    }
+
+    /// Records a reload that failed; the live snapshot stays.
+    pub fn reload_failed(&self, message: String) {
+        self.metrics.reloads.get_or_create(&crate::telemetry::ResultLabels { result: "error" }).inc();
+        *self.last_error.lock() = Some(ReloadError { at: self.clock.now(), message });
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        self.loaded.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn live(&self) -> Arc<Live> {
+        self.live.load_full()
+    }
+
+    pub fn last_error(&self) -> Option<ReloadError> {
+        self.last_error.lock().clone()
+    }
+
+    /// Decides one request against the live snapshot.
+    pub async fn check(&self, request: &CheckRequest) -> CheckResponse {
+        let started = Instant::now();
+        let live = self.live.load();
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        live.snapshot.resolve(&request.view(), &mut matched);
+        let response = if matched.is_empty() {
+            CheckResponse {
+                allowed: true,
+                status: 200,
+                retry_after_ms: None,
+                delay_ms: 0,
+                headers: Vec::new(),
+                rules: Vec::new(),
+                snapshot: live.snapshot.version().to_string(),
+            }
+        } else {
+            self.decide(&live, &matched).await
+        };
+        self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
+        response
+    }
+
+    async fn decide(&self, live: &Live, matched: &[Matched<'_>]) -> CheckResponse {
+        let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
+        let outcome = self.store.check(None, &checks).await;
+        let now = self.clock.now();
+        let (verdict, failed) = match outcome {
+            Ok(verdict) => (verdict, false),
+            Err(error) => (self.on_store_failure(&checks, &error), true),
+        };
+
+        let mut header_inputs = Vec::with_capacity(matched.len());
+        let mut rules = Vec::with_capacity(matched.len());
+        let mut delay = 0;
+        for ((m, check), decision) in matched.iter().zip(&checks).zip(&verdict.decisions) {
+            let extras = live.extras.get(&m.rule.id());
+            let shadow = !check.enforce;
+            if let Some(extras) = extras {
+                let counter = match (decision.allowed, shadow) {
+                    (true, _) => &extras.counters.allowed,
+                    (false, false) => &extras.counters.limited,
+                    (false, true) => &extras.counters.would_limit,
+                };
+                counter.inc();
+            }
+            if verdict.allowed && !shadow {
+                delay = delay.max(decision.delay);
+            }
+            header_inputs.push(RuleHeaderInput {
+                name: extras.map_or("", |e| e.header_name.as_str()),
+                shadow,
+                requests: m.rule.limit().requests(),
+                per: m.rule.limit().per(),
+                decision,
+            });
+            rules.push(RuleResult {
+                policy: m.rule.policy().to_string(),
+                rule: m.rule.name().to_string(),
+                allowed: decision.allowed,
+                shadow,
+                limit: m.rule.limit().requests(),
+                remaining: decision.remaining,
+                reset_ms: ceil_ms(decision.reset_after),
+                retry_after_ms: decision.retry_after.map(ceil_ms),
+                store_failure: failed.then(|| check.on_store_failure.name()),
+            });
+        }
+        let allowed = verdict.allowed;
+        CheckResponse {
+            allowed,
+            status: if allowed { 200 } else { 429 },
+            retry_after_ms: if allowed { None } else { retry_after(&header_inputs).map(ceil_ms) },
+            delay_ms: if allowed { ceil_ms(delay) } else { 0 },
+            headers: rate_limit_headers(&header_inputs, allowed, now),
+            rules,
+            snapshot: live.snapshot.version().to_string(),
+        }
+    }
+
+    /// Each rule decides by its `onStoreFailure` when the store could not.
+    fn on_store_failure(&self, checks: &[RuleCheck<'_>], error: &StoreError) -> Verdict {
+        self.metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
+        let decisions = checks
+            .iter()
+            .map(|c| {
+                self.metrics.store_fallbacks.get_or_create(&ModeLabels { mode: c.on_store_failure.name() }).inc();
+                match c.on_store_failure {
+                    FailureMode::Deny => Decision {
+                        allowed: false,
+                        remaining: 0,
+                        reset_after: 0,
+                        retry_after: Some(MICROS_PER_MS * 1000),
+                        delay: 0,
+                    },
+                    FailureMode::Allow | FailureMode::LocalFallback => Decision {
+                        allowed: true,
+                        remaining: c.limit.capacity(),
+                        reset_after: 0,
+                        retry_after: None,
+                        delay: 0,
+                    },
+                }
+            })
+            .collect();
+        Verdict::from_decisions(checks, decisions)
+    }
+}
+
+/// The quota name clients see in `RateLimit-Policy`: `policy/rule`, without the namespace the
+/// client already knows.
+fn header_name(policy: &str, rule: &str) -> String {
+    let policy_name = policy.rsplit_once('/').map_or(policy, |(_, name)| name);
+    format!("{policy_name}/{rule}")
+}

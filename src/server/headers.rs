@@ -1,0 +1,173 @@
+//! Rate-limit response headers: `RateLimit-Policy` and `RateLimit`
+//! (draft-ietf-httpapi-ratelimit-headers-11), the legacy `X-RateLimit-*` trio for the most
+//! restrictive rule, and `Retry-After` on 429.
+//!
+//! Shadow rules are left out: they must not change what clients do.
+
+use crate::algorithm::{Decision, Micros};
+use crate::duration::MICROS_PER_SECOND;
+
+/// One matched rule's decision, as the headers need it.
+#[derive(Debug, Clone, Copy)]
+pub struct RuleHeaderInput<'a> {
+    /// The quota's name in `RateLimit-Policy` / `RateLimit` (`policy/rule`).
+    pub name: &'a str,
+    pub shadow: bool,
+    pub requests: u64,
+    pub per: Micros,
+    pub decision: &'a Decision,
+}
+
+pub fn ceil_seconds(micros: Micros) -> u64 {
+    micros.div_ceil(MICROS_PER_SECOND)
+}
+
+/// An sf-string (RFC 8941): printable ASCII with `"` and `\` escaped; anything else becomes `?`.
+fn sf_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The rule whose figures the `X-RateLimit-*` headers show: on a denial the denying rule that
+/// makes the client wait longest; otherwise the one with the least remaining.
+fn most_restrictive<'a>(rules: &[&'a RuleHeaderInput<'a>], allowed: bool) -> Option<&'a RuleHeaderInput<'a>> {
+    if !allowed {
+        let wait = |r: &RuleHeaderInput<'_>| r.decision.retry_after.unwrap_or(Micros::MAX);
+        return rules.iter().filter(|r| !r.decision.allowed).max_by_key(|r| wait(r)).copied();
+    }
+    rules
+        .iter()
+        .min_by(|a, b| {
+            a.decision.remaining.cmp(&b.decision.remaining).then(b.decision.reset_after.cmp(&a.decision.reset_after))
+        })
+        .copied()
+}
+
+/// The headers for a decided request, in a stable order. `now` is the decision time.
+pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Micros) -> Vec<(&'static str, String)> {
+    let enforcing: Vec<&RuleHeaderInput<'_>> = rules.iter().filter(|r| !r.shadow).collect();
+    let mut headers = Vec::with_capacity(6);
+    if enforcing.is_empty() {
+        return headers;
+    }
+    let policy = enforcing
+        .iter()
+        .map(|r| format!("{};q={};w={}", sf_string(r.name), r.requests, ceil_seconds(r.per).max(1)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let state = enforcing
+        .iter()
+        .map(|r| format!("{};r={};t={}", sf_string(r.name), r.decision.remaining, ceil_seconds(r.decision.reset_after)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    headers.push(("RateLimit-Policy", policy));
+    headers.push(("RateLimit", state));
+    if let Some(top) = most_restrictive(&enforcing, allowed) {
+        headers.push(("X-RateLimit-Limit", top.requests.to_string()));
+        headers.push(("X-RateLimit-Remaining", top.decision.remaining.to_string()));
+        headers.push(("X-RateLimit-Reset", ceil_seconds(now + top.decision.reset_after).to_string()));
+    }
+    if !allowed && let Some(wait) = retry_after(rules) {
+        headers.push(("Retry-After", ceil_seconds(wait).max(1).to_string()));
+    }
+    headers
+}
+
+/// How long until every denying enforcing rule would admit the request; `None` when one of them
+/// never will (its cost exceeds the capacity) or nothing denied.
+pub fn retry_after(rules: &[RuleHeaderInput<'_>]) -> Option<Micros> {
+    let mut longest = None;
+    for r in rules.iter().filter(|r| !r.shadow && !r.decision.allowed) {
+        let wait = r.decision.retry_after?;
+        longest = Some(longest.map_or(wait, |l: Micros| l.max(wait)));
+    }
+    longest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: Micros = 1_700_000_000_000_000;
+
+    fn decision(allowed: bool, remaining: u64, reset_ms: u64, retry_ms: Option<u64>) -> Decision {
+        Decision {
+            allowed,
+            remaining,
+            reset_after: reset_ms * 1000,
+            retry_after: retry_ms.map(|m| m * 1000),
+            delay: 0,
+        }
+    }
+
+    #[test]
+    fn allowed_request_names_every_enforcing_rule() {
+        let a = decision(true, 7, 1500, None);
+        let b = decision(true, 2, 60_000, None);
+        let s = decision(false, 0, 1000, Some(1000));
+        let rules = [
+            RuleHeaderInput { name: "orders/per-ip", shadow: false, requests: 10, per: 1_000_000, decision: &a },
+            RuleHeaderInput { name: "orders/per-tenant", shadow: false, requests: 100, per: 60_000_000, decision: &b },
+            RuleHeaderInput { name: "orders/trial", shadow: true, requests: 1, per: 1_000_000, decision: &s },
+        ];
+        let h = rate_limit_headers(&rules, true, NOW);
+        assert_eq!(
+            h,
+            vec![
+                ("RateLimit-Policy", r#""orders/per-ip";q=10;w=1, "orders/per-tenant";q=100;w=60"#.to_string()),
+                ("RateLimit", r#""orders/per-ip";r=7;t=2, "orders/per-tenant";r=2;t=60"#.to_string()),
+                ("X-RateLimit-Limit", "100".to_string()),
+                ("X-RateLimit-Remaining", "2".to_string()),
+                ("X-RateLimit-Reset", "1700000060".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn denied_request_gets_retry_after_rounded_up_from_the_longest_wait() {
+        let a = decision(false, 0, 900, Some(100));
+        let b = decision(false, 0, 30_000, Some(2_500));
+        let rules = [
+            RuleHeaderInput { name: "p/a", shadow: false, requests: 10, per: 1_000_000, decision: &a },
+            RuleHeaderInput { name: "p/b", shadow: false, requests: 5, per: 60_000_000, decision: &b },
+        ];
+        let h = rate_limit_headers(&rules, false, NOW);
+        assert!(h.contains(&("Retry-After", "3".to_string())), "{h:?}");
+        assert!(h.contains(&("X-RateLimit-Limit", "5".to_string())), "{h:?}");
+        assert_eq!(retry_after(&rules), Some(2_500_000));
+    }
+
+    #[test]
+    fn a_cost_that_never_fits_gets_no_retry_after() {
+        let a = decision(false, 5, 0, None);
+        let rules = [RuleHeaderInput { name: "p/a", shadow: false, requests: 5, per: 1_000_000, decision: &a }];
+        let h = rate_limit_headers(&rules, false, NOW);
+        assert!(!h.iter().any(|(n, _)| *n == "Retry-After"), "{h:?}");
+        assert_eq!(retry_after(&rules), None);
+    }
+
+    #[test]
+    fn only_shadow_rules_means_no_headers() {
+        let s = decision(false, 0, 1000, Some(1000));
+        let rules = [RuleHeaderInput { name: "p/s", shadow: true, requests: 1, per: 1_000_000, decision: &s }];
+        assert!(rate_limit_headers(&rules, true, NOW).is_empty());
+    }
+
+    #[test]
+    fn names_are_escaped_sf_strings() {
+        assert_eq!(sf_string(r#"a"b\c"#), r#""a\"b\\c""#);
+        assert_eq!(sf_string("é"), r#""?""#);
+    }
+}

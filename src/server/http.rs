@@ -1,0 +1,221 @@
+//! The HTTP API over the engine: `POST /v1/check`, the Envoy ext_authz-compatible `/v1/authz/…`,
+//! health, readiness, metrics and the live snapshot.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use serde::Serialize;
+use serde_json::json;
+
+use super::engine::{CheckResponse, Engine};
+use super::request::{BadRequest, CheckRequest};
+use crate::store::Store;
+use crate::telemetry::StatusLabels;
+
+/// Check bodies are small; anything larger is refused with 413 before parsing.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Request headers the ext_authz mode reads for what Envoy cannot put in the path.
+pub const NAMESPACE_HEADER: &str = "x-sluice-namespace";
+pub const LABELS_HEADER: &str = "x-sluice-labels";
+pub const COST_HEADER: &str = "x-sluice-cost";
+
+pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
+    Router::new()
+        .route("/v1/check", post(check::<S>))
+        .route("/v1/authz", any(authz::<S>))
+        .route("/v1/authz/", any(authz::<S>))
+        .route("/v1/authz/{*path}", any(authz::<S>))
+        .route("/v1/snapshot", get(snapshot::<S>))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(engine)
+}
+
+fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+fn bad_request(engine_metrics: &crate::telemetry::Metrics, error: BadRequest) -> Response {
+    engine_metrics.responses.get_or_create(&StatusLabels { status: 400 }).inc();
+    error_response(StatusCode::BAD_REQUEST, error.0)
+}
+
+fn body_rejection(engine_metrics: &crate::telemetry::Metrics, rejection: BytesRejection) -> Response {
+    let status = rejection.status();
+    engine_metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!("request body larger than {MAX_BODY_BYTES} bytes")
+    } else {
+        format!("could not read the request body: {}", rejection.body_text())
+    };
+    error_response(status, message)
+}
+
+async fn check<S: Store>(State(engine): State<Arc<Engine<S>>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_rejection(engine.metrics(), rejection),
+    };
+    let request = match CheckRequest::from_json(&body) {
+        Ok(request) => request,
+        Err(error) => return bad_request(engine.metrics(), error),
+    };
+    let decision = engine.check(&request).await;
+    engine.metrics().responses.get_or_create(&StatusLabels { status: 200 }).inc();
+    json_response(StatusCode::OK, &decision, None)
+}
+
+/// Envoy's ext_authz HTTP service: the original method and path (after the `/v1/authz` prefix),
+/// Host and headers arrive as they were; 200 admits, 429 with the rate-limit headers refuses.
+async fn authz<S: Store>(
+    State(engine): State<Arc<Engine<S>>>,
+    peer: Option<ConnectInfo<SocketAddr>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let request = match authz_request(&method, &uri, &headers, peer.map(|p| p.0)) {
+        Ok(request) => request,
+        Err(error) => return bad_request(engine.metrics(), error),
+    };
+    let decision = engine.check(&request).await;
+    let status = if decision.allowed { StatusCode::OK } else { StatusCode::TOO_MANY_REQUESTS };
+    engine.metrics().responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    let extra = decision.headers.clone();
+    json_response(status, &decision, Some(&extra))
+}
+
+fn authz_request(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    peer: Option<SocketAddr>,
+) -> Result<CheckRequest, BadRequest> {
+    let full = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+    let path = full.strip_prefix("/v1/authz").unwrap_or(full);
+    let path = if path.is_empty() || path.starts_with('?') { format!("/{path}") } else { path.to_string() };
+    let text = |name: &str| -> Result<Option<String>, BadRequest> {
+        match headers.get(name) {
+            None => Ok(None),
+            Some(value) => value
+                .to_str()
+                .map(|v| Some(v.to_string()))
+                .map_err(|_| BadRequest(format!("header {name}: not visible ASCII"))),
+        }
+    };
+    let mut labels = BTreeMap::new();
+    if let Some(list) = text(LABELS_HEADER)? {
+        for pair in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| BadRequest(format!("header {LABELS_HEADER}: expected key=value pairs, got {pair:?}")))?;
+            labels.insert(k.trim().to_string(), v.trim().to_string());
+        }
+    }
+    let cost = match text(COST_HEADER)? {
+        None => None,
+        Some(c) => Some(
+            c.trim()
+                .parse::<u64>()
+                .map_err(|_| BadRequest(format!("header {COST_HEADER}: {c:?} is not a non-negative integer")))?,
+        ),
+    };
+    // Envoy puts the downstream address in x-envoy-external-address; otherwise the first
+    // X-Forwarded-For hop; otherwise whoever connected.
+    let client_ip = text("x-envoy-external-address")?
+        .or(text("x-forwarded-for")?.and_then(|xff| xff.split(',').next().map(|s| s.trim().to_string())))
+        .or(peer.map(|p| p.ip().to_string()));
+    let mut forwarded = BTreeMap::new();
+    for (name, value) in headers {
+        if let Ok(value) = value.to_str() {
+            forwarded.insert(name.as_str().to_string(), value.to_string());
+        }
+    }
+    CheckRequest::from_parts(
+        text(NAMESPACE_HEADER)?,
+        labels,
+        Some(method.as_str().to_string()),
+        path,
+        text("host")?,
+        client_ip,
+        forwarded,
+        cost,
+    )
+}
+
+fn json_response(status: StatusCode, decision: &CheckResponse, headers: Option<&Vec<(&'static str, String)>>) -> Response {
+    let body = match serde_json::to_vec(decision) {
+        Ok(body) => body,
+        Err(e) => return error_response(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the decision: {e}")),
+    };
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    let map = response.headers_mut();
+    map.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    for (name, value) in headers.into_iter().flatten() {
+        if let Ok(value) = HeaderValue::from_str(value) {
+            map.insert(*name, value);
+        }
+    }
+    response
+}
+
+async fn readyz<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
+    if engine.is_loaded() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no policy snapshot loaded yet\n").into_response()
+    }
+}
+
+async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        engine.metrics().encode(),
+    )
+        .into_response()
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SnapshotBody<'a> {
+    version: &'a str,
+    loaded: bool,
+    loaded_at_ms: u64,
+    #[serde(flatten)]
+    view: crate::policy::SnapshotView,
+    last_reload_error: Option<super::engine::ReloadError>,
+}
+
+async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_headers: HeaderMap) -> Response {
+    let live = engine.live();
+    let version = live.snapshot.version();
+    let etag = format!("\"{version}\"");
+    if request_headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(etag.as_str()) {
+        return (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response();
+    }
+    let body = SnapshotBody {
+        version,
+        loaded: engine.is_loaded(),
+        loaded_at_ms: live.loaded_at / 1000,
+        view: live.snapshot.view(),
+        last_reload_error: engine.last_error(),
+    };
+    ([(header::ETAG, etag)], axum::Json(body)).into_response()
+}
+
+async fn not_found(uri: Uri) -> Response {
+    error_response(StatusCode::NOT_FOUND, format!("no such endpoint: {}", uri.path()))
+}

@@ -1,0 +1,7 @@
+//! The enforcement endpoint: the engine (snapshot + store → decision) and its HTTP API.
+
+pub mod engine;
+pub mod headers;
+pub mod request;
+pub mod http;
+pub mod serve;

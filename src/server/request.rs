@@ -1,0 +1,201 @@
+//! The check request: parsed strictly, so a malformed request gets a 400 that says what is wrong
+//! instead of being decided on half-understood input.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use serde::Deserialize;
+
+/// The most a single check may cost; keeps every store's arithmetic exact.
+pub const MAX_COST: u64 = u32::MAX as u64;
+const MAX_NAME_LEN: usize = 253;
+const MAX_PATH_LEN: usize = 8192;
+
+/// `POST /v1/check` body, as received.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawCheckRequest {
+    namespace: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    method: Option<String>,
+    path: String,
+    host: Option<String>,
+    client_ip: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    cost: Option<u64>,
+}
+
+/// A validated check request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckRequest {
+    pub namespace: String,
+    pub labels: BTreeMap<String, String>,
+    /// Upper-case HTTP method; `GET` when the caller gave none.
+    pub method: String,
+    pub path: String,
+    pub host: Option<String>,
+    pub client_ip: Option<IpAddr>,
+    /// Header names lower-cased.
+    pub headers: BTreeMap<String, String>,
+    pub cost: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+fn is_token(text: &str) -> bool {
+    !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+impl CheckRequest {
+    /// Parses and validates a JSON body.
+    pub fn from_json(body: &[u8]) -> Result<CheckRequest, BadRequest> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Err(BadRequest("empty body: expected a JSON object with at least \"path\"".into()));
+        }
+        let deserializer = &mut serde_json::Deserializer::from_slice(body);
+        let raw: RawCheckRequest = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let what = if inner.is_syntax() || inner.is_eof() {
+                format!("invalid JSON: {inner}")
+            } else {
+                inner.to_string()
+            };
+            if path == "." || path.is_empty() { BadRequest(what) } else { BadRequest(format!("{path}: {what}")) }
+        })?;
+        raw.validate()
+    }
+
+    /// Builds a request from already-separated parts (the ext_authz mode), with the same checks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        namespace: Option<String>,
+        labels: BTreeMap<String, String>,
+        method: Option<String>,
+        path: String,
+        host: Option<String>,
+        client_ip: Option<String>,
+        headers: BTreeMap<String, String>,
+        cost: Option<u64>,
+    ) -> Result<CheckRequest, BadRequest> {
+        RawCheckRequest { namespace, labels, method, path, host, client_ip, headers, cost }.validate()
+    }
+}
+
+impl RawCheckRequest {
+    fn validate(self) -> Result<CheckRequest, BadRequest> {
+        let namespace = self.namespace.unwrap_or_else(|| "default".to_string());
+        if namespace.is_empty() || namespace.len() > MAX_NAME_LEN {
+            return Err(BadRequest(format!("namespace: must be 1 to {MAX_NAME_LEN} characters")));
+        }
+        let method = self.method.unwrap_or_else(|| "GET".to_string()).to_ascii_uppercase();
+        if !is_token(&method) {
+            return Err(BadRequest(format!("method: {method:?} is not an HTTP method token")));
+        }
+        if !(self.path.starts_with('/') || self.path == "*") {
+            return Err(BadRequest(format!("path: must start with '/', got {:?}", self.path)));
+        }
+        if self.path.len() > MAX_PATH_LEN {
+            return Err(BadRequest(format!("path: longer than {MAX_PATH_LEN} bytes")));
+        }
+        let client_ip = match self.client_ip {
+            None => None,
+            Some(text) => Some(
+                text.trim()
+                    .parse::<IpAddr>()
+                    .map_err(|_| BadRequest(format!("clientIp: {text:?} is not an IPv4 or IPv6 address")))?,
+            ),
+        };
+        let mut headers = BTreeMap::new();
+        for (name, value) in self.headers {
+            if !is_token(&name) {
+                return Err(BadRequest(format!("headers: {name:?} is not a valid header name")));
+            }
+            headers.insert(name.to_ascii_lowercase(), value);
+        }
+        let cost = self.cost.unwrap_or(1);
+        if cost > MAX_COST {
+            return Err(BadRequest(format!("cost: must be at most {MAX_COST}, got {cost}")));
+        }
+        Ok(CheckRequest {
+            namespace,
+            labels: self.labels,
+            method,
+            path: self.path,
+            host: self.host.filter(|h| !h.is_empty()),
+            client_ip,
+            headers,
+            cost,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: &str) -> String {
+        CheckRequest::from_json(body.as_bytes()).unwrap_err().0
+    }
+
+    #[test]
+    fn parses_the_brief_example() {
+        let r = CheckRequest::from_json(
+            br#"{"namespace": "tenant-acme", "labels": {"app": "orders"}, "method": "post", "path": "/orders/1",
+            "host": "api.example.com", "clientIp": "203.0.113.7", "headers": {"X-API-Key": "k1"}, "cost": 2}"#,
+        )
+        .unwrap();
+        assert_eq!(r.namespace, "tenant-acme");
+        assert_eq!(r.method, "POST");
+        assert_eq!(r.client_ip, Some("203.0.113.7".parse().unwrap()));
+        assert_eq!(r.headers.get("x-api-key").map(String::as_str), Some("k1"));
+        assert_eq!(r.cost, 2);
+    }
+
+    #[test]
+    fn only_path_is_required() {
+        let r = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+        assert_eq!((r.namespace.as_str(), r.method.as_str(), r.cost), ("default", "GET", 1));
+        assert!(err(r#"{}"#).contains("missing field `path`"));
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        assert!(err("not json").contains("invalid JSON"));
+        assert!(err("").contains("empty body"));
+        assert!(err(r#"{"path": "/", "cost": -1}"#).starts_with("cost: "));
+        assert!(err(r#"{"path": "/", "cost": 1.5}"#).starts_with("cost: "));
+        assert!(err(r#"{"path": "/", "cost": 99999999999}"#).starts_with("cost: must be at most"));
+        assert!(err(r#"{"path": "/", "clientIp": "300.1.1.1"}"#).starts_with("clientIp: "));
+        assert!(err(r#"{"path": "/", "headers": {"x": 5}}"#).starts_with("headers.x: invalid type"));
+        assert!(err(r#"{"path": "/", "headers": {"bad name": "v"}}"#).starts_with("headers: "));
+        assert!(err(r#"{"path": "orders"}"#).starts_with("path: must start with '/'"));
+        assert!(err(r#"{"path": "/", "clientIP": "1.2.3.4"}"#).contains("unknown field `clientIP`"));
+        assert!(err(r#"{"path": "/", "labels": ["a"]}"#).starts_with("labels: invalid type"));
+        assert!(err(r#"[1, 2]"#).contains("invalid type"));
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(!err(&format!(r#"{{"path": "/", "x": {deep}}}"#)).is_empty());
+        assert!(err(&format!(r#"{{"path": "/", "labels": {{"a": {deep}}}}}"#)).starts_with("labels.a: "));
+    }
+}
+
+impl CheckRequest {
+    /// The request as the policy matcher sees it, borrowed.
+    pub fn view(&self) -> crate::policy::RequestView<'_> {
+        crate::policy::RequestView {
+            namespace: &self.namespace,
+            labels: &self.labels,
+            method: &self.method,
+            path: &self.path,
+            host: self.host.as_deref(),
+            client_ip: self.client_ip,
+            headers: &self.headers,
+            cost: self.cost,
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! `sluice serve`: the enforcement endpoint on policies read from files, hot-reloaded.
+//!
+//! Files are polled rather than watched with inotify: polling sees every way an editor or a
+//! Kubernetes ConfigMap (which swaps a symlinked directory) can replace a file, costs a read of a
+//! few small files per interval, and keeps reload latency bounded by the interval.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::engine::Engine;
+use crate::policy::{LoadErrors, Snapshot, compile, load_paths, policy_files};
+use crate::store::Store;
+
+/// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
+/// naming the file, the document and the field, so a typo never silently drops a policy.
+pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
+    let loaded = load_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
+    let compiled = compile(loaded.into_iter().map(|l| l.policy).collect());
+    if let Some(rejected) = compiled.rejected.first() {
+        return Err(format!("policy {}: {}", rejected.policy, rejected.errors));
+    }
+    Ok(compiled.snapshot)
+}
+
+/// A digest of the policy files' names and contents: a change in any of them means reload.
+fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
+    let mut hasher = Sha256::new();
+    match policy_files(paths) {
+        Ok(files) => {
+            for file in files {
+                hasher.update(file.as_os_str().as_encoded_bytes());
+                match std::fs::read(&file) {
+                    Ok(bytes) => hasher.update(&bytes),
+                    Err(e) => hasher.update(e.to_string().as_bytes()),
+                }
+            }
+        }
+        Err(e) => hasher.update(e.to_string().as_bytes()),
+    }
+    hasher.finalize().to_vec()
+}
+
+/// Polls `paths` every `interval` and swaps in a new snapshot when they change. A bad edit keeps
+/// the last good snapshot; the error is logged and shown at `/v1/snapshot`.
+pub async fn watch_policies<S: Store>(
+    engine: Arc<Engine<S>>,
+    paths: Vec<PathBuf>,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last = fingerprint(&paths);
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let paths_for_read = paths.clone();
+        let Ok(current) = tokio::task::spawn_blocking(move || fingerprint(&paths_for_read)).await else {
+            continue;
+        };
+        if current == last {
+            continue;
+        }
+        last = current;
+        let paths_for_load = paths.clone();
+        match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load)).await {
+            Ok(Ok(snapshot)) => {
+                let version = snapshot.version().to_string();
+                let rules = snapshot.rule_count();
+                engine.install(Arc::new(snapshot));
+                tracing::info!(%version, rules, "policies reloaded");
+            }
+            Ok(Err(message)) => {
+                tracing::error!(error = %message, "policy reload failed; keeping the last good snapshot");
+                engine.reload_failed(message);
+            }
+            Err(join) => engine.reload_failed(format!("reload task failed: {join}")),
+        }
+    }
+}
+
+/// Drops idle keys of a memory store once a second.
+pub async fn sweep_memory(store: Arc<crate::store::memory::MemoryStore>, mut shutdown: watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let store = store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.sweep_expired(store.clock().now())).await;
+    }
+}
+
+/// Serves the router on `listener` until `shutdown` flips, then drains in-flight requests.
+pub async fn serve_http(
+    listener: TcpListener,
+    router: axum::Router,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    axum::serve(listener, router.into_make_service_with_connect_info::<std::net::SocketAddr>())
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+        })
+        .await
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn termination_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,152 @@
+//! Prometheus metrics. Labels are bounded: policy and rule names come from configuration, never
+//! from keys, paths or client addresses.
+
+use std::sync::atomic::{AtomicI64, AtomicU64};
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Outcome {
+    /// The rule admitted the request.
+    Allowed,
+    /// An enforcing rule refused the request.
+    Limited,
+    /// A shadow rule would have refused the request.
+    WouldLimit,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabels {
+    pub policy: String,
+    pub rule: String,
+    pub outcome: Outcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabels {
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabels {
+    pub mode: &'static str,
+}
+
+/// Counters for one rule, resolved once per snapshot so a decision only touches atomics.
+#[derive(Clone, Debug, Default)]
+pub struct RuleCounters {
+    pub allowed: Counter,
+    pub limited: Counter,
+    pub would_limit: Counter,
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub decisions: Family<RuleLabels, Counter>,
+    pub responses: Family<StatusLabels, Counter>,
+    pub check_seconds: Histogram,
+    pub reloads: Family<ResultLabels, Counter>,
+    pub snapshot_rules: Gauge,
+    pub snapshot_loaded_seconds: Gauge<f64, AtomicU64>,
+    pub store_errors: Family<KindLabels, Counter>,
+    pub store_fallbacks: Family<ModeLabels, Counter>,
+    pub store_circuit_open: Gauge<i64, AtomicI64>,
+    pub live_keys: Gauge,
+    pub evicted_keys: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("sluice");
+        let decisions = Family::<RuleLabels, Counter>::default();
+        registry.register("decisions", "Rule decisions by policy, rule and outcome", decisions.clone());
+        let responses = Family::<StatusLabels, Counter>::default();
+        registry.register("check_responses", "Check API responses by HTTP status", responses.clone());
+        // 5 µs to ~80 ms.
+        let check_seconds = Histogram::new(exponential_buckets(0.000_005, 2.0, 15));
+        registry.register("check_duration_seconds", "Time to decide one check request", check_seconds.clone());
+        let reloads = Family::<ResultLabels, Counter>::default();
+        registry.register("snapshot_reloads", "Policy snapshot reloads by result", reloads.clone());
+        let snapshot_rules = Gauge::default();
+        registry.register("snapshot_rules", "Rules in the live snapshot", snapshot_rules.clone());
+        let snapshot_loaded_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "snapshot_loaded_timestamp_seconds",
+            "Unix time the live snapshot was loaded",
+            snapshot_loaded_seconds.clone(),
+        );
+        let store_errors = Family::<KindLabels, Counter>::default();
+        registry.register("store_errors", "Shared store calls that failed, by kind", store_errors.clone());
+        let store_fallbacks = Family::<ModeLabels, Counter>::default();
+        registry.register(
+            "store_failure_decisions",
+            "Rule decisions made by onStoreFailure because the shared store failed, by mode",
+            store_fallbacks.clone(),
+        );
+        let store_circuit_open = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "store_circuit_open",
+            "1 while the shared store's circuit breaker is open (calls skip the store)",
+            store_circuit_open.clone(),
+        );
+        let live_keys = Gauge::default();
+        registry.register("memory_live_keys", "Keys held by the in-memory store", live_keys.clone());
+        let evicted_keys = Gauge::default();
+        registry.register(
+            "memory_evicted_keys",
+            "Live keys evicted by the key cap since start (their counters started over)",
+            evicted_keys.clone(),
+        );
+        Metrics {
+            registry,
+            decisions,
+            responses,
+            check_seconds,
+            reloads,
+            snapshot_rules,
+            snapshot_loaded_seconds,
+            store_errors,
+            store_fallbacks,
+            store_circuit_open,
+            live_keys,
+            evicted_keys,
+        }
+    }
+
+    pub fn rule_counters(&self, policy: &str, rule: &str) -> RuleCounters {
+        let labels = |outcome| RuleLabels { policy: policy.to_string(), rule: rule.to_string(), outcome };
+        RuleCounters {
+            allowed: self.decisions.get_or_create_owned(&labels(Outcome::Allowed)),
+            limited: self.decisions.get_or_create_owned(&labels(Outcome::Limited)),
+            would_limit: self.decisions.get_or_create_owned(&labels(Outcome::WouldLimit)),
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
