@@ -29,7 +29,7 @@ pub struct Rejected {
 }
 
 /// Every rule in force, immutable once built; share it as `Arc<Snapshot>` and swap whole.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Snapshot {
     version: String,
     /// Sorted by (namespace, name), so each namespace is one contiguous range.
@@ -412,6 +412,14 @@ fn key_source(k: &KeyPart) -> KeySource {
         KeySource::Host
     } else {
         KeySource::Literal(k.literal.clone().unwrap_or_default())
+    }
+}
+
+impl Default for Snapshot {
+    /// No policies, with the version of the empty set (not an empty string), so "nothing loaded
+    /// yet" is a snapshot like any other.
+    fn default() -> Self {
+        compile(Vec::new()).snapshot
     }
 }
 

@@ -37,6 +37,8 @@ fn duration_rule(field: &str) -> CelRule {
 /// Every request a selected workload receives is matched against each rule; a request that
 /// matches several rules (of this or other policies) is admitted only if every enforcing rule
 /// admits it, and only then does each of them count it.
+// Several printer columns share `type_ = "string"`, which the lint mistakes for a repeated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "sluice.dev",

@@ -468,3 +468,15 @@ fn cel_duration_pattern_agrees_with_parser() {
     let yaml = crd_yaml();
     assert!(yaml.contains(r"self.matches('^(0|(([0-9]+(\\.[0-9]+)?|\\.[0-9]+)(us|µs|ms|s|m|h|d))+)$')"));
 }
+
+#[test]
+fn snapshot_is_shareable_and_empty_has_a_version() {
+    fn assert_send_sync<T: Send + Sync + 'static>() {}
+    assert_send_sync::<Snapshot>();
+    let empty = Snapshot::default();
+    assert_eq!(empty.version().len(), 16);
+    assert_eq!(empty.version(), compile(Vec::new()).snapshot.version());
+    let mut out = Vec::new();
+    empty.resolve(&RequestView::new("/"), &mut out);
+    assert!(out.is_empty());
+}

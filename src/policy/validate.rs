@@ -14,6 +14,10 @@ use super::crd::{
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{parse_duration, Micros};
 
+const MAX_HEADER_NAME_LEN: usize = 256;
+const MAX_LITERAL_LEN: usize = 256;
+const MAX_DURATION_LEN: usize = 32;
+
 /// Compiled-program size cap for user regexes, so a policy cannot make matching slow or big.
 const REGEX_SIZE_LIMIT: usize = 256 * 1024;
 
@@ -131,6 +135,11 @@ pub(crate) fn build_limit(
     path: &str,
     errs: &mut ValidationErrors,
 ) -> Option<Limit> {
+    for (field, text) in [("per", Some(&spec.per)), ("maxDelay", spec.max_delay.as_ref())] {
+        if text.is_some_and(|t| t.len() > MAX_DURATION_LEN) {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_DURATION_LEN} characters"));
+        }
+    }
     let per = match parse_duration(&spec.per) {
         Ok(per) => Some(per),
         Err(e) => {
@@ -229,8 +238,13 @@ fn validate_path_match(p: &PathMatch, path: &str, errs: &mut ValidationErrors) {
 }
 
 fn validate_header_match(h: &HeaderMatch, path: &str, errs: &mut ValidationErrors) {
-    if !is_token(&h.name) {
+    if !is_token(&h.name) || h.name.len() > MAX_HEADER_NAME_LEN {
         errs.push(format!("{path}.name"), format!("invalid header name {:?}", h.name));
+    }
+    for (field, value) in [("exact", &h.exact), ("prefix", &h.prefix)] {
+        if value.as_ref().is_some_and(|v| v.len() > MAX_PATTERN_LEN) {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_PATTERN_LEN} characters"));
+        }
     }
     let set = [h.exact.is_some(), h.prefix.is_some(), h.regex.is_some(), h.present.is_some()]
         .iter()
@@ -271,9 +285,12 @@ fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
         }
     }
     if let Some(name) = &k.header
-        && !is_token(name)
+        && (!is_token(name) || name.len() > MAX_HEADER_NAME_LEN)
     {
         errs.push(format!("{path}.header"), format!("invalid header name {name:?}"));
+    }
+    if k.literal.as_ref().is_some_and(|l| l.len() > MAX_LITERAL_LEN) {
+        errs.push(format!("{path}.literal"), format!("at most {MAX_LITERAL_LEN} characters"));
     }
     if k.missing.is_some() && k.header.is_none() && k.client_ip.is_none() {
         errs.push(format!("{path}.missing"), "only applies to header and clientIP key parts");
