@@ -353,7 +353,8 @@ fn compile_rule(rule: &PolicyRule, namespace: &str, policy: &str, path: &str) ->
             }
         }
         for host in &m.hosts {
-            let host = host.to_ascii_lowercase();
+            // Request hosts lose their trailing dot before matching; so do the patterns.
+            let host = host.trim_end_matches('.').to_ascii_lowercase();
             matcher.hosts.push(match host.strip_prefix('*') {
                 Some(suffix) => HostMatcher::Suffix(suffix.to_string()),
                 None => HostMatcher::Exact(host),
