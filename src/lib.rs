@@ -6,4 +6,5 @@
 pub mod algorithm;
 pub mod clock;
 pub mod duration;
+pub mod policy;
 pub mod store;

@@ -1,0 +1,513 @@
+//! From validated policies to an immutable [`Snapshot`]: rules ready to match, with their
+//! limits parsed, regexes compiled and identities hashed once.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use regex::Regex;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
+use super::validate::{build_limit, compile_regex, validate, ValidationErrors};
+use crate::algorithm::{Algorithm, Limit};
+use crate::store::{FailureMode, RuleCheck, RuleId};
+
+/// The result of compiling a set of policies: the valid ones, and why the others were left out.
+#[derive(Debug)]
+pub struct Compiled {
+    pub snapshot: Snapshot,
+    pub rejected: Vec<Rejected>,
+}
+
+/// A policy excluded from the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// `namespace/name`.
+    pub policy: String,
+    pub errors: ValidationErrors,
+}
+
+/// Every rule in force, immutable once built; share it as `Arc<Snapshot>` and swap whole.
+#[derive(Debug)]
+pub struct Snapshot {
+    version: String,
+    /// Sorted by (namespace, name), so each namespace is one contiguous range.
+    policies: Vec<CompiledPolicy>,
+    by_namespace: HashMap<String, Range<usize>>,
+    header_names: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct CompiledPolicy {
+    pub(super) namespace: String,
+    pub(super) name: String,
+    pub(super) qualified: String,
+    pub(super) selector: Selector,
+    pub(super) rules: Vec<CompiledRule>,
+}
+
+/// One rule, ready to match and to check.
+///
+/// Its [`RuleId`] hashes only the identity `namespace/policy/rule`, never the numbers, so editing
+/// a rule's limit keeps its counters. Changing its algorithm keeps the id too: the store then
+/// finds state of another algorithm's shape under the key, and that key starts fresh (a full
+/// bucket, an empty window) — once, at the change.
+#[derive(Debug)]
+pub struct CompiledRule {
+    pub(super) id: RuleId,
+    pub(super) identity: String,
+    pub(super) policy: String,
+    pub(super) name: String,
+    pub(super) limit: Limit,
+    pub(super) per_text: String,
+    pub(super) max_delay_text: Option<String>,
+    pub(super) mode: Mode,
+    pub(super) on_store_failure: FailureMode,
+    pub(super) cost: u64,
+    pub(super) matcher: RuleMatch,
+    pub(super) key: Vec<KeySource>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Selector {
+    pub(super) labels: Vec<(String, String)>,
+    pub(super) expressions: Vec<(String, SelectorOp, Vec<String>)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SelectorOp {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct RuleMatch {
+    pub(super) methods: Vec<String>,
+    pub(super) paths: Vec<PathMatcher>,
+    pub(super) hosts: Vec<HostMatcher>,
+    pub(super) headers: Vec<HeaderMatcher>,
+}
+
+#[derive(Debug)]
+pub(super) enum PathMatcher {
+    Exact(String),
+    /// Without a trailing '/', except the root, which matches everything.
+    Prefix(String),
+    Regex(Regex),
+}
+
+#[derive(Debug)]
+pub(super) enum HostMatcher {
+    /// Lowercase.
+    Exact(String),
+    /// Lowercase, with the leading dot: `*.example.com` is stored as `.example.com`.
+    Suffix(String),
+}
+
+#[derive(Debug)]
+pub(super) struct HeaderMatcher {
+    /// Lowercase.
+    pub(super) name: String,
+    pub(super) test: HeaderTest,
+}
+
+#[derive(Debug)]
+pub(super) enum HeaderTest {
+    Exact(String),
+    Prefix(String),
+    Regex(Regex),
+    Present(bool),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum KeySource {
+    /// Lowercase name.
+    Header(String, Missing),
+    ClientIp(Missing),
+    Namespace,
+    Path,
+    Method,
+    Host,
+    Literal(String),
+}
+
+impl CompiledRule {
+    /// Stable hash of [`Self::identity`].
+    pub fn id(&self) -> RuleId {
+        self.id
+    }
+    /// `namespace/policy/rule`: what the id hashes, and a readable name for keys and logs.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+    /// `namespace/policy`.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn limit(&self) -> &Limit {
+        &self.limit
+    }
+    pub fn algorithm(&self) -> Algorithm {
+        self.limit.algorithm()
+    }
+    /// `false` for shadow rules: decided and reported, never refusing.
+    pub fn enforce(&self) -> bool {
+        self.mode == Mode::Enforce
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    pub fn on_store_failure(&self) -> FailureMode {
+        self.on_store_failure
+    }
+    /// The rule's own weight; a request's effective cost is this times the request's cost.
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+    /// `per` as the policy wrote it.
+    pub fn per_text(&self) -> &str {
+        &self.per_text
+    }
+    /// What the store needs to decide this rule for one key.
+    pub fn check<'a>(&'a self, key: &'a [u8], cost: u64) -> RuleCheck<'a> {
+        RuleCheck {
+            rule: self.id,
+            limit: &self.limit,
+            key,
+            cost,
+            enforce: self.enforce(),
+            on_store_failure: self.on_store_failure,
+        }
+    }
+    /// Human description of the key, e.g. `header x-api-key, clientIP`.
+    pub fn key_description(&self) -> String {
+        if self.key.is_empty() {
+            return "(one shared counter)".to_string();
+        }
+        self.key
+            .iter()
+            .map(|k| match k {
+                KeySource::Header(name, Missing::Share) => format!("header {name}"),
+                KeySource::Header(name, Missing::Skip) => format!("header {name} (skip if missing)"),
+                KeySource::ClientIp(Missing::Share) => "clientIP".to_string(),
+                KeySource::ClientIp(Missing::Skip) => "clientIP (skip if missing)".to_string(),
+                KeySource::Namespace => "namespace".to_string(),
+                KeySource::Path => "path".to_string(),
+                KeySource::Method => "method".to_string(),
+                KeySource::Host => "host".to_string(),
+                KeySource::Literal(text) => format!("literal {text:?}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl CompiledPolicy {
+    /// `namespace/name`.
+    pub fn qualified_name(&self) -> &str {
+        &self.qualified
+    }
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn rules(&self) -> &[CompiledRule] {
+        &self.rules
+    }
+}
+
+/// `RuleId` of `namespace/policy/rule`: the first 8 bytes of its SHA-256, big-endian.
+pub fn rule_id(identity: &str) -> RuleId {
+    let digest = Sha256::digest(identity.as_bytes());
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(bytes)
+}
+
+/// Validates and compiles every policy; invalid ones are left out and reported.
+///
+/// When two policies share a namespace and name (impossible in a cluster; `load` refuses it for
+/// files) the first in input order is kept and the others are rejected.
+pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
+    let mut rejected = Vec::new();
+    let mut compiled: Vec<(CompiledPolicy, String)> = Vec::new();
+    for policy in policies {
+        let qualified = policy.qualified_name();
+        if compiled.iter().any(|(p, _)| p.qualified == qualified) {
+            rejected.push(Rejected {
+                policy: qualified.clone(),
+                errors: single_error("metadata.name", format!("duplicate policy {qualified}")),
+            });
+            continue;
+        }
+        match compile_policy(&policy) {
+            Ok(c) => {
+                // The hash covers what the policy says, not bookkeeping such as resourceVersion, so
+                // a re-list of unchanged objects yields the same version.
+                let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
+                compiled.push((c, canonical));
+            }
+            Err(errors) => rejected.push(Rejected { policy: qualified, errors }),
+        }
+    }
+    compiled.sort_by(|(a, _), (b, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+
+    let mut hasher = Sha256::new();
+    for (p, canonical) in &compiled {
+        hasher.update(p.qualified.as_bytes());
+        hasher.update([0]);
+        hasher.update(canonical.as_bytes());
+        hasher.update([0]);
+    }
+    let digest = hasher.finalize();
+    let version: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+
+    let policies: Vec<CompiledPolicy> = compiled.into_iter().map(|(p, _)| p).collect();
+    let mut by_namespace: HashMap<String, Range<usize>> = HashMap::new();
+    for (i, p) in policies.iter().enumerate() {
+        by_namespace.entry(p.namespace.clone()).and_modify(|r| r.end = i + 1).or_insert(i..i + 1);
+    }
+    let mut header_names: Vec<String> = policies
+        .iter()
+        .flat_map(|p| &p.rules)
+        .flat_map(|r| {
+            let matched = r.matcher.headers.iter().map(|h| h.name.clone());
+            let keyed = r.key.iter().filter_map(|k| match k {
+                KeySource::Header(name, _) => Some(name.clone()),
+                _ => None,
+            });
+            matched.chain(keyed).collect::<Vec<_>>()
+        })
+        .collect();
+    header_names.sort();
+    header_names.dedup();
+    rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
+
+    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names }, rejected }
+}
+
+fn single_error(path: &str, message: String) -> ValidationErrors {
+    let mut e = ValidationErrors::default();
+    e.errors.push(super::validate::FieldError { path: path.to_string(), message });
+    e
+}
+
+fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, ValidationErrors> {
+    validate(policy)?;
+    let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let name = policy.metadata.name.clone().unwrap_or_default();
+    let qualified = format!("{namespace}/{name}");
+    let mut selector = Selector::default();
+    if let Some(s) = &policy.spec.selector {
+        selector.labels = s.match_labels.iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for e in s.match_expressions.iter().flatten() {
+            let op = match e.operator.as_str() {
+                "In" => SelectorOp::In,
+                "NotIn" => SelectorOp::NotIn,
+                "Exists" => SelectorOp::Exists,
+                _ => SelectorOp::DoesNotExist,
+            };
+            selector.expressions.push((e.key.clone(), op, e.values.clone().unwrap_or_default()));
+        }
+    }
+    let mut rules = Vec::with_capacity(policy.spec.rules.len());
+    for (i, rule) in policy.spec.rules.iter().enumerate() {
+        rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"))?);
+    }
+    Ok(CompiledPolicy { namespace, name, qualified, selector, rules })
+}
+
+fn compile_rule(rule: &PolicyRule, namespace: &str, policy: &str, path: &str) -> Result<CompiledRule, ValidationErrors> {
+    let mut errs = ValidationErrors::default();
+    // Validation already passed, so these only fail if validate and compile disagree; report
+    // rather than panic.
+    let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
+    let regex = |pattern: &str, field: String, errs: &mut ValidationErrors| match compile_regex(pattern) {
+        Ok(re) => Some(re),
+        Err(m) => {
+            errs.errors.push(super::validate::FieldError { path: field, message: m });
+            None
+        }
+    };
+    let mut matcher = RuleMatch::default();
+    if let Some(m) = &rule.matches {
+        matcher.methods = m.methods.iter().map(|s| s.to_ascii_uppercase()).collect();
+        for (j, p) in m.paths.iter().enumerate() {
+            if let Some(exact) = &p.exact {
+                matcher.paths.push(PathMatcher::Exact(exact.clone()));
+            } else if let Some(prefix) = &p.prefix {
+                let trimmed = prefix.trim_end_matches('/');
+                matcher.paths.push(PathMatcher::Prefix(if trimmed.is_empty() { "/".into() } else { trimmed.into() }));
+            } else if let Some(re) = &p.regex
+                && let Some(re) = regex(re, format!("{path}.match.paths[{j}].regex"), &mut errs)
+            {
+                matcher.paths.push(PathMatcher::Regex(re));
+            }
+        }
+        for host in &m.hosts {
+            // Request hosts lose their trailing dot before matching; so do the patterns.
+            let host = host.trim_end_matches('.').to_ascii_lowercase();
+            matcher.hosts.push(match host.strip_prefix('*') {
+                Some(suffix) => HostMatcher::Suffix(suffix.to_string()),
+                None => HostMatcher::Exact(host),
+            });
+        }
+        for (j, h) in m.headers.iter().enumerate() {
+            let test = if let Some(v) = &h.exact {
+                HeaderTest::Exact(v.clone())
+            } else if let Some(v) = &h.prefix {
+                HeaderTest::Prefix(v.clone())
+            } else if let Some(v) = &h.regex {
+                match regex(v, format!("{path}.match.headers[{j}].regex"), &mut errs) {
+                    Some(re) => HeaderTest::Regex(re),
+                    None => continue,
+                }
+            } else {
+                HeaderTest::Present(h.present.unwrap_or(true))
+            };
+            matcher.headers.push(HeaderMatcher { name: h.name.to_ascii_lowercase(), test });
+        }
+    }
+    let key = rule.key.iter().map(key_source).collect();
+    let (Some(limit), true) = (limit, errs.is_empty()) else {
+        return Err(errs);
+    };
+    let identity = format!("{namespace}/{policy}/{}", rule.name);
+    Ok(CompiledRule {
+        id: rule_id(&identity),
+        identity,
+        policy: format!("{namespace}/{policy}"),
+        name: rule.name.clone(),
+        limit,
+        per_text: rule.limit.per.clone(),
+        max_delay_text: rule.limit.max_delay.clone(),
+        mode: rule.mode,
+        on_store_failure: rule.on_store_failure,
+        cost: rule.cost,
+        matcher,
+        key,
+    })
+}
+
+fn key_source(k: &KeyPart) -> KeySource {
+    let missing = k.missing.unwrap_or_default();
+    if let Some(name) = &k.header {
+        KeySource::Header(name.to_ascii_lowercase(), missing)
+    } else if k.client_ip.is_some() {
+        KeySource::ClientIp(missing)
+    } else if k.namespace.is_some() {
+        KeySource::Namespace
+    } else if k.path.is_some() {
+        KeySource::Path
+    } else if k.method.is_some() {
+        KeySource::Method
+    } else if k.host.is_some() {
+        KeySource::Host
+    } else {
+        KeySource::Literal(k.literal.clone().unwrap_or_default())
+    }
+}
+
+impl Default for Snapshot {
+    /// No policies, with the version of the empty set (not an empty string), so "nothing loaded
+    /// yet" is a snapshot like any other.
+    fn default() -> Self {
+        compile(Vec::new()).snapshot
+    }
+}
+
+impl Snapshot {
+    /// Content hash: 16 hex digits of SHA-256 over the valid policies, sorted by namespace/name.
+    /// The same policies give the same version whatever order they arrived in.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+    /// All compiled policies, sorted by namespace and name.
+    pub fn policies(&self) -> &[CompiledPolicy] {
+        &self.policies
+    }
+    /// The policies of one namespace, sorted by name.
+    pub fn namespace_policies(&self, namespace: &str) -> &[CompiledPolicy] {
+        match self.by_namespace.get(namespace) {
+            Some(range) => &self.policies[range.clone()],
+            None => &[],
+        }
+    }
+    pub fn rules(&self) -> impl Iterator<Item = &CompiledRule> {
+        self.policies.iter().flat_map(|p| &p.rules)
+    }
+    pub fn rule_count(&self) -> usize {
+        self.policies.iter().map(|p| p.rules.len()).sum()
+    }
+    /// Lowercase names of every header a rule matches on or keys on, sorted: the only headers
+    /// the sidecar needs to forward to the check API.
+    pub fn header_names(&self) -> &[String] {
+        &self.header_names
+    }
+    /// A serializable summary for `GET /v1/snapshot`.
+    pub fn view(&self) -> SnapshotView {
+        SnapshotView {
+            version: self.version.clone(),
+            policies: self.policies.iter().map(|p| p.qualified.clone()).collect(),
+            rules: self
+                .rules()
+                .map(|r| RuleView {
+                    policy: r.policy.clone(),
+                    rule: r.name.clone(),
+                    id: format!("{:016x}", r.id),
+                    algorithm: r.limit.algorithm(),
+                    requests: r.limit.requests(),
+                    per: r.per_text.clone(),
+                    burst: r.limit.algorithm().uses_burst().then(|| r.limit.burst()),
+                    max_delay: r.max_delay_text.clone(),
+                    cost: r.cost,
+                    mode: r.mode,
+                    on_store_failure: r.on_store_failure,
+                    key: r.key_description(),
+                })
+                .collect(),
+            header_names: self.header_names.clone(),
+        }
+    }
+}
+
+/// What `GET /v1/snapshot` shows.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotView {
+    pub version: String,
+    /// `namespace/name` of each policy in force.
+    pub policies: Vec<String>,
+    pub rules: Vec<RuleView>,
+    pub header_names: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleView {
+    pub policy: String,
+    pub rule: String,
+    /// The rule's `RuleId` in hex.
+    pub id: String,
+    pub algorithm: Algorithm,
+    pub requests: u64,
+    /// As written in the policy.
+    pub per: String,
+    /// Effective capacity of the bucket algorithms; absent for window algorithms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_delay: Option<String>,
+    pub cost: u64,
+    pub mode: Mode,
+    pub on_store_failure: FailureMode,
+    pub key: String,
+}

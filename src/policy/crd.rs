@@ -1,0 +1,375 @@
+//! The `RateLimitPolicy` custom resource: what users write, as the API server stores it.
+//!
+//! These raw types stay at the edge: [`super::validate`] checks them and [`super::compile`] turns
+//! them into a [`super::Snapshot`] of ready-to-use rules. Doc comments here are what
+//! `kubectl explain ratelimitpolicy.spec…` prints, so they are written for policy authors.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::core::Rule as CelRule;
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::algorithm::Algorithm;
+use crate::store::FailureMode;
+
+/// Bounds that keep every CEL rule's estimated cost within the API server's budget, and a
+/// policy small enough to read.
+pub const MAX_RULES: usize = 64;
+pub const MAX_MATCH_ITEMS: usize = 32;
+pub const MAX_KEY_PARTS: usize = 8;
+pub const MAX_PATTERN_LEN: usize = 1024;
+pub const MAX_NAME_LEN: usize = 63;
+
+/// Regex (RE2 syntax, as CEL `matches` uses) of the duration syntax `crate::duration::parse_duration`
+/// accepts, minus the oddities it tolerates (such as `1.s`).
+pub const DURATION_PATTERN: &str = r"^(0|(([0-9]+(\.[0-9]+)?|\.[0-9]+)(us|µs|ms|s|m|h|d))+)$";
+
+/// CEL check that a duration field has the accepted syntax.
+fn duration_rule(field: &str) -> CelRule {
+    // Inside a single-quoted CEL string a backslash is written twice.
+    let pattern = DURATION_PATTERN.replace('\\', "\\\\");
+    CelRule::new(format!("self.matches('{pattern}')"))
+        .message(kube::core::Message::Message(format!("{field} must be a duration such as 1s, 500ms, 1m or 1h")))
+}
+
+/// A RateLimitPolicy declares rate limits for the workloads of one namespace.
+///
+/// Every request a selected workload receives is matched against each rule; a request that
+/// matches several rules (of this or other policies) is admitted only if every enforcing rule
+/// admits it, and only then does each of them count it.
+// Several printer columns share `type_ = "string"`, which the lint mistakes for a repeated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "sluice.dev",
+    version = "v1alpha1",
+    kind = "RateLimitPolicy",
+    namespaced,
+    status = "RateLimitPolicyStatus",
+    shortname = "rlp",
+    category = "sluice",
+    derive = "PartialEq",
+    doc = "RateLimitPolicy declares rate limits for the workloads of one namespace.",
+    printcolumn(
+        name = "Accepted",
+        type_ = "string",
+        description = "Whether the policy is valid and was compiled",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
+    ),
+    printcolumn(
+        name = "Enforced",
+        type_ = "string",
+        description = "Whether the snapshot holding this policy is live in the enforcement endpoint",
+        json_path = ".status.conditions[?(@.type==\"Enforced\")].status"
+    ),
+    printcolumn(
+        name = "Snapshot",
+        type_ = "string",
+        description = "Version of the rule snapshot this policy was compiled into",
+        json_path = ".status.snapshot",
+        priority = 1
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = CelRule::new("self.rules.all(r, self.rules.exists_one(s, s.name == r.name))").message("rule names must be unique within a policy"))]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimitPolicySpec {
+    /// Which workloads (pods, by their labels) of this namespace the policy applies to, as a
+    /// standard label selector with `matchLabels` and `matchExpressions` (operators In, NotIn,
+    /// Exists, DoesNotExist). Absent or empty: every workload in the namespace.
+    ///
+    /// Example: `selector: {matchLabels: {app: orders}}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
+
+    /// The limits. Each rule counts the requests it matches, separately for each distinct key
+    /// (for example per API key or per client IP). At least one rule; names unique.
+    #[schemars(length(min = 1, max = 64))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub rules: Vec<PolicyRule>,
+}
+
+/// One rate limit: which requests it counts, how they are grouped into counters, and how many
+/// are allowed.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = CelRule::new("!has(self.limit.burst) || self.algorithm in ['tokenBucket', 'gcra', 'leakyBucket']").message("limit.burst is only used by tokenBucket, gcra and leakyBucket"))]
+#[x_kube(validation = CelRule::new("!has(self.limit.maxDelay) || self.algorithm == 'leakyBucket'").message("limit.maxDelay is only used by leakyBucket"))]
+#[x_kube(validation = CelRule::new("!has(self.cost) || self.cost <= (has(self.limit.burst) ? self.limit.burst : self.limit.requests)").message("cost must not exceed limit.burst (or limit.requests when there is no burst): such a request could never be admitted"))]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyRule {
+    /// Name of the rule, unique within the policy: lowercase letters, digits and '-', at most
+    /// 63 characters, starting and ending with a letter or digit. Counters belong to the
+    /// rule's identity (namespace, policy name, rule name): renaming a rule starts its counters
+    /// afresh, editing its limit does not.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
+
+    /// Which requests the rule applies to. Every listed condition must hold (methods AND
+    /// paths AND hosts AND headers); within one list any entry may match. Absent or empty:
+    /// every request.
+    #[serde(default, rename = "match", skip_serializing_if = "Option::is_none")]
+    pub matches: Option<Match>,
+
+    /// How matching requests are grouped into counters: the values of these parts, in order,
+    /// form the counter's key. Each part is an object with exactly one of `header: NAME`,
+    /// `clientIP: true`, `namespace: true`, `path: true`, `method: true`, `host: true` or
+    /// `literal: TEXT`. Empty: one counter shared by every matching request.
+    ///
+    /// Example: `key: [{header: X-API-Key}]` counts each API key separately.
+    #[serde(default)]
+    #[schemars(length(max = 8))]
+    pub key: Vec<KeyPart>,
+
+    /// The algorithm that decides: tokenBucket (bursts up to `burst`, refill at
+    /// requests/per), gcra (same decisions, one timestamp per key), leakyBucket (constant
+    /// drain; with maxDelay it delays instead of rejecting), fixedWindow (requests per
+    /// window aligned to the clock; up to twice the limit across a boundary),
+    /// slidingWindowLog (exact, memory grows with requests) or slidingWindowCounter
+    /// (weighted estimate of the trailing window, two counters per key).
+    pub algorithm: Algorithm,
+
+    /// How many requests are allowed per period.
+    pub limit: LimitSpec,
+
+    /// How much one matching request counts against the limit. The request's own cost (for
+    /// example set by the caller of the check API) is multiplied by this. 0 counts nothing
+    /// (the rule only observes). Default 1. Must not exceed burst (or requests).
+    #[serde(default = "default_cost")]
+    #[schemars(range(min = 0, max = 4294967295u64))]
+    pub cost: u64,
+
+    /// `enforce` (default): requests over the limit are refused with 429. `shadow`: the rule
+    /// is decided and reported ("would have limited") but never refuses a request and never
+    /// blocks other rules; use it to try a limit safely.
+    #[serde(default)]
+    pub mode: Mode,
+
+    /// What this rule decides when the shared store (Redis) is slow or unreachable: `allow`
+    /// (fail open), `deny` (fail closed) or `localFallback` (default: enforce the limit in
+    /// each replica's memory until the store is back).
+    #[serde(default)]
+    pub on_store_failure: FailureMode,
+}
+
+fn default_cost() -> u64 {
+    1
+}
+
+/// Whether a rule refuses requests or only reports what it would have done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Mode {
+    /// Refuse requests over the limit.
+    #[default]
+    Enforce,
+    /// Decide and report, never refuse.
+    Shadow,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// Conditions on a request; all present lists must match.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Match {
+    /// HTTP methods (case-insensitive), e.g. `[GET, HEAD]`. Empty: any method.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub methods: Vec<String>,
+
+    /// Request paths; any entry may match. The query string is ignored. Each entry has exactly
+    /// one of `exact` (the whole path), `prefix` (whole path segments: `/orders` matches
+    /// `/orders` and `/orders/1`, not `/ordersX`; `/` matches everything) or `regex` (RE2
+    /// syntax, must match the whole path). Empty: any path.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub paths: Vec<PathMatch>,
+
+    /// Host names (case-insensitive, port ignored): exact such as `api.example.com`, or a
+    /// wildcard `*.example.com` matching any name below example.com (not example.com itself).
+    /// Empty: any host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub hosts: Vec<String>,
+
+    /// Request headers that must all match. Each has a `name` (case-insensitive) and exactly
+    /// one of `exact`, `prefix`, `regex` (RE2, whole value) or `present` (true: the header is
+    /// sent, with any value; false: it is not sent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub headers: Vec<HeaderMatch>,
+}
+
+/// One path condition: exactly one of exact, prefix or regex.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = CelRule::new("[has(self.exact), has(self.prefix), has(self.regex)].filter(x, x).size() == 1").message("a path match needs exactly one of exact, prefix or regex"))]
+#[serde(rename_all = "camelCase")]
+pub struct PathMatch {
+    /// The whole path, e.g. `/healthz`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub exact: Option<String>,
+    /// A path prefix matched by whole segments, e.g. `/orders` (matches `/orders/1`, not
+    /// `/ordersX`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub prefix: Option<String>,
+    /// An RE2 regular expression that must match the whole path, e.g. `/users/[0-9]+/orders`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub regex: Option<String>,
+}
+
+/// One header condition: a name and exactly one of exact, prefix, regex or present.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = CelRule::new("[has(self.exact), has(self.prefix), has(self.regex), has(self.present)].filter(x, x).size() == 1").message("a header match needs exactly one of exact, prefix, regex or present"))]
+#[serde(rename_all = "camelCase")]
+pub struct HeaderMatch {
+    /// Header name, case-insensitive, e.g. `X-Tenant`.
+    #[schemars(length(min = 1, max = 256))]
+    pub name: String,
+    /// The whole value, compared exactly (case-sensitive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub exact: Option<String>,
+    /// The start of the value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub prefix: Option<String>,
+    /// An RE2 regular expression that must match the whole value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub regex: Option<String>,
+    /// true: the header must be sent (any value); false: it must not be sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub present: Option<bool>,
+}
+
+/// One part of a counter key: exactly one source field.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = CelRule::new("[has(self.header), has(self.clientIP), has(self.namespace), has(self.path), has(self.method), has(self.host), has(self.literal)].filter(x, x).size() == 1").message("a key part needs exactly one of header, clientIP, namespace, path, method, host or literal"))]
+#[x_kube(validation = CelRule::new("(!has(self.clientIP) || self.clientIP) && (!has(self.namespace) || self.namespace) && (!has(self.path) || self.path) && (!has(self.method) || self.method) && (!has(self.host) || self.host)").message("clientIP, namespace, path, method and host key parts are written as `NAME: true`"))]
+#[x_kube(validation = CelRule::new("!has(self.missing) || has(self.header) || has(self.clientIP)").message("missing only applies to header and clientIP key parts"))]
+#[serde(rename_all = "camelCase")]
+pub struct KeyPart {
+    /// The value of this request header (as sent), e.g. `header: X-API-Key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub header: Option<String>,
+    /// `clientIP: true`: the client's IP address.
+    #[serde(default, rename = "clientIP", skip_serializing_if = "Option::is_none")]
+    pub client_ip: Option<bool>,
+    /// `namespace: true`: the namespace of the workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<bool>,
+    /// `path: true`: the request path without the query string. Beware: every distinct path
+    /// gets its own counter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<bool>,
+    /// `method: true`: the HTTP method, uppercased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<bool>,
+    /// `host: true`: the host name, lowercased, without port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<bool>,
+    /// A fixed text, e.g. to keep counters of two rules apart by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub literal: Option<String>,
+    /// For header and clientIP parts, what happens to a request without that value: `share`
+    /// (default) counts all such requests under one shared key, so leaving the header out is
+    /// no way around the limit; `skip` exempts such requests from this rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub missing: Option<Missing>,
+}
+
+/// What a key part does when the request lacks its value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Missing {
+    /// All requests without the value share one key (the empty value).
+    #[default]
+    Share,
+    /// The rule does not apply to requests without the value.
+    Skip,
+}
+
+/// How many requests are allowed per period.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = CelRule::new("self.requests >= 1").message("limit.requests must be at least 1"))]
+#[x_kube(validation = CelRule::new("!has(self.burst) || self.burst >= 1").message("limit.burst must be at least 1"))]
+#[serde(rename_all = "camelCase")]
+pub struct LimitSpec {
+    /// Requests allowed per `per` (the refill or drain rate for the bucket algorithms, the
+    /// window quota for the window algorithms). At least 1.
+    #[schemars(range(min = 0, max = 4294967295u64))]
+    pub requests: u64,
+
+    /// The period, a duration such as `1s`, `500ms`, `1m`, `1h`, `1d` or `1m30s`; a whole number
+    /// of milliseconds between 1ms and 366d.
+    #[x_kube(validation = duration_rule("per"))]
+    #[schemars(length(min = 1, max = 32))]
+    pub per: String,
+
+    /// tokenBucket and gcra: the most requests admitted at once (bucket capacity); leakyBucket:
+    /// the queue size. Default: `requests`. Not allowed for the window algorithms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 4294967295u64))]
+    pub burst: Option<u64>,
+
+    /// leakyBucket only: instead of rejecting a request that does not fit right now, admit it
+    /// with a delay of up to this duration (the caller waits: traffic shaping). Example: `2s`.
+    #[x_kube(validation = duration_rule("maxDelay"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 32))]
+    pub max_delay: Option<String>,
+}
+
+/// What the operator observed and enforces.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimitPolicyStatus {
+    /// `Accepted`: the policy is valid and compiled (reason and message say what is wrong when
+    /// False). `Enforced`: the snapshot containing this generation is live in the enforcement
+    /// endpoint.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The metadata.generation these conditions describe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Version (content hash) of the live rule snapshot that contains this policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+}
+
+impl RateLimitPolicy {
+    /// `namespace/name`, the policy's name in errors, status and the check API; the namespace
+    /// defaults to `default` as it does for `kubectl apply` without one.
+    pub fn qualified_name(&self) -> String {
+        format!(
+            "{}/{}",
+            self.metadata.namespace.as_deref().unwrap_or("default"),
+            self.metadata.name.as_deref().unwrap_or("")
+        )
+    }
+}
+
+/// Renders the CustomResourceDefinition as YAML, as committed in `crds/ratelimitpolicy.yaml`.
+pub fn crd_yaml() -> String {
+    // Serializing a CRD built from our own derives cannot fail; fall back to an obviously broken
+    // document rather than panicking in a library.
+    match serde_yaml::to_string(&RateLimitPolicy::crd()) {
+        Ok(yaml) => format!(
+            "# Generated by `sluice crd` (sluice::policy::crd_yaml); do not edit.\n\
+             # Regenerate: SLUICE_BLESS=1 cargo test --test crd_generated\n---\n{yaml}"
+        ),
+        Err(e) => format!("# error rendering CRD: {e}\n"),
+    }
+}

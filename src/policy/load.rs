@@ -1,0 +1,227 @@
+//! Policies from YAML files and directories, for `sluice serve`: the same RateLimitPolicy
+//! documents `kubectl apply` takes, several per file separated by `---`.
+//!
+//! Loading is all or nothing: one bad document fails the whole load (and every problem is
+//! reported), so a half-edited file never silently drops a policy on hot reload; the caller keeps
+//! the previous snapshot instead.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use super::crd::RateLimitPolicy;
+use super::validate::{validate, ValidationErrors};
+
+const API_VERSION: &str = "sluice.dev/v1alpha1";
+const KIND: &str = "RateLimitPolicy";
+
+/// A policy and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedPolicy {
+    pub file: PathBuf,
+    /// 1-based position of the YAML document in its file.
+    pub document: usize,
+    pub policy: RateLimitPolicy,
+}
+
+/// One loading problem, naming the file and, where there is one, the document.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LoadError {
+    #[error("{}: {message}", file.display())]
+    File { file: PathBuf, message: String },
+    /// YAML syntax, apiVersion/kind or a field of the wrong type, with its path in `message`.
+    #[error("{}: document {document}: {message}", file.display())]
+    Document { file: PathBuf, document: usize, message: String },
+    #[error("{}: document {document}: policy {policy}: {errors}", file.display())]
+    Invalid { file: PathBuf, document: usize, policy: String, errors: ValidationErrors },
+    #[error("policy {policy} is defined twice: {} document {first_document} and {} document {document}", first_file.display(), file.display())]
+    Duplicate { policy: String, first_file: PathBuf, first_document: usize, file: PathBuf, document: usize },
+}
+
+/// Every problem of one load (never empty when returned as an error), one per line.
+#[derive(Debug, Clone, Default, PartialEq, thiserror::Error)]
+pub struct LoadErrors(pub Vec<LoadError>);
+
+impl fmt::Display for LoadErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The files `paths` stand for: files as given, directories' `*.yaml` and `*.yml` files (not
+/// recursive), each directory's files sorted by name.
+pub fn policy_files<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>, LoadErrors> {
+    let mut files = Vec::new();
+    let mut errors = Vec::new();
+    for path in paths {
+        let path = path.as_ref();
+        if path.is_dir() {
+            match std::fs::read_dir(path) {
+                Ok(entries) => {
+                    let mut found: Vec<PathBuf> = entries
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| {
+                            p.is_file() && matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+                        })
+                        .collect();
+                    found.sort();
+                    files.extend(found);
+                }
+                Err(e) => errors.push(LoadError::File { file: path.to_path_buf(), message: e.to_string() }),
+            }
+        } else {
+            files.push(path.to_path_buf());
+        }
+    }
+    if errors.is_empty() { Ok(files) } else { Err(LoadErrors(errors)) }
+}
+
+/// Loads, parses and validates every policy under `paths` (files or directories).
+pub fn load_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<LoadedPolicy>, LoadErrors> {
+    let files = policy_files(paths)?;
+    let mut loaded = Vec::new();
+    let mut errors = Vec::new();
+    for file in files {
+        match std::fs::read_to_string(&file) {
+            Ok(text) => match load_str(&text, &file) {
+                Ok(policies) => loaded.extend(policies),
+                Err(LoadErrors(e)) => errors.extend(e),
+            },
+            Err(e) => errors.push(LoadError::File { file, message: e.to_string() }),
+        }
+    }
+    let mut seen: HashMap<String, (PathBuf, usize)> = HashMap::new();
+    for p in &loaded {
+        let name = p.policy.qualified_name();
+        if let Some((first_file, first_document)) = seen.get(&name) {
+            errors.push(LoadError::Duplicate {
+                policy: name,
+                first_file: first_file.clone(),
+                first_document: *first_document,
+                file: p.file.clone(),
+                document: p.document,
+            });
+        } else {
+            seen.insert(name, (p.file.clone(), p.document));
+        }
+    }
+    if errors.is_empty() { Ok(loaded) } else { Err(LoadErrors(errors)) }
+}
+
+/// Parses and validates the documents of one file's text; `file` only names it in errors.
+pub fn load_str(text: &str, file: &Path) -> Result<Vec<LoadedPolicy>, LoadErrors> {
+    let mut loaded = Vec::new();
+    let mut errors = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let document = i + 1;
+        let doc_error = |message: String| LoadError::Document { file: file.to_path_buf(), document, message };
+        let value = match Value::deserialize(doc) {
+            Ok(v) => v,
+            Err(e) => {
+                errors.push(doc_error(e.to_string()));
+                // After a syntax error the rest of the stream cannot be trusted.
+                break;
+            }
+        };
+        if value.is_null() {
+            continue;
+        }
+        match parse_document(value) {
+            Ok(mut policy) => {
+                if policy.metadata.namespace.as_deref().is_none_or(str::is_empty) {
+                    policy.metadata.namespace = Some("default".to_string());
+                }
+                match validate(&policy) {
+                    Ok(()) => loaded.push(LoadedPolicy { file: file.to_path_buf(), document, policy }),
+                    Err(errs) => errors.push(LoadError::Invalid {
+                        file: file.to_path_buf(),
+                        document,
+                        policy: policy.qualified_name(),
+                        errors: errs,
+                    }),
+                }
+            }
+            Err(messages) => errors.extend(messages.into_iter().map(doc_error)),
+        }
+    }
+    if errors.is_empty() { Ok(loaded) } else { Err(LoadErrors(errors)) }
+}
+
+fn parse_document(value: Value) -> Result<RateLimitPolicy, Vec<String>> {
+    let field = |name: &str| value.get(name).and_then(Value::as_str).map(str::to_string);
+    let mut problems = Vec::new();
+    match field("apiVersion") {
+        Some(v) if v == API_VERSION => {}
+        Some(v) => problems.push(format!("apiVersion: expected {API_VERSION}, got {v:?}")),
+        None => problems.push(format!("apiVersion: required ({API_VERSION})")),
+    }
+    match field("kind") {
+        Some(k) if k == KIND => {}
+        Some(k) => problems.push(format!("kind: expected {KIND}, got {k:?}")),
+        None => problems.push(format!("kind: required ({KIND})")),
+    }
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    let policy: RateLimitPolicy = match serde_path_to_error::deserialize(value.clone()) {
+        Ok(p) => p,
+        Err(e) => return Err(vec![format!("{}: {}", e.path(), e.inner())]),
+    };
+    // The API server prunes unknown fields and `kubectl apply` refuses them; a file has neither,
+    // so a misspelt `brust:` would silently vanish. Anything the typed policy does not
+    // serialize back was not understood.
+    if let Ok(back) = serde_yaml::to_value(&policy) {
+        if let Value::Mapping(map) = &value {
+            for key in map.keys().filter_map(Value::as_str) {
+                if !matches!(key, "apiVersion" | "kind" | "metadata" | "spec" | "status") {
+                    problems.push(format!("{key}: unknown field"));
+                }
+            }
+        }
+        if let (Some(input), Some(output)) = (value.get("spec"), back.get("spec")) {
+            unknown_fields(input, output, "spec", &mut problems);
+        }
+    }
+    if problems.is_empty() { Ok(policy) } else { Err(problems) }
+}
+
+fn unknown_fields(input: &Value, output: &Value, path: &str, problems: &mut Vec<String>) {
+    match (input, output) {
+        (Value::Mapping(i), Value::Mapping(o)) => {
+            for (k, v) in i {
+                let Some(name) = k.as_str() else { continue };
+                let child = format!("{path}.{name}");
+                match o.get(k) {
+                    Some(ov) => unknown_fields(v, ov, &child, problems),
+                    None if is_empty(v) => {}
+                    None => problems.push(format!("{child}: unknown field")),
+                }
+            }
+        }
+        (Value::Sequence(i), Value::Sequence(o)) => {
+            for (n, (iv, ov)) in i.iter().zip(o).enumerate() {
+                unknown_fields(iv, ov, &format!("{path}[{n}]"), problems);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Values a serializer may leave out without losing anything: null, `[]`, `{}`.
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Sequence(s) => s.is_empty(),
+        Value::Mapping(m) => m.is_empty(),
+        _ => false,
+    }
+}

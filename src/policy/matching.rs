@@ -1,0 +1,318 @@
+//! Which rules a request matches, and the counter key each of them uses.
+//!
+//! # Key encoding
+//!
+//! A rule's key is its parts' values in order, each written as `<byte length>:<value>` with the
+//! length in decimal, and nothing between parts: `["a|b", "c"]` is `3:a|b1:c`, `["a", "b|c"]`
+//! is `1:a3:b|c`. Length prefixes make the encoding unambiguous whatever bytes the values hold
+//! (header values are client-chosen). A rule without key parts has the empty key. The key does
+//! not name the rule: stores pair it with the rule's [`RuleId`](crate::store::RuleId).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::hash::BuildHasher;
+use std::net::IpAddr;
+
+use super::compile::{
+    CompiledPolicy, CompiledRule, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch, Selector, SelectorOp,
+    Snapshot,
+};
+use super::crd::Missing;
+
+/// Read-only string map: request headers (looked up by lowercase name) and workload labels.
+pub trait StrMap {
+    fn get_str(&self, key: &str) -> Option<&str>;
+}
+
+impl StrMap for BTreeMap<String, String> {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
+impl<S: BuildHasher> StrMap for HashMap<String, String, S> {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
+/// A borrowed list of (name, value) pairs, searched linearly (fine for the few headers a
+/// request carries); names must be lowercase for header lookups.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pairs<'a>(pub &'a [(&'a str, &'a str)]);
+
+impl StrMap for Pairs<'_> {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+    }
+}
+
+/// The empty map.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoEntries;
+
+impl StrMap for NoEntries {
+    fn get_str(&self, _: &str) -> Option<&str> {
+        None
+    }
+}
+
+/// A request as the matcher sees it, borrowed from whatever the HTTP layer parsed.
+#[derive(Clone, Copy)]
+pub struct RequestView<'a> {
+    /// The workload's namespace (the check API defaults it to `default`).
+    pub namespace: &'a str,
+    /// The workload's labels, for policy selectors.
+    pub labels: &'a dyn StrMap,
+    pub method: &'a str,
+    /// May include `?query`, which matching and keys ignore.
+    pub path: &'a str,
+    /// As sent (any case, possibly with `:port`).
+    pub host: Option<&'a str>,
+    pub client_ip: Option<IpAddr>,
+    /// Looked up by lowercase name.
+    pub headers: &'a dyn StrMap,
+    /// The request's own cost, multiplied by each rule's cost.
+    pub cost: u64,
+}
+
+impl<'a> RequestView<'a> {
+    /// A `GET` of `path` in namespace `default`, without labels, host, client IP or headers, of
+    /// cost 1; set the other fields directly.
+    pub fn new(path: &'a str) -> Self {
+        RequestView {
+            namespace: "default",
+            labels: &NoEntries,
+            method: "GET",
+            path,
+            host: None,
+            client_ip: None,
+            headers: &NoEntries,
+            cost: 1,
+        }
+    }
+
+    fn path_only(&self) -> &'a str {
+        match self.path.find('?') {
+            Some(i) => &self.path[..i],
+            None => self.path,
+        }
+    }
+}
+
+impl std::fmt::Debug for RequestView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestView")
+            .field("namespace", &self.namespace)
+            .field("method", &self.method)
+            .field("path", &self.path)
+            .field("host", &self.host)
+            .field("client_ip", &self.client_ip)
+            .field("cost", &self.cost)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A rule that applies to a request, with the request's key and effective cost for it.
+#[derive(Debug, Clone)]
+pub struct Matched<'s> {
+    pub rule: &'s CompiledRule,
+    /// Encoded as described in the [module docs](self).
+    pub key: String,
+    /// rule cost × request cost (saturating).
+    pub cost: u64,
+}
+
+impl<'s> Matched<'s> {
+    /// What the store needs for this rule.
+    pub fn check(&self) -> crate::store::RuleCheck<'_> {
+        self.rule.check(self.key.as_bytes(), self.cost)
+    }
+}
+
+impl Snapshot {
+    /// Replaces `out` with the rules `req` matches, in a deterministic order: the namespace's
+    /// policies by name, each policy's rules in the order written. Allocates only the keys.
+    pub fn resolve<'s>(&'s self, req: &RequestView<'_>, out: &mut Vec<Matched<'s>>) {
+        out.clear();
+        let path = req.path_only();
+        let host = req.host.map(host_without_port);
+        for policy in self.namespace_policies(req.namespace) {
+            if !selector_matches(&policy.selector, req.labels) {
+                continue;
+            }
+            resolve_policy(policy, req, path, host, out);
+        }
+    }
+}
+
+fn resolve_policy<'s>(
+    policy: &'s CompiledPolicy,
+    req: &RequestView<'_>,
+    path: &str,
+    host: Option<&str>,
+    out: &mut Vec<Matched<'s>>,
+) {
+    for rule in &policy.rules {
+        if !rule_matches(&rule.matcher, req, path, host) {
+            continue;
+        }
+        if let Some(key) = build_key(&rule.key, req, path, host) {
+            out.push(Matched { rule, key, cost: rule.cost.saturating_mul(req.cost) });
+        }
+    }
+}
+
+fn selector_matches(selector: &Selector, labels: &dyn StrMap) -> bool {
+    selector.labels.iter().all(|(k, v)| labels.get_str(k) == Some(v.as_str()))
+        && selector.expressions.iter().all(|(key, op, values)| {
+            let value = labels.get_str(key);
+            match op {
+                SelectorOp::In => value.is_some_and(|v| values.iter().any(|x| x == v)),
+                SelectorOp::NotIn => value.is_none_or(|v| values.iter().all(|x| x != v)),
+                SelectorOp::Exists => value.is_some(),
+                SelectorOp::DoesNotExist => value.is_none(),
+            }
+        })
+}
+
+fn rule_matches(m: &RuleMatch, req: &RequestView<'_>, path: &str, host: Option<&str>) -> bool {
+    (m.methods.is_empty() || m.methods.iter().any(|x| x.eq_ignore_ascii_case(req.method)))
+        && (m.paths.is_empty() || m.paths.iter().any(|p| path_matches(p, path)))
+        && (m.hosts.is_empty() || host.is_some_and(|h| m.hosts.iter().any(|x| host_matches(x, h))))
+        && m.headers.iter().all(|h| {
+            let value = req.headers.get_str(&h.name);
+            match &h.test {
+                HeaderTest::Exact(x) => value == Some(x.as_str()),
+                HeaderTest::Prefix(x) => value.is_some_and(|v| v.starts_with(x.as_str())),
+                HeaderTest::Regex(re) => value.is_some_and(|v| re.is_match(v)),
+                HeaderTest::Present(want) => value.is_some() == *want,
+            }
+        })
+}
+
+/// Prefixes match whole segments, as in the Gateway API: `/orders` matches `/orders` and
+/// `/orders/1` but not `/ordersX`.
+fn path_matches(m: &PathMatcher, path: &str) -> bool {
+    match m {
+        PathMatcher::Exact(x) => path == x,
+        PathMatcher::Prefix(x) if x == "/" => true,
+        PathMatcher::Prefix(x) => {
+            path.starts_with(x.as_str()) && matches!(path.as_bytes().get(x.len()), None | Some(b'/'))
+        }
+        PathMatcher::Regex(re) => re.is_match(path),
+    }
+}
+
+fn host_matches(m: &HostMatcher, host: &str) -> bool {
+    match m {
+        HostMatcher::Exact(x) => host.eq_ignore_ascii_case(x),
+        HostMatcher::Suffix(suffix) => {
+            host.len() > suffix.len()
+                && host.is_char_boundary(host.len() - suffix.len())
+                && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+        }
+    }
+}
+
+/// `Host` without port or trailing dot: `API.example.com:8443` → `API.example.com`,
+/// `[::1]:80` → `[::1]`. A bare IPv6 address (several colons) has no port to strip.
+fn host_without_port(host: &str) -> &str {
+    let host = if host.starts_with('[') {
+        match host.find(']') {
+            Some(end) => &host[..=end],
+            None => host,
+        }
+    } else {
+        match host.rfind(':') {
+            Some(i) if !host[..i].contains(':') => &host[..i],
+            _ => host,
+        }
+    };
+    host.strip_suffix('.').unwrap_or(host)
+}
+
+/// `None` when a part with `missing: skip` has no value: the rule does not apply.
+fn build_key(parts: &[KeySource], req: &RequestView<'_>, path: &str, host: Option<&str>) -> Option<String> {
+    if parts.is_empty() {
+        return Some(String::new());
+    }
+    let mut key = String::with_capacity(parts.len() * 24);
+    for part in parts {
+        match part {
+            KeySource::Header(name, missing) => match req.headers.get_str(name) {
+                Some(v) => push_part(&mut key, v),
+                None if *missing == Missing::Skip => return None,
+                None => push_part(&mut key, ""),
+            },
+            KeySource::ClientIp(missing) => match req.client_ip {
+                Some(ip) => push_ip(&mut key, ip.to_canonical()),
+                None if *missing == Missing::Skip => return None,
+                None => push_part(&mut key, ""),
+            },
+            KeySource::Namespace => push_part(&mut key, req.namespace),
+            KeySource::Path => push_part(&mut key, path),
+            KeySource::Method => {
+                push_len(&mut key, req.method.len());
+                key.extend(req.method.chars().map(|c| c.to_ascii_uppercase()));
+            }
+            KeySource::Host => {
+                let h = host.unwrap_or("");
+                push_len(&mut key, h.len());
+                key.extend(h.chars().map(|c| c.to_ascii_lowercase()));
+            }
+            KeySource::Literal(text) => push_part(&mut key, text),
+        }
+    }
+    Some(key)
+}
+
+fn push_len(key: &mut String, len: usize) {
+    // Writing to a String cannot fail.
+    let _ = write!(key, "{len}:");
+}
+
+fn push_part(key: &mut String, value: &str) {
+    push_len(key, value.len());
+    key.push_str(value);
+}
+
+/// The canonical text of an IP is at most 39 bytes; format it on the stack to learn its length
+/// before writing the prefix.
+fn push_ip(key: &mut String, ip: IpAddr) {
+    let mut buf = StackBuf { bytes: [0; 48], len: 0 };
+    let _ = write!(buf, "{ip}");
+    push_part(key, buf.as_str());
+}
+
+struct StackBuf {
+    bytes: [u8; 48],
+    len: usize,
+}
+
+impl StackBuf {
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or("")
+    }
+}
+
+impl std::fmt::Write for StackBuf {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        if end > self.bytes.len() {
+            return Err(std::fmt::Error);
+        }
+        self.bytes[self.len..end].copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+/// Encodes key parts the way [`Snapshot::resolve`] does, for tests and tools.
+pub fn encode_key<'a>(parts: impl IntoIterator<Item = &'a str>) -> String {
+    let mut key = String::new();
+    for p in parts {
+        push_part(&mut key, p);
+    }
+    key
+}

@@ -1,0 +1,482 @@
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::Path;
+
+use super::*;
+
+fn policy(yaml: &str) -> RateLimitPolicy {
+    serde_yaml::from_str(yaml).expect("test policy parses")
+}
+
+/// A policy in `ns` named `name` with the given rules (YAML list, indented by 2).
+fn with_rules(ns: &str, name: &str, rules: &str) -> RateLimitPolicy {
+    policy(&format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  rules:\n{rules}"
+    ))
+}
+
+fn simple(ns: &str, name: &str, requests: u64) -> RateLimitPolicy {
+    with_rules(
+        ns,
+        name,
+        &format!("  - {{name: r, algorithm: gcra, limit: {{requests: {requests}, per: 1s}}}}\n"),
+    )
+}
+
+fn paths(errs: &ValidationErrors) -> Vec<&str> {
+    errs.iter().map(|e| e.path.as_str()).collect()
+}
+
+// ---------- validation ----------
+
+#[test]
+fn validation_reports_every_problem_with_its_path() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: Bad_Name
+    match:
+      methods: ["GE T"]
+      paths: [{exact: /a, prefix: /b}, {prefix: orders}, {regex: "("}]
+      hosts: ["a.*.com"]
+      headers: [{name: "X Bad", exact: v}, {name: x-ok}]
+    key: [{header: "bad header"}, {clientIP: true, path: true}, {literal: x, missing: skip}, {method: false}]
+    algorithm: fixedWindow
+    limit: {requests: 10, per: 1x, burst: 5}
+  - name: second
+    algorithm: tokenBucket
+    limit: {requests: 0, per: 1s}
+  - name: second
+    algorithm: slidingWindowLog
+    limit: {requests: 10, per: 1s, burst: 3, maxDelay: 1s}
+    cost: 11
+"#,
+    );
+    let errs = validate(&p).unwrap_err();
+    let got = paths(&errs);
+    for want in [
+        "spec.rules[0].name",
+        "spec.rules[0].match.methods[0]",
+        "spec.rules[0].match.paths[0]",
+        "spec.rules[0].match.paths[1].prefix",
+        "spec.rules[0].match.paths[2].regex",
+        "spec.rules[0].match.hosts[0]",
+        "spec.rules[0].match.headers[0].name",
+        "spec.rules[0].match.headers[1]",
+        "spec.rules[0].key[0].header",
+        "spec.rules[0].key[1]",
+        "spec.rules[0].key[2].missing",
+        "spec.rules[0].key[3].method",
+        "spec.rules[0].limit.per",
+        "spec.rules[1].limit.requests",
+        "spec.rules[2].name",
+        "spec.rules[2].limit.burst",
+        "spec.rules[2].limit.maxDelay",
+        "spec.rules[2].cost",
+    ] {
+        assert!(got.contains(&want), "missing {want} in {errs}");
+    }
+    let text = errs.to_string();
+    assert!(text.contains(r#"spec.rules[0].limit.per: invalid duration "1x": unknown unit "x""#), "{text}");
+    assert!(text.contains(r#"duplicate rule name "second" (also spec.rules[1])"#), "{text}");
+}
+
+#[test]
+fn limit_errors_map_to_fields() {
+    let cases = [
+        ("{requests: 10, per: 500us}", "spec.rules[0].limit.per"),
+        ("{requests: 10, per: 1500us}", "spec.rules[0].limit.per"),
+        ("{requests: 10, per: 1s, burst: 0}", "spec.rules[0].limit.burst"),
+        ("{requests: 5000000, per: 1s}", "spec.rules[0].limit.requests"),
+        ("{requests: 10, per: 400d}", "spec.rules[0].limit.per"),
+    ];
+    for (limit, path) in cases {
+        let p = with_rules("ns", "p", &format!("  - {{name: r, algorithm: gcra, limit: {limit}}}\n"));
+        let errs = validate(&p).unwrap_err();
+        assert_eq!(paths(&errs), vec![path], "{limit}: {errs}");
+    }
+}
+
+#[test]
+fn selector_and_metadata_are_checked() {
+    let p = policy(
+        r#"apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {namespace: ns}
+spec:
+  selector:
+    matchExpressions:
+      - {key: app, operator: Near, values: [x]}
+      - {key: tier, operator: In}
+      - {key: env, operator: Exists, values: [x]}
+  rules: []
+"#,
+    );
+    let errs = validate(&p).unwrap_err();
+    assert_eq!(
+        paths(&errs),
+        vec![
+            "metadata.name",
+            "spec.selector.matchExpressions[0].operator",
+            "spec.selector.matchExpressions[1].values",
+            "spec.selector.matchExpressions[2].values",
+            "spec.rules",
+        ]
+    );
+}
+
+#[test]
+fn valid_policy_passes_and_warnings_flag_risks() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: by-path
+    key: [{path: true}, {header: X-Key, missing: skip}]
+    algorithm: slidingWindowLog
+    limit: {requests: 5000, per: 1h}
+"#,
+    );
+    validate(&p).unwrap();
+    let w = warnings(&p).join("\n");
+    assert!(w.contains("key[0]") && w.contains("every distinct path"), "{w}");
+    assert!(w.contains("key[1]") && w.contains("x-key") || w.contains("X-Key"), "{w}");
+    assert!(w.contains("leave the header out"), "{w}");
+    assert!(w.contains("slidingWindowLog"), "{w}");
+    assert!(warnings(&simple("ns", "p", 5)).is_empty());
+}
+
+// ---------- loading ----------
+
+const GOOD: &str = "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: a}\nspec:\n  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 1, per: 1s}}\n";
+
+#[test]
+fn load_names_file_document_and_field() {
+    let text = format!(
+        "{GOOD}---\n{}---\n{}---\n{}---\napiVersion: v1\nkind: ConfigMap\n",
+        GOOD.replace("name: a", "name: b").replace("requests: 1,", "requests: ten,"),
+        GOOD.replace("name: a", "name: c").replace("per: 1s", "per: 1x"),
+        GOOD.replace("name: a", "name: d").replace("requests: 1,", "requests: 1, brust: 3,"),
+    );
+    let errs = load_str(&text, Path::new("p.yaml")).unwrap_err().to_string();
+    let lines: Vec<&str> = errs.lines().collect();
+    assert_eq!(lines.len(), 5, "{errs}");
+    assert_eq!(
+        lines[0],
+        r#"p.yaml: document 2: spec.rules[0].limit.requests: invalid type: string "ten", expected u64"#
+    );
+    assert!(lines[1].starts_with("p.yaml: document 3: policy default/c: spec.rules[0].limit.per: invalid duration"), "{}", lines[1]);
+    assert_eq!(lines[2], "p.yaml: document 4: spec.rules[0].limit.brust: unknown field");
+    assert_eq!(lines[3], r#"p.yaml: document 5: apiVersion: expected sluice.dev/v1alpha1, got "v1""#);
+    assert_eq!(lines[4], r#"p.yaml: document 5: kind: expected RateLimitPolicy, got "ConfigMap""#);
+}
+
+#[test]
+fn load_defaults_namespace_and_reads_directories_sorted() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("b.yaml"), GOOD.replace("name: a", "name: b")).unwrap();
+    std::fs::write(dir.path().join("a.yml"), format!("---\n{GOOD}")).unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "not yaml: [").unwrap();
+    let loaded = load_paths(&[dir.path()]).unwrap();
+    let names: Vec<String> = loaded.iter().map(|l| l.policy.qualified_name()).collect();
+    assert_eq!(names, vec!["default/a", "default/b"]);
+    assert!(loaded[0].file.ends_with("a.yml"));
+}
+
+#[test]
+fn load_duplicate_names_both_files() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("one.yaml"), GOOD).unwrap();
+    std::fs::write(dir.path().join("two.yaml"), format!("{GOOD}---\n{}", GOOD.replace("name: a", "name: z"))).unwrap();
+    let err = load_paths(&[dir.path()]).unwrap_err().to_string();
+    assert!(err.contains("policy default/a is defined twice"), "{err}");
+    assert!(err.contains("one.yaml document 1") && err.contains("two.yaml document 1"), "{err}");
+}
+
+#[test]
+fn load_reports_yaml_syntax_and_missing_file() {
+    let err = load_str("spec: [unclosed", Path::new("x.yaml")).unwrap_err().to_string();
+    assert!(err.starts_with("x.yaml: document 1: "), "{err}");
+    let err = load_paths(&["/nonexistent/policies.yaml"]).unwrap_err().to_string();
+    assert!(err.starts_with("/nonexistent/policies.yaml: "), "{err}");
+}
+
+// ---------- compile ----------
+
+#[test]
+fn compile_rejects_invalid_and_keeps_valid() {
+    let bad = with_rules("ns", "bad", "  - {name: r, algorithm: gcra, limit: {requests: 1, per: nope}}\n");
+    let c = compile(vec![simple("ns", "good", 5), bad]);
+    assert_eq!(c.rejected.len(), 1);
+    assert_eq!(c.rejected[0].policy, "ns/bad");
+    assert_eq!(c.rejected[0].errors.errors[0].path, "spec.rules[0].limit.per");
+    assert_eq!(c.snapshot.rule_count(), 1);
+}
+
+#[test]
+fn version_is_order_independent_and_tracks_numbers_but_rule_id_does_not() {
+    let a = compile(vec![simple("ns", "a", 5), simple("ns", "b", 5), simple("other", "a", 5)]).snapshot;
+    let b = compile(vec![simple("other", "a", 5), simple("ns", "b", 5), simple("ns", "a", 5)]).snapshot;
+    assert_eq!(a.version(), b.version());
+    assert_eq!(a.version().len(), 16);
+    let c = compile(vec![simple("ns", "a", 6), simple("ns", "b", 5), simple("other", "a", 5)]).snapshot;
+    assert_ne!(a.version(), c.version());
+    let id = |s: &Snapshot| s.namespace_policies("ns")[0].rules()[0].id();
+    assert_eq!(id(&a), id(&c));
+    assert_eq!(id(&a), rule_id("ns/a/r"));
+    assert_eq!(a.namespace_policies("ns")[0].rules()[0].identity(), "ns/a/r");
+    assert_ne!(rule_id("ns/a/r"), rule_id("ns/b/r"));
+}
+
+#[test]
+fn snapshot_view_and_header_names() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: r
+    match: {headers: [{name: X-Tenant, present: true}]}
+    key: [{header: X-API-Key}, {clientIP: true}]
+    algorithm: tokenBucket
+    limit: {requests: 10, per: 1s, burst: 5}
+    mode: shadow
+    onStoreFailure: deny
+"#,
+    );
+    let s = compile(vec![p]).snapshot;
+    assert_eq!(s.header_names(), ["x-api-key", "x-tenant"]);
+    let v = serde_json::to_value(s.view()).unwrap();
+    assert_eq!(v["policies"][0], "ns/p");
+    let r = &v["rules"][0];
+    assert_eq!(r["policy"], "ns/p");
+    assert_eq!(r["rule"], "r");
+    assert_eq!(r["algorithm"], "tokenBucket");
+    assert_eq!(r["requests"], 10);
+    assert_eq!(r["per"], "1s");
+    assert_eq!(r["burst"], 5);
+    assert_eq!(r["mode"], "shadow");
+    assert_eq!(r["onStoreFailure"], "deny");
+    assert_eq!(r["key"], "header x-api-key, clientIP");
+}
+
+// ---------- matching ----------
+
+struct Req {
+    labels: BTreeMap<String, String>,
+    headers: BTreeMap<String, String>,
+}
+
+impl Req {
+    fn new(labels: &[(&str, &str)], headers: &[(&str, &str)]) -> Req {
+        let map = |kv: &[(&str, &str)]| kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Req { labels: map(labels), headers: map(headers) }
+    }
+    fn view<'a>(&'a self, ns: &'a str, method: &'a str, path: &'a str) -> RequestView<'a> {
+        RequestView { namespace: ns, labels: &self.labels, method, path, headers: &self.headers, ..RequestView::new(path) }
+    }
+}
+
+fn matched_rules(s: &Snapshot, req: &RequestView) -> Vec<String> {
+    let mut out = Vec::new();
+    s.resolve(req, &mut out);
+    out.iter().map(|m| m.rule.identity().to_string()).collect()
+}
+
+fn one_rule(m: &str) -> Snapshot {
+    let p = with_rules("ns", "p", &format!("  - {{name: r, match: {m}, algorithm: gcra, limit: {{requests: 5, per: 1s}}}}\n"));
+    let c = compile(vec![p]);
+    assert!(c.rejected.is_empty(), "{:?}", c.rejected);
+    c.snapshot
+}
+
+fn hits(s: &Snapshot, req: &RequestView) -> bool {
+    !matched_rules(s, req).is_empty()
+}
+
+#[test]
+fn prefix_matches_whole_segments() {
+    let s = one_rule("{paths: [{prefix: /orders/}]}");
+    let r = Req::new(&[], &[]);
+    for (path, want) in [
+        ("/orders", true),
+        ("/orders/1", true),
+        ("/orders?x=1", true),
+        ("/orders/", true),
+        ("/ordersX", false),
+        ("/order", false),
+        ("/", false),
+    ] {
+        assert_eq!(hits(&s, &r.view("ns", "GET", path)), want, "{path}");
+    }
+    let root = one_rule("{paths: [{prefix: /}]}");
+    assert!(hits(&root, &r.view("ns", "GET", "/anything/at/all")));
+}
+
+#[test]
+fn exact_regex_methods_hosts() {
+    let r = Req::new(&[], &[]);
+    let s = one_rule("{paths: [{exact: /login}]}");
+    assert!(hits(&s, &r.view("ns", "GET", "/login?next=/")));
+    assert!(!hits(&s, &r.view("ns", "GET", "/login/x")));
+
+    let s = one_rule(r#"{paths: [{regex: "/users/[0-9]+"}]}"#);
+    assert!(hits(&s, &r.view("ns", "GET", "/users/42")));
+    assert!(!hits(&s, &r.view("ns", "GET", "/users/42/orders")), "regex is anchored");
+
+    let s = one_rule("{methods: [post, PUT]}");
+    assert!(hits(&s, &r.view("ns", "POST", "/")));
+    assert!(hits(&s, &r.view("ns", "put", "/")));
+    assert!(!hits(&s, &r.view("ns", "GET", "/")));
+
+    let s = one_rule(r#"{hosts: ["*.Example.com", api.test]}"#);
+    let host = |h: &'static str| RequestView { host: Some(h), ..RequestView::new("/") };
+    let in_ns = |v: RequestView<'static>| RequestView { namespace: "ns", ..v };
+    assert!(hits(&s, &in_ns(host("a.example.COM:8443"))));
+    assert!(hits(&s, &in_ns(host("a.b.example.com"))));
+    assert!(!hits(&s, &in_ns(host("example.com"))));
+    assert!(!hits(&s, &in_ns(host("badexample.com"))));
+    assert!(hits(&s, &in_ns(host("API.test."))));
+    assert!(!hits(&s, &in_ns(RequestView::new("/"))), "no host never matches a host list");
+}
+
+#[test]
+fn header_matchers() {
+    let s = one_rule(r#"{headers: [{name: X-Tenant, prefix: acme}, {name: X-Debug, present: false}, {name: X-Plan, regex: "gold|silver"}]}"#);
+    let check = |h: &[(&str, &str)]| {
+        let r = Req::new(&[], h);
+        hits(&s, &r.view("ns", "GET", "/"))
+    };
+    assert!(check(&[("x-tenant", "acme-1"), ("x-plan", "gold")]));
+    assert!(!check(&[("x-tenant", "acme-1"), ("x-plan", "golden")]));
+    assert!(!check(&[("x-tenant", "other"), ("x-plan", "gold")]));
+    assert!(!check(&[("x-tenant", "acme"), ("x-plan", "gold"), ("x-debug", "1")]));
+    let s = one_rule("{headers: [{name: X-Env, exact: prod}]}");
+    let r = Req::new(&[], &[("x-env", "Prod")]);
+    assert!(!hits(&s, &r.view("ns", "GET", "/")), "values are case-sensitive");
+}
+
+#[test]
+fn selector_expressions_and_namespace() {
+    let p = policy(
+        r#"apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: p, namespace: ns}
+spec:
+  selector:
+    matchLabels: {app: orders}
+    matchExpressions:
+      - {key: tier, operator: In, values: [web, api]}
+      - {key: env, operator: NotIn, values: [dev]}
+      - {key: team, operator: Exists}
+      - {key: canary, operator: DoesNotExist}
+  rules:
+    - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s}}
+"#,
+    );
+    let s = compile(vec![p]).snapshot;
+    let base = [("app", "orders"), ("tier", "web"), ("team", "x")];
+    let check = |extra: &[(&str, &str)], remove: &str| {
+        let labels: Vec<(&str, &str)> =
+            base.iter().chain(extra).copied().filter(|(k, _)| *k != remove).collect();
+        let r = Req::new(&labels, &[]);
+        hits(&s, &r.view("ns", "GET", "/"))
+    };
+    assert!(check(&[], ""));
+    assert!(check(&[("env", "prod")], ""));
+    assert!(!check(&[("env", "dev")], ""));
+    assert!(!check(&[("canary", "1")], ""));
+    assert!(!check(&[], "team"));
+    assert!(!check(&[], "tier"));
+    assert!(!check(&[], "app"));
+    let r = Req::new(&base, &[]);
+    assert!(!hits(&s, &r.view("other", "GET", "/")), "other namespace");
+}
+
+#[test]
+fn resolve_order_cost_and_keys() {
+    let a = with_rules(
+        "ns",
+        "b-second",
+        r#"  - {name: z, algorithm: gcra, limit: {requests: 5, per: 1s}, cost: 3}
+  - name: keyed
+    key: [{method: true}, {host: true}, {path: true}, {namespace: true}, {literal: "v|1"}, {clientIP: true}]
+    algorithm: gcra
+    limit: {requests: 5, per: 1s}
+"#,
+    );
+    let b = simple("ns", "a-first", 5);
+    let s = compile(vec![a, b]).snapshot;
+    let r = Req::new(&[], &[]);
+    let req = RequestView {
+        host: Some("API.Example.com:443"),
+        client_ip: Some("::ffff:10.1.2.3".parse::<IpAddr>().unwrap()),
+        cost: 2,
+        ..r.view("ns", "post", "/x/y?q=1")
+    };
+    let mut out = Vec::new();
+    s.resolve(&req, &mut out);
+    let ids: Vec<&str> = out.iter().map(|m| m.rule.identity()).collect();
+    assert_eq!(ids, ["ns/a-first/r", "ns/b-second/z", "ns/b-second/keyed"]);
+    assert_eq!(out[1].cost, 6);
+    assert_eq!(out[0].key, "");
+    assert_eq!(out[2].key, encode_key(["POST", "api.example.com", "/x/y", "ns", "v|1", "10.1.2.3"]));
+    let check = out[2].check();
+    assert_eq!(check.key, out[2].key.as_bytes());
+    assert_eq!(check.rule, rule_id("ns/b-second/keyed"));
+    assert!(check.enforce);
+}
+
+#[test]
+fn key_encoding_is_unambiguous() {
+    assert_ne!(encode_key(["a|b", "c"]), encode_key(["a", "b|c"]));
+    assert_ne!(encode_key(["a:b", "c"]), encode_key(["a", "b:c"]));
+    assert_ne!(encode_key(["1:a"]), encode_key(["", "a"]));
+    assert_eq!(encode_key(["a|b", "c"]), "3:a|b1:c");
+}
+
+#[test]
+fn missing_header_share_or_skip() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - {name: share, key: [{header: X-Key}], algorithm: gcra, limit: {requests: 5, per: 1s}}
+  - {name: skip, key: [{header: X-Key, missing: skip}], algorithm: gcra, limit: {requests: 5, per: 1s}}
+  - {name: ip-skip, key: [{clientIP: true, missing: skip}], algorithm: gcra, limit: {requests: 5, per: 1s}}
+  - {name: ip-share, key: [{clientIP: true}], algorithm: gcra, limit: {requests: 5, per: 1s}}
+"#,
+    );
+    let s = compile(vec![p]).snapshot;
+    let without = Req::new(&[], &[]);
+    let mut out = Vec::new();
+    s.resolve(&without.view("ns", "GET", "/"), &mut out);
+    let got: Vec<(&str, &str)> = out.iter().map(|m| (m.rule.name(), m.key.as_str())).collect();
+    assert_eq!(got, [("share", "0:"), ("ip-share", "0:")]);
+    let with = Req::new(&[], &[("x-key", "k1")]);
+    s.resolve(&with.view("ns", "GET", "/"), &mut out);
+    let got: Vec<(&str, &str)> = out.iter().map(|m| (m.rule.name(), m.key.as_str())).collect();
+    assert_eq!(got, [("share", "2:k1"), ("skip", "2:k1"), ("ip-share", "0:")]);
+}
+
+#[test]
+fn cel_duration_pattern_agrees_with_parser() {
+    let re = regex::Regex::new(crd::DURATION_PATTERN).unwrap();
+    for ok in ["1s", "500ms", "1m30s", "1.5h", "1d", "10us", "0", ".5s"] {
+        assert!(re.is_match(ok), "{ok}");
+        assert!(crate::duration::parse_duration(ok).is_ok(), "{ok}");
+    }
+    for bad in ["", "1", "1x", "s", "1.2.3s", "00", "01s0", " 1s"] {
+        assert!(!re.is_match(bad), "{bad}");
+    }
+    let yaml = crd_yaml();
+    assert!(yaml.contains(r"self.matches('^(0|(([0-9]+(\\.[0-9]+)?|\\.[0-9]+)(us|µs|ms|s|m|h|d))+)$')"));
+}
+
+#[test]
+fn snapshot_is_shareable_and_empty_has_a_version() {
+    fn assert_send_sync<T: Send + Sync + 'static>() {}
+    assert_send_sync::<Snapshot>();
+    let empty = Snapshot::default();
+    assert_eq!(empty.version().len(), 16);
+    assert_eq!(empty.version(), compile(Vec::new()).snapshot.version());
+    let mut out = Vec::new();
+    empty.resolve(&RequestView::new("/"), &mut out);
+    assert!(out.is_empty());
+}

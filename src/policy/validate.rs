@@ -1,0 +1,439 @@
+//! The one validation of a policy, shared by compile and the admission webhook so that admission
+//! never accepts what compile rejects. It covers everything the CRD's CEL rules check (a policy
+//! loaded from a file never saw an API server) plus what CEL cannot: regexes, header names, the
+//! numeric limits of the algorithms.
+
+use std::fmt;
+
+use regex::{Regex, RegexBuilder};
+
+use super::crd::{
+    HeaderMatch, KeyPart, LimitSpec, Match, Missing, PathMatch, PolicyRule, RateLimitPolicy, MAX_KEY_PARTS,
+    MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_RULES,
+};
+use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
+use crate::duration::{parse_duration, Micros};
+
+const MAX_HEADER_NAME_LEN: usize = 256;
+const MAX_LITERAL_LEN: usize = 256;
+const MAX_DURATION_LEN: usize = 32;
+
+/// Compiled-program size cap for user regexes, so a policy cannot make matching slow or big.
+const REGEX_SIZE_LIMIT: usize = 256 * 1024;
+
+/// One problem in a policy, at a field path such as `spec.rules[1].limit.per`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct FieldError {
+    pub path: String,
+    pub message: String,
+}
+
+/// Every problem found in a policy (never empty when returned as an error).
+#[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationErrors {
+    pub errors: Vec<FieldError>,
+}
+
+impl fmt::Display for ValidationErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ValidationErrors {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(FieldError { path: path.into(), message: message.into() });
+    }
+    pub fn is_empty(&self) -> bool {
+        self.errors.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.errors.len()
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &FieldError> {
+        self.errors.iter()
+    }
+}
+
+/// Checks a policy and reports every problem with its field path.
+pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
+    let mut errs = ValidationErrors::default();
+    match policy.metadata.name.as_deref() {
+        None | Some("") => errs.push("metadata.name", "required"),
+        Some(_) => {}
+    }
+    let spec = &policy.spec;
+    if let Some(selector) = &spec.selector {
+        validate_selector(selector, &mut errs);
+    }
+    if spec.rules.is_empty() {
+        errs.push("spec.rules", "at least one rule is required");
+    }
+    if spec.rules.len() > MAX_RULES {
+        errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
+    }
+    for (i, rule) in spec.rules.iter().enumerate() {
+        let path = format!("spec.rules[{i}]");
+        validate_rule(rule, &path, &mut errs);
+        if let Some(first) = spec.rules[..i].iter().position(|r| r.name == rule.name) {
+            errs.push(
+                format!("{path}.name"),
+                format!("duplicate rule name {:?} (also spec.rules[{first}])", rule.name),
+            );
+        }
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+fn validate_rule(rule: &PolicyRule, path: &str, errs: &mut ValidationErrors) {
+    if let Err(m) = check_rule_name(&rule.name) {
+        errs.push(format!("{path}.name"), m);
+    }
+    if let Some(m) = &rule.matches {
+        validate_match(m, &format!("{path}.match"), errs);
+    }
+    if rule.key.len() > MAX_KEY_PARTS {
+        errs.push(format!("{path}.key"), format!("at most {MAX_KEY_PARTS} parts, got {}", rule.key.len()));
+    }
+    for (j, part) in rule.key.iter().enumerate() {
+        validate_key_part(part, &format!("{path}.key[{j}]"), errs);
+    }
+    if let Some(limit) = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs)
+        && rule.cost > limit.capacity()
+    {
+        let what = if rule.algorithm.uses_burst() { "burst" } else { "requests" };
+        errs.push(
+            format!("{path}.cost"),
+            format!(
+                "cost {} exceeds limit.{what} {}: such a request could never be admitted",
+                rule.cost,
+                limit.capacity()
+            ),
+        );
+    }
+    if rule.cost > MAX_REQUESTS {
+        errs.push(format!("{path}.cost"), format!("must be at most {MAX_REQUESTS}"));
+    }
+}
+
+/// Parses a rule's limit, reporting problems at the right field path.
+///
+/// `Limit::new` stops at the first problem, so once it blames burst or maxDelay for not applying
+/// to the algorithm, it is asked again without that field: the user then learns of the other
+/// problems (such as a cost above the capacity) in the same round. The limit returned may
+/// therefore exist although errors were reported; callers decide by `errs`.
+pub(crate) fn build_limit(
+    algorithm: Algorithm,
+    spec: &LimitSpec,
+    path: &str,
+    errs: &mut ValidationErrors,
+) -> Option<Limit> {
+    for (field, text) in [("per", Some(&spec.per)), ("maxDelay", spec.max_delay.as_ref())] {
+        if text.is_some_and(|t| t.len() > MAX_DURATION_LEN) {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_DURATION_LEN} characters"));
+        }
+    }
+    let per = match parse_duration(&spec.per) {
+        Ok(per) => Some(per),
+        Err(e) => {
+            errs.push(format!("{path}.per"), e.to_string());
+            None
+        }
+    };
+    let mut max_delay: Option<Micros> = None;
+    if let Some(text) = &spec.max_delay {
+        match parse_duration(text) {
+            Ok(d) => max_delay = Some(d),
+            Err(e) => {
+                errs.push(format!("{path}.maxDelay"), e.to_string());
+            }
+        }
+    }
+    let per = per?;
+    let mut burst = spec.burst;
+    for _ in 0..3 {
+        match Limit::new(algorithm, spec.requests, per, burst, max_delay) {
+            Ok(limit) => return Some(limit),
+            Err(e) => {
+                let field = match &e {
+                    LimitError::ZeroRequests | LimitError::TooManyRequests => "requests",
+                    LimitError::PeriodTooShort
+                    | LimitError::PeriodNotWholeMilliseconds(_)
+                    | LimitError::PeriodTooLong => "per",
+                    LimitError::ZeroBurst | LimitError::BurstTooLarge | LimitError::BucketTooLarge => "burst",
+                    LimitError::BurstNotApplicable(_) => "burst",
+                    LimitError::MaxDelayNotApplicable(_) => "maxDelay",
+                    LimitError::RateTooHigh { .. } | LimitError::WindowProductTooLarge => "requests",
+                };
+                errs.push(format!("{path}.{field}"), e.to_string());
+                match e {
+                    LimitError::BurstNotApplicable(_) => burst = None,
+                    LimitError::MaxDelayNotApplicable(_) => max_delay = None,
+                    _ => return None,
+                }
+            }
+        }
+    }
+    None
+}
+
+fn validate_match(m: &Match, path: &str, errs: &mut ValidationErrors) {
+    for (field, len) in [
+        ("methods", m.methods.len()),
+        ("paths", m.paths.len()),
+        ("hosts", m.hosts.len()),
+        ("headers", m.headers.len()),
+    ] {
+        if len > MAX_MATCH_ITEMS {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {len}"));
+        }
+    }
+    for (j, method) in m.methods.iter().enumerate() {
+        if !is_token(method) {
+            errs.push(format!("{path}.methods[{j}]"), format!("invalid HTTP method {method:?}"));
+        }
+    }
+    for (j, p) in m.paths.iter().enumerate() {
+        validate_path_match(p, &format!("{path}.paths[{j}]"), errs);
+    }
+    for (j, host) in m.hosts.iter().enumerate() {
+        if let Err(msg) = check_host_pattern(host) {
+            errs.push(format!("{path}.hosts[{j}]"), msg);
+        }
+    }
+    for (j, h) in m.headers.iter().enumerate() {
+        validate_header_match(h, &format!("{path}.headers[{j}]"), errs);
+    }
+}
+
+fn validate_path_match(p: &PathMatch, path: &str, errs: &mut ValidationErrors) {
+    let set = [p.exact.is_some(), p.prefix.is_some(), p.regex.is_some()].iter().filter(|b| **b).count();
+    if set != 1 {
+        errs.push(path, format!("needs exactly one of exact, prefix or regex, got {set}"));
+    }
+    for (field, value) in [("exact", &p.exact), ("prefix", &p.prefix)] {
+        if let Some(v) = value {
+            if !v.starts_with('/') {
+                errs.push(format!("{path}.{field}"), format!("must start with '/', got {v:?}"));
+            } else if v.contains('?') {
+                errs.push(format!("{path}.{field}"), "must not contain '?': the query string is not matched");
+            }
+            if v.len() > MAX_PATTERN_LEN {
+                errs.push(format!("{path}.{field}"), format!("at most {MAX_PATTERN_LEN} characters"));
+            }
+        }
+    }
+    if let Some(re) = &p.regex
+        && let Err(m) = compile_regex(re)
+    {
+        errs.push(format!("{path}.regex"), m);
+    }
+}
+
+fn validate_header_match(h: &HeaderMatch, path: &str, errs: &mut ValidationErrors) {
+    if !is_token(&h.name) || h.name.len() > MAX_HEADER_NAME_LEN {
+        errs.push(format!("{path}.name"), format!("invalid header name {:?}", h.name));
+    }
+    for (field, value) in [("exact", &h.exact), ("prefix", &h.prefix)] {
+        if value.as_ref().is_some_and(|v| v.len() > MAX_PATTERN_LEN) {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_PATTERN_LEN} characters"));
+        }
+    }
+    let set = [h.exact.is_some(), h.prefix.is_some(), h.regex.is_some(), h.present.is_some()]
+        .iter()
+        .filter(|b| **b)
+        .count();
+    if set != 1 {
+        errs.push(path, format!("needs exactly one of exact, prefix, regex or present, got {set}"));
+    }
+    if let Some(re) = &h.regex
+        && let Err(m) = compile_regex(re)
+    {
+        errs.push(format!("{path}.regex"), m);
+    }
+}
+
+fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
+    let flags = [
+        ("clientIP", k.client_ip),
+        ("namespace", k.namespace),
+        ("path", k.path),
+        ("method", k.method),
+        ("host", k.host),
+    ];
+    let set = flags.iter().filter(|(_, v)| v.is_some()).count()
+        + usize::from(k.header.is_some())
+        + usize::from(k.literal.is_some());
+    if set != 1 {
+        errs.push(
+            path,
+            format!(
+                "needs exactly one of header, clientIP, namespace, path, method, host or literal, got {set}"
+            ),
+        );
+    }
+    for (field, value) in flags {
+        if value == Some(false) {
+            errs.push(format!("{path}.{field}"), format!("write `{field}: true` (false is not meaningful)"));
+        }
+    }
+    if let Some(name) = &k.header
+        && (!is_token(name) || name.len() > MAX_HEADER_NAME_LEN)
+    {
+        errs.push(format!("{path}.header"), format!("invalid header name {name:?}"));
+    }
+    if k.literal.as_ref().is_some_and(|l| l.len() > MAX_LITERAL_LEN) {
+        errs.push(format!("{path}.literal"), format!("at most {MAX_LITERAL_LEN} characters"));
+    }
+    if k.missing.is_some() && k.header.is_none() && k.client_ip.is_none() {
+        errs.push(format!("{path}.missing"), "only applies to header and clientIP key parts");
+    }
+}
+
+fn validate_selector(
+    selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    errs: &mut ValidationErrors,
+) {
+    for (j, e) in selector.match_expressions.iter().flatten().enumerate() {
+        let path = format!("spec.selector.matchExpressions[{j}]");
+        let values = e.values.as_deref().unwrap_or_default();
+        match e.operator.as_str() {
+            "In" | "NotIn" => {
+                if values.is_empty() {
+                    errs.push(format!("{path}.values"), format!("operator {} needs at least one value", e.operator));
+                }
+            }
+            "Exists" | "DoesNotExist" => {
+                if !values.is_empty() {
+                    errs.push(format!("{path}.values"), format!("operator {} takes no values", e.operator));
+                }
+            }
+            other => errs.push(
+                format!("{path}.operator"),
+                format!("unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"),
+            ),
+        }
+        if e.key.is_empty() {
+            errs.push(format!("{path}.key"), "required");
+        }
+    }
+    for key in selector.match_labels.iter().flatten().map(|(k, _)| k) {
+        if key.is_empty() {
+            errs.push("spec.selector.matchLabels", "label keys must not be empty");
+        }
+    }
+}
+
+/// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters: rule names appear in metrics, headers
+/// and keys.
+fn check_rule_name(name: &str) -> Result<(), String> {
+    let b = name.as_bytes();
+    let ok_char = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-';
+    if b.is_empty() {
+        return Err("required".into());
+    }
+    if b.len() > MAX_NAME_LEN {
+        return Err(format!("at most {MAX_NAME_LEN} characters"));
+    }
+    if !b.iter().all(ok_char) || b[0] == b'-' || b[b.len() - 1] == b'-' {
+        return Err(format!(
+            "invalid name {name:?}: use lowercase letters, digits and '-', starting and ending with a letter or digit"
+        ));
+    }
+    Ok(())
+}
+
+/// RFC 9110 `token`: what header names and methods are made of.
+pub(crate) fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
+}
+
+fn check_host_pattern(host: &str) -> Result<(), String> {
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    if name.is_empty() {
+        return Err(format!("invalid host {host:?}"));
+    }
+    if name.contains('*') {
+        return Err(format!("invalid host {host:?}: a wildcard is only allowed as the whole first label, as in *.example.com"));
+    }
+    if name.contains(':') && !name.starts_with('[') {
+        return Err(format!("invalid host {host:?}: write the name without a port (ports are ignored)"));
+    }
+    if !name.bytes().all(|c| c.is_ascii_alphanumeric() || b"-.[]:".contains(&c)) {
+        return Err(format!("invalid host {host:?}"));
+    }
+    Ok(())
+}
+
+/// Compiles a user regex anchored to the whole input, with a size cap.
+pub(crate) fn compile_regex(pattern: &str) -> Result<Regex, String> {
+    if pattern.len() > MAX_PATTERN_LEN {
+        return Err(format!("at most {MAX_PATTERN_LEN} characters"));
+    }
+    RegexBuilder::new(&format!("^(?:{pattern})$"))
+        .size_limit(REGEX_SIZE_LIMIT)
+        .dfa_size_limit(REGEX_SIZE_LIMIT)
+        .build()
+        .map_err(|e| match e {
+            regex::Error::CompiledTooBig(_) => format!("regex {pattern:?} is too complex"),
+            other => format!("invalid regex {pattern:?}: {}", one_line(&other.to_string())),
+        })
+}
+
+fn one_line(s: &str) -> String {
+    s.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+}
+
+/// Risky but valid choices, for the webhook to return as admission warnings.
+pub fn warnings(policy: &RateLimitPolicy) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, rule) in policy.spec.rules.iter().enumerate() {
+        let path = format!("spec.rules[{i}]");
+        let m = rule.matches.clone().unwrap_or_default();
+        for (j, part) in rule.key.iter().enumerate() {
+            if part.path == Some(true) && m.paths.is_empty() {
+                out.push(format!(
+                    "{path}.key[{j}]: keyed on the path with no match.paths restriction: every distinct path (including scanners' random ones) gets its own counter"
+                ));
+            }
+            if let Some(name) = &part.header {
+                let restricted = m.headers.iter().any(|h| {
+                    h.name.eq_ignore_ascii_case(name) && (h.exact.is_some() || h.prefix.is_some() || h.regex.is_some())
+                });
+                if !restricted {
+                    out.push(format!(
+                        "{path}.key[{j}]: keyed on header {name} whose values are not restricted by match.headers: each distinct value (chosen by the client) gets its own counter"
+                    ));
+                }
+                if part.missing == Some(Missing::Skip) {
+                    out.push(format!(
+                        "{path}.key[{j}]: missing: skip exempts requests without header {name} from this rule: a client can leave the header out to avoid the limit"
+                    ));
+                }
+            }
+            if part.client_ip.is_some() && part.missing == Some(Missing::Skip) {
+                out.push(format!(
+                    "{path}.key[{j}]: missing: skip exempts requests without a client IP from this rule"
+                ));
+            }
+        }
+        if rule.algorithm == Algorithm::SlidingWindowLog && rule.limit.requests > 1000 {
+            out.push(format!(
+                "{path}.algorithm: slidingWindowLog keeps one entry per admitted request: {} requests per window per key may use a lot of memory; consider slidingWindowCounter",
+                rule.limit.requests
+            ));
+        }
+        if rule.cost == 0 {
+            out.push(format!("{path}.cost: 0 means this rule never counts anything"));
+        }
+    }
+    out
+}
