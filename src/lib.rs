@@ -7,4 +7,6 @@ pub mod algorithm;
 pub mod clock;
 pub mod duration;
 pub mod policy;
+pub mod server;
 pub mod store;
+pub mod telemetry;

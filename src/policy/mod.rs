@@ -15,7 +15,7 @@ pub use crd::{
     crd_yaml, HeaderMatch, KeyPart, LimitSpec, Match, Missing, Mode, PathMatch, RateLimitPolicy, RateLimitPolicySpec,
     PolicyRule, RateLimitPolicyStatus,
 };
-pub use load::{load_paths, load_str, LoadError, LoadErrors, LoadedPolicy};
+pub use load::{policy_files, load_paths, load_str, LoadError, LoadErrors, LoadedPolicy};
 pub use matching::{encode_key, Matched, NoEntries, Pairs, RequestView, StrMap};
 pub use validate::{validate, warnings, FieldError, ValidationErrors};
 

@@ -39,6 +39,7 @@ pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
         .route("/readyz", get(readyz::<S>))
         .route("/metrics", get(metrics::<S>))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(engine)
 }
@@ -79,14 +80,9 @@ async fn check<S: Store>(State(engine): State<Arc<Engine<S>>>, body: Result<Byte
 
 /// Envoy's ext_authz HTTP service: the original method and path (after the `/v1/authz` prefix),
 /// Host and headers arrive as they were; 200 admits, 429 with the rate-limit headers refuses.
-async fn authz<S: Store>(
-    State(engine): State<Arc<Engine<S>>>,
-    peer: Option<ConnectInfo<SocketAddr>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
-    let request = match authz_request(&method, &uri, &headers, peer.map(|p| p.0)) {
+async fn authz<S: Store>(State(engine): State<Arc<Engine<S>>>, request: axum::extract::Request) -> Response {
+    let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
+    let request = match authz_request(request.method(), request.uri(), request.headers(), peer) {
         Ok(request) => request,
         Err(error) => return bad_request(engine.metrics(), error),
     };
@@ -218,4 +214,8 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
 
 async fn not_found(uri: Uri) -> Response {
     error_response(StatusCode::NOT_FOUND, format!("no such endpoint: {}", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(StatusCode::METHOD_NOT_ALLOWED, format!("{method} is not allowed on {}", uri.path()))
 }
