@@ -1,0 +1,245 @@
+//! The conformance runner: feeds tests/vectors/conformance.yaml to any [`Store`] and reports every
+//! decision that differs. Shared by the memory and Redis test binaries.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
+use sluice::duration::{HumanDuration, parse_duration};
+use sluice::store::{FailureMode, RuleCheck, RuleId, Store};
+
+/// A Unix time aligned to a whole day, so every window up to a day starts here.
+pub const T0: Micros = 1_699_920_000_000_000;
+
+pub const VECTORS: &str = include_str!("../vectors/conformance.yaml");
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Vector {
+    pub name: String,
+    pub rules: indexmap_like::Ordered<RuleSpec>,
+    pub steps: Vec<Step>,
+}
+
+#[derive(Deserialize, Clone)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RuleSpec {
+    pub algorithm: Algorithm,
+    pub requests: u64,
+    pub per: String,
+    pub burst: Option<u64>,
+    pub max_delay: Option<String>,
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    pub at: String,
+    #[serde(default = "one")]
+    pub cost: u64,
+    #[serde(default = "one")]
+    pub repeat: u64,
+    pub key: Option<String>,
+    pub rules: Option<Vec<String>>,
+    pub expect: Expect,
+}
+
+fn one() -> u64 {
+    1
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Expect {
+    pub allowed: Option<bool>,
+    pub admitted: Option<u64>,
+    pub rule_allowed: Option<bool>,
+    pub remaining: Option<u64>,
+    pub retry_after: Option<String>,
+    pub reset_after: Option<String>,
+    pub delay: Option<String>,
+    #[serde(default)]
+    pub rules: BTreeMap<String, RuleExpect>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RuleExpect {
+    pub allowed: Option<bool>,
+    pub remaining: Option<u64>,
+    pub retry_after: Option<String>,
+    pub reset_after: Option<String>,
+    pub delay: Option<String>,
+}
+
+/// A map that keeps the YAML's order (rules are checked in declared order).
+pub mod indexmap_like {
+    use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+
+    pub struct Ordered<V>(pub Vec<(String, V)>);
+
+    impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V2<V>(std::marker::PhantomData<V>);
+            impl<'de, V: Deserialize<'de>> Visitor<'de> for V2<V> {
+                type Value = Ordered<V>;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a map of rule name to rule")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some((k, v)) = map.next_entry()? {
+                        out.push((k, v));
+                    }
+                    Ok(Ordered(out))
+                }
+            }
+            d.deserialize_map(V2(std::marker::PhantomData))
+        }
+    }
+}
+
+pub fn load() -> Vec<Vector> {
+    serde_yaml::from_str(VECTORS).expect("tests/vectors/conformance.yaml parses")
+}
+
+fn micros(text: &str) -> Micros {
+    parse_duration(text).unwrap_or_else(|e| panic!("bad duration in vectors: {e}"))
+}
+
+fn expect_retry(text: &str) -> Option<Micros> {
+    if text == "never" { None } else { Some(micros(text)) }
+}
+
+pub struct CompiledRule {
+    pub name: String,
+    pub id: RuleId,
+    pub limit: Limit,
+    pub enforce: bool,
+}
+
+pub fn compile_rules(vector_index: usize, vector: &Vector) -> Vec<CompiledRule> {
+    vector
+        .rules
+        .0
+        .iter()
+        .enumerate()
+        .map(|(i, (name, spec))| CompiledRule {
+            name: name.clone(),
+            // Distinct ids per vector, so one store can run every vector without interference.
+            id: ((vector_index as u64 + 1) << 16) | i as u64,
+            limit: Limit::new(
+                spec.algorithm,
+                spec.requests,
+                micros(&spec.per),
+                spec.burst,
+                spec.max_delay.as_deref().map(micros),
+            )
+            .unwrap_or_else(|e| panic!("{}: rule {name}: {e}", vector.name)),
+            enforce: spec.mode.as_deref() != Some("shadow"),
+        })
+        .collect()
+}
+
+fn compare(failures: &mut Vec<String>, context: &str, field: &str, want: String, got: String) {
+    if want != got {
+        failures.push(format!("{context}: {field}: expected {want}, got {got}"));
+    }
+}
+
+fn compare_rule(failures: &mut Vec<String>, context: &str, want: &RuleExpect, got: &Decision) {
+    let show = |d: Option<Micros>| d.map_or("never".to_string(), |d| HumanDuration(d).to_string());
+    if let Some(w) = want.allowed {
+        compare(failures, context, "allowed", w.to_string(), got.allowed.to_string());
+    }
+    if let Some(w) = want.remaining {
+        compare(failures, context, "remaining", w.to_string(), got.remaining.to_string());
+    }
+    if let Some(w) = &want.retry_after {
+        compare(failures, context, "retryAfter", show(expect_retry(w)), show(got.retry_after));
+    }
+    if let Some(w) = &want.reset_after {
+        compare(failures, context, "resetAfter", show(Some(micros(w))), show(Some(got.reset_after)));
+    }
+    if let Some(w) = &want.delay {
+        compare(failures, context, "delay", show(Some(micros(w))), show(Some(got.delay)));
+    }
+}
+
+/// Runs every vector against `store`; returns a description of each mismatch (empty = pass).
+pub async fn run<S: Store>(store: &S) -> Vec<String> {
+    run_vectors(store, &load()).await
+}
+
+pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (vi, vector) in vectors.iter().enumerate() {
+        let rules = compile_rules(vi, vector);
+        for (si, step) in vector.steps.iter().enumerate() {
+            let key = step.key.clone().unwrap_or_else(|| "k".to_string());
+            let selected: Vec<&CompiledRule> = match &step.rules {
+                None => rules.iter().collect(),
+                Some(names) => names
+                    .iter()
+                    .map(|n| rules.iter().find(|r| &r.name == n).unwrap_or_else(|| panic!("{}: no rule {n}", vector.name)))
+                    .collect(),
+            };
+            let checks: Vec<RuleCheck<'_>> = selected
+                .iter()
+                .map(|r| RuleCheck {
+                    rule: r.id,
+                    limit: &r.limit,
+                    key: key.as_bytes(),
+                    cost: step.cost,
+                    enforce: r.enforce,
+                    on_store_failure: FailureMode::Deny,
+                })
+                .collect();
+            let now = T0 + micros(&step.at);
+            let context = format!("{} / step {} (at {})", vector.name, si + 1, step.at);
+            let mut admitted = 0;
+            let mut last = None;
+            for _ in 0..step.repeat {
+                match store.check(Some(now), &checks).await {
+                    Ok(verdict) => {
+                        admitted += verdict.allowed as u64;
+                        last = Some(verdict);
+                    }
+                    Err(e) => {
+                        failures.push(format!("{context}: store error: {e}"));
+                        break;
+                    }
+                }
+            }
+            let Some(verdict) = last else { continue };
+            let e = &step.expect;
+            if let Some(w) = e.allowed {
+                compare(&mut failures, &context, "allowed", w.to_string(), verdict.allowed.to_string());
+            }
+            if let Some(w) = e.admitted {
+                compare(&mut failures, &context, "admitted", w.to_string(), admitted.to_string());
+            }
+            let single = RuleExpect {
+                allowed: e.rule_allowed,
+                remaining: e.remaining,
+                retry_after: e.retry_after.clone(),
+                reset_after: e.reset_after.clone(),
+                delay: e.delay.clone(),
+            };
+            if selected.len() == 1 {
+                compare_rule(&mut failures, &context, &single, &verdict.decisions[0]);
+            } else if single.remaining.is_some() || single.retry_after.is_some() || single.delay.is_some() {
+                failures.push(format!("{context}: per-rule fields at top level need exactly one rule"));
+            }
+            for (name, want) in &e.rules {
+                match selected.iter().position(|r| &r.name == name) {
+                    Some(i) => compare_rule(&mut failures, &format!("{context} rule {name}"), want, &verdict.decisions[i]),
+                    None => failures.push(format!("{context}: expectation for unchecked rule {name}")),
+                }
+            }
+        }
+    }
+    failures
+}

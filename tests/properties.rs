@@ -1,0 +1,174 @@
+//! Property tests of the bounds each algorithm promises, over random request sequences.
+
+use proptest::prelude::*;
+use sluice::algorithm::{Algorithm, Limit, Micros, State, check, decide};
+
+const T0: Micros = 1_699_920_000_000_000;
+
+/// Monotonic arrival times (gaps up to `max_gap`) and costs of 1 to `max_cost`.
+fn arrivals(max_gap: Micros, max_cost: u64, len: usize) -> impl Strategy<Value = Vec<(Micros, u64)>> {
+    prop::collection::vec((0..=max_gap, 1..=max_cost), 1..len).prop_map(|steps| {
+        let mut now = T0;
+        steps
+            .into_iter()
+            .map(|(gap, cost)| {
+                now += gap;
+                (now, cost)
+            })
+            .collect()
+    })
+}
+
+/// Runs the sequence and returns the admitted (time, cost, delay) triples.
+fn admitted(limit: &Limit, seq: &[(Micros, u64)]) -> Vec<(Micros, u64, Micros)> {
+    let mut state = None;
+    seq.iter()
+        .filter_map(|&(now, cost)| {
+            let d = decide(limit, &mut state, now, cost);
+            d.allowed.then_some((now, cost, d.delay))
+        })
+        .collect()
+}
+
+/// Largest admitted cost inside any half-open interval [start, start + length) that starts at an
+/// arrival (the worst case always starts at one).
+fn max_in_any_interval(admitted: &[(Micros, u64, Micros)], length: Micros) -> u64 {
+    admitted
+        .iter()
+        .map(|&(start, _, _)| admitted.iter().filter(|&&(t, _, _)| t >= start && t < start + length).map(|a| a.1).sum())
+        .max()
+        .unwrap_or(0)
+}
+
+fn limit(algorithm: Algorithm, requests: u64, per_ms: u64, burst: Option<u64>) -> Limit {
+    Limit::new(algorithm, requests, per_ms * 1000, burst, None).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn fixed_window_at_most_n_per_aligned_window_and_2n_in_any_window(
+        requests in 1u64..20, per_ms in 1u64..2000, seq in arrivals(400_000, 3, 200)
+    ) {
+        let l = limit(Algorithm::FixedWindow, requests, per_ms, None);
+        let got = admitted(&l, &seq);
+        let per = l.per();
+        let mut by_window = std::collections::BTreeMap::<u64, u64>::new();
+        for &(t, cost, _) in &got {
+            *by_window.entry(t / per).or_default() += cost;
+        }
+        prop_assert!(by_window.values().all(|&n| n <= requests));
+        prop_assert!(max_in_any_interval(&got, per) <= 2 * requests);
+    }
+
+    #[test]
+    fn sliding_log_never_more_than_n_in_any_trailing_window(
+        requests in 1u64..20, per_ms in 1u64..2000, seq in arrivals(300_000, 3, 200)
+    ) {
+        let l = limit(Algorithm::SlidingWindowLog, requests, per_ms, None);
+        let got = admitted(&l, &seq);
+        prop_assert!(max_in_any_interval(&got, l.per()) <= requests);
+    }
+
+    #[test]
+    fn sliding_counter_never_more_than_n_per_aligned_window(
+        requests in 1u64..20, per_ms in 1u64..2000, seq in arrivals(400_000, 3, 200)
+    ) {
+        let l = limit(Algorithm::SlidingWindowCounter, requests, per_ms, None);
+        let got = admitted(&l, &seq);
+        let mut by_window = std::collections::BTreeMap::<u64, u64>::new();
+        for &(t, cost, _) in &got {
+            *by_window.entry(t / l.per()).or_default() += cost;
+        }
+        prop_assert!(by_window.values().all(|&n| n <= requests));
+    }
+
+    #[test]
+    fn buckets_admit_at_most_burst_plus_rate_times_t(
+        algorithm in prop::sample::select(vec![Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::LeakyBucket]),
+        requests in 1u64..50, per_ms in 1u64..2000, burst in 1u64..20,
+        seq in arrivals(200_000, 3, 200), length_ms in 1u64..5000
+    ) {
+        let l = limit(algorithm, requests, per_ms, Some(burst));
+        let got = admitted(&l, &seq);
+        let length = length_ms * 1000;
+        // [a, a + t) starts with at most burst·T of credit and refills t − 1 µs of it.
+        prop_assert!(max_in_any_interval(&got, length) <= burst + (length - 1) / l.interval());
+    }
+
+    #[test]
+    fn token_bucket_and_gcra_decide_identically(
+        requests in 1u64..50, per_ms in 1u64..2000, burst in 1u64..20, seq in arrivals(200_000, 25, 200)
+    ) {
+        let tb = limit(Algorithm::TokenBucket, requests, per_ms, Some(burst));
+        let gcra = limit(Algorithm::Gcra, requests, per_ms, Some(burst));
+        let (mut a, mut b) = (None, None);
+        for &(now, cost) in &seq {
+            prop_assert_eq!(decide(&tb, &mut a, now, cost), decide(&gcra, &mut b, now, cost));
+        }
+    }
+
+    #[test]
+    fn shaped_leaky_bucket_departures_are_spaced_by_the_interval(
+        requests in 1u64..50, per_ms in 1u64..2000, burst in 1u64..20, max_delay_ms in 0u64..3000,
+        seq in arrivals(200_000, 3, 200)
+    ) {
+        let l = Limit::new(Algorithm::LeakyBucket, requests, per_ms * 1000, Some(burst), Some(max_delay_ms * 1000)).unwrap();
+        let got = admitted(&l, &seq);
+        for pair in got.windows(2) {
+            let (t1, cost1, d1) = pair[0];
+            let (t2, _, d2) = pair[1];
+            prop_assert!(d1 <= max_delay_ms * 1000);
+            prop_assert!(t2 + d2 >= t1 + d1 + cost1 * l.interval(), "departures {} then {}", t1 + d1, t2 + d2);
+        }
+    }
+
+    #[test]
+    fn a_denial_never_changes_state(
+        algorithm in prop::sample::select(Algorithm::ALL.to_vec()),
+        requests in 1u64..10, per_ms in 1u64..2000, seq in arrivals(300_000, 4, 100),
+        probe_gap in 0u64..300_000, probe_cost in 1u64..12
+    ) {
+        let l = limit(algorithm, requests, per_ms, None);
+        let mut state: Option<State> = None;
+        let mut now = T0;
+        for &(t, cost) in &seq {
+            decide(&l, &mut state, t, cost);
+            now = t;
+        }
+        let before = state.clone();
+        let probe_at = now + probe_gap;
+        let decision = decide(&l, &mut state, probe_at, probe_cost);
+        if !decision.allowed {
+            prop_assert_eq!(&state, &before);
+        }
+        // Checking alone never changes anything either, whatever it decides.
+        let snapshot = state.clone();
+        let _ = check(&l, state.as_ref(), probe_at, probe_cost);
+        prop_assert_eq!(state, snapshot);
+    }
+
+    #[test]
+    fn retry_after_is_exact_for_the_same_request(
+        algorithm in prop::sample::select(Algorithm::ALL.to_vec()),
+        requests in 1u64..10, per_ms in 1u64..2000, seq in arrivals(300_000, 3, 60), cost in 1u64..4
+    ) {
+        let l = limit(algorithm, requests, per_ms, None);
+        let mut state = None;
+        let mut now = T0;
+        for &(t, c) in &seq {
+            decide(&l, &mut state, t, c);
+            now = t;
+        }
+        let d = check(&l, state.as_ref(), now, cost);
+        if let Some(wait) = d.retry_after {
+            prop_assert!(!d.allowed);
+            // Admitted exactly at now + retry_after, and not a microsecond earlier.
+            prop_assert!(check(&l, state.as_ref(), now + wait, cost).allowed, "not admitted after retry_after {}", wait);
+            if wait > 0 {
+                prop_assert!(!check(&l, state.as_ref(), now + wait - 1, cost).allowed);
+            }
+        }
+    }
+}
