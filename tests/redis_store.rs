@@ -68,6 +68,9 @@ fn limit_pool() -> Vec<Limit> {
 
 /// The reference: the pure algorithms driven exactly as every store must drive them (decide all,
 /// then consume in each admitting rule only when no enforcing rule denied).
+/// For each key a step wrote: the TTL in ms the script must have set, or `None` for no key.
+type Written = Vec<(Vec<u8>, Option<u64>)>;
+
 #[derive(Default)]
 struct Model {
     states: HashMap<Vec<u8>, State>,
@@ -76,7 +79,7 @@ struct Model {
 impl Model {
     /// Returns the verdict and, for each key written, the TTL (ms) the script must have set
     /// (`None`: the key must not exist).
-    fn decide(&mut self, now: Micros, checks: &[(Vec<u8>, RuleCheck<'_>)]) -> (Verdict, Vec<(Vec<u8>, Option<u64>)>) {
+    fn decide(&mut self, now: Micros, checks: &[(Vec<u8>, RuleCheck<'_>)]) -> (Verdict, Written) {
         let decisions: Vec<Decision> = checks
             .iter()
             .map(|(k, c)| algorithm::check(c.limit, self.states.get(k), now, c.cost))
@@ -478,4 +481,25 @@ async fn ttl_rounds_up_to_whole_milliseconds() {
             .unwrap();
         assert_eq!(pttl, expected, "case {i}");
     }
+}
+
+/// `rediss://` works with a private CA, and an untrusted certificate is an error, not a panic
+/// (redis's rustls needs a crypto provider the store installs).
+#[tokio::test]
+async fn tls_with_a_private_ca() {
+    let (_server, tls_port, ca, _dir) = support::redis_server::start_tls();
+    let l = limit(Algorithm::Gcra, 10, SEC, None, None);
+    let c = [check(1, &l, b"k", 1, true)];
+
+    let mut config = RedisConfig::single(format!("rediss://127.0.0.1:{tls_port}"));
+    config.timeout = Duration::from_secs(5);
+    config.tls_root_ca = Some(ca);
+    let store = RedisStore::connect(config.clone()).await.expect("tls store");
+    let v = store.check_tagged("tls", None, &c).await.expect("decision over TLS");
+    assert!(v.allowed);
+
+    config.tls_root_ca = None;
+    config.timeout = Duration::from_millis(500);
+    let untrusted = RedisStore::connect(config).await.expect("lazy");
+    assert!(untrusted.check_tagged("tls", None, &c).await.is_err());
 }

@@ -79,6 +79,9 @@ pub struct RedisConfig {
     /// Deadline of one connection attempt (re-connections happen in the background).
     pub connect_timeout: Duration,
     pub breaker: BreakerConfig,
+    /// PEM root certificate(s) trusted for `rediss://` instead of the built-in web PKI roots
+    /// (in-cluster Redis usually has a private CA).
+    pub tls_root_ca: Option<Vec<u8>>,
 }
 
 impl RedisConfig {
@@ -99,17 +102,22 @@ impl RedisConfig {
             timeout: RedisConfig::DEFAULT_TIMEOUT,
             connect_timeout: RedisConfig::DEFAULT_CONNECT_TIMEOUT,
             breaker: BreakerConfig::default(),
+            tls_root_ca: None,
         }
     }
 }
 
-#[derive(Clone)]
 enum Connection {
     /// Multiplexed: concurrent decisions are pipelined over one socket; reconnects by itself.
     Single(ConnectionManager),
     /// Connected on first use (and again after a failed first use), so the process starts while
     /// the cluster is down; afterwards the cluster connection re-routes and reconnects by itself.
-    Cluster { client: ClusterClient, connection: std::sync::Arc<tokio::sync::OnceCell<ClusterConnection>> },
+    Cluster(Box<ClusterState>),
+}
+
+struct ClusterState {
+    client: ClusterClient,
+    connection: tokio::sync::OnceCell<ClusterConnection>,
 }
 
 pub struct RedisStore {
@@ -136,9 +144,19 @@ impl RedisStore {
     pub async fn connect(config: RedisConfig) -> Result<RedisStore, StoreError> {
         let endpoint = config.endpoint.redacted();
         let invalid = |e: RedisError| StoreError::Unavailable(format!("invalid Redis endpoint {endpoint}: {}", e.kind_name()));
+        // redis's rustls needs a process-wide crypto provider; without one the first TLS
+        // handshake panics. Keep one the embedding program installed.
+        if rustls::crypto::CryptoProvider::get_default().is_none() {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let certificates = || ::redis::TlsCertificates { client_tls: None, root_cert: config.tls_root_ca.clone() };
         let connection = match &config.endpoint {
             RedisEndpoint::Single(url) => {
-                let client = ::redis::Client::open(url.as_str()).map_err(invalid)?;
+                let client = match &config.tls_root_ca {
+                    Some(_) => ::redis::Client::build_with_tls(url.as_str(), certificates()),
+                    None => ::redis::Client::open(url.as_str()),
+                }
+                .map_err(invalid)?;
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.connect_timeout))
                     // Retry a lost connection quickly a few times; a call arriving after the
@@ -152,12 +170,14 @@ impl RedisStore {
                 if urls.is_empty() {
                     return Err(StoreError::Unavailable("no Redis Cluster seed nodes given".into()));
                 }
-                let client = ClusterClient::builder(urls.iter().map(String::as_str))
+                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                     .connection_timeout(config.connect_timeout)
-                    .retries(2)
-                    .build()
-                    .map_err(invalid)?;
-                Connection::Cluster { client, connection: Default::default() }
+                    .retries(2);
+                if config.tls_root_ca.is_some() {
+                    builder = builder.certs(certificates());
+                }
+                let client = builder.build().map_err(invalid)?;
+                Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
             }
         };
         Ok(RedisStore { connection, breaker: Breaker::new(config.breaker), timeout: config.timeout, endpoint })
@@ -199,9 +219,9 @@ impl RedisStore {
         let call = async {
             match &self.connection {
                 Connection::Single(manager) => invocation.invoke_async::<Value>(&mut manager.clone()).await,
-                Connection::Cluster { client, connection } => {
+                Connection::Cluster(cluster) => {
                     let mut connection =
-                        connection.get_or_try_init(|| client.get_async_connection()).await?.clone();
+                        cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await?.clone();
                     invocation.invoke_async::<Value>(&mut connection).await
                 }
             }

@@ -154,6 +154,39 @@ fn wait_for_ping(port: u16, within: Duration) {
     }
 }
 
+/// A server that also listens with TLS, with a certificate for 127.0.0.1 signed by a throwaway
+/// CA made with `openssl`. Returns the server, its TLS port, the CA certificate (PEM) to trust
+/// and the directory holding the files.
+pub fn start_tls() -> (RedisServer, u16, Vec<u8>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    std::fs::write(path("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("write ext");
+    let openssl = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run openssl (apt-get install openssl)");
+        assert!(status.success(), "openssl {args:?} failed");
+    };
+    let (ca, ca_key, cert, key, csr) = (path("ca.pem"), path("ca.key"), path("cert.pem"), path("key.pem"), path("req.csr"));
+    openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=sluice test CA", "-keyout", &ca_key, "-out", &ca]);
+    openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &csr]);
+    openssl(&["x509", "-req", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "1", "-extfile", &path("ext.cnf"), "-out", &cert]);
+    let tls_port = free_port(false);
+    let extra: Vec<String> = [
+        "--tls-port", &tls_port.to_string(), "--tls-cert-file", &cert, "--tls-key-file", &key,
+        "--tls-ca-cert-file", &ca, "--tls-auth-clients", "no",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let server = RedisServer::start_with(free_port(false), &extra);
+    let pem = std::fs::read(&ca).expect("read CA");
+    (server, tls_port, pem, dir)
+}
+
 /// Three masters, no replicas, slots spread by `redis-cli --cluster create`.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
