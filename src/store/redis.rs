@@ -70,6 +70,16 @@ impl RedisEndpoint {
     }
 }
 
+/// Why a Redis configuration cannot be used at all (as opposed to Redis being unreachable, which
+/// [`RedisStore::connect`] tolerates).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RedisConfigError {
+    #[error("invalid Redis endpoint {endpoint}: {reason}")]
+    Invalid { endpoint: String, reason: String },
+    #[error("--redis-cluster needs at least one node URL")]
+    NoClusterNodes,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisConfig {
     pub endpoint: RedisEndpoint,
@@ -141,9 +151,10 @@ impl RedisStore {
     /// Prepares the store. Connections are made lazily and re-made in the background, so this
     /// succeeds while Redis is down (decisions then fail until it is back); it fails only on an
     /// unusable configuration (a malformed URL). Must run inside a Tokio runtime.
-    pub async fn connect(config: RedisConfig) -> Result<RedisStore, StoreError> {
+    pub async fn connect(config: RedisConfig) -> Result<RedisStore, RedisConfigError> {
         let endpoint = config.endpoint.redacted();
-        let invalid = |e: RedisError| StoreError::Unavailable(format!("invalid Redis endpoint {endpoint}: {}", e.kind_name()));
+        // Only the error's category: its detail may echo the URL, password included.
+        let invalid = |e: RedisError| RedisConfigError::Invalid { endpoint: endpoint.clone(), reason: e.category().to_string() };
         // redis's rustls needs a process-wide crypto provider; without one the first TLS
         // handshake panics. Keep one the embedding program installed.
         if rustls::crypto::CryptoProvider::get_default().is_none() {
@@ -168,7 +179,7 @@ impl RedisStore {
             }
             RedisEndpoint::Cluster(urls) => {
                 if urls.is_empty() {
-                    return Err(StoreError::Unavailable("no Redis Cluster seed nodes given".into()));
+                    return Err(RedisConfigError::NoClusterNodes);
                 }
                 let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                     .connection_timeout(config.connect_timeout)
@@ -377,17 +388,6 @@ pub fn classify(error: &RedisError) -> (StoreError, bool) {
     if store_down { (StoreError::Unavailable(message), true) } else { (StoreError::Protocol(message), false) }
 }
 
-trait KindName {
-    fn kind_name(&self) -> String;
-}
-
-impl KindName for RedisError {
-    /// The error without anything that could echo the URL (and its password) back.
-    fn kind_name(&self) -> String {
-        format!("{:?}", self.kind())
-    }
-}
-
 /// `scheme://user:secret@host/…` → `scheme://user:***@host/…`; URLs without a password are
 /// returned as they are.
 pub fn redact_url(url: &str) -> String {
@@ -477,6 +477,16 @@ mod tests {
         assert_eq!(redact_url("redis://h:1/0?user=a@b"), "redis://h:1/0?user=a@b");
         let endpoint = RedisEndpoint::Cluster(vec!["redis://:pw@a:1".into(), "redis://:pw@b:2".into()]);
         assert!(!format!("{endpoint:?}").contains("pw"));
+    }
+
+    #[tokio::test]
+    async fn unusable_configuration_is_refused_without_echoing_secrets() {
+        let err = RedisStore::connect(RedisConfig::single("http://:hunter2@host")).await.unwrap_err();
+        assert!(matches!(&err, RedisConfigError::Invalid { .. }), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let none: [&str; 0] = [];
+        assert_eq!(RedisStore::connect(RedisConfig::cluster(none)).await.unwrap_err(), RedisConfigError::NoClusterNodes);
+        assert!(RedisStore::connect(RedisConfig::single("redis://127.0.0.1:1")).await.is_ok(), "lazy: no connection yet");
     }
 
     #[test]
