@@ -4,7 +4,10 @@
 //! admitted only when every enforcing rule admits it, and only then does each admitting rule
 //! consume. A denial consumes nothing anywhere.
 
+pub mod breaker;
+pub mod keys;
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 
@@ -98,6 +101,19 @@ pub trait Store: Send + Sync + 'static {
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
+
+    /// [`Store::check`] for a request of namespace `tag`. A shared store keeps all of a
+    /// request's keys under this tag so that one atomic call can decide them (one Redis Cluster
+    /// slot); stores without slots ignore it.
+    fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        let _ = tag;
+        self.check(now, checks)
+    }
 }
 
 impl<T: Store> Store for std::sync::Arc<T> {

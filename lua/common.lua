@@ -1,0 +1,58 @@
+-- Shared prelude of the Sluice decision script (see check.lua for the script's contract).
+--
+-- The Rust side concatenates common.lua, one file per algorithm and check.lua into ONE script
+-- (src/store/redis.rs, include_str!), so every request is decided in a single EVALSHA. Each
+-- algorithm file adds a table to `sluice` with the same four functions:
+--
+--   read(key, ktype)                 -> state or nil (nil: missing, or another algorithm's shape)
+--   check(l, state, now, cost)       -> allowed, remaining, reset_after_us, retry_after_us (-1 =
+--                                       none), delay_us; read-only
+--   consume(key, ktype, state, l, now, cost) -> writes the state after admitting `cost`, with a
+--                                       PEXPIRE equal to the time until it is pristine again
+--
+-- They mirror src/algorithm/*.rs line by line. Lua numbers are doubles: every value here is an
+-- integer below 2^53 (Limit::new guarantees it), where + - * and comparisons are exact; division
+-- goes through idiv, which corrects the one rounding a double quotient can make.
+
+local sluice = {}
+
+-- floor(a / b) for non-negative integers a, b > 0, exact: the double quotient may round up to
+-- the next integer when the true quotient is just below it, so check it against the product.
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+-- Integers as command arguments: tostring() would give "1e+15" for large doubles.
+local function fmt(x)
+  return string.format('%d', x)
+end
+
+-- A non-negative decimal integer stored by this script, or nil for anything else.
+local function int(s)
+  if type(s) ~= 'string' or not string.match(s, '^%d+$') then
+    return nil
+  end
+  return tonumber(s)
+end
+
+-- Milliseconds until `pristine_at`, rounded up so a key never expires before its state is
+-- pristine, and at least 1 (PEXPIRE 0 would delete at once).
+local function ttl_ms(pristine_at, now)
+  local us = pristine_at - now
+  if us <= 1000 then
+    return 1
+  end
+  return idiv(us + 999, 1000)
+end
+
+-- Whether a consume should write at all: a key that did not exist and would be pristine at once
+-- (a zero-cost request) is not created, as the memory store does not keep such an entry.
+local function worth_writing(ktype, pristine_at, now)
+  return ktype ~= 'none' or pristine_at > now
+end

@@ -1,0 +1,53 @@
+-- GCRA, and the leaky bucket (policer; shaper when max_delay >= 0). Mirrors src/algorithm/gcra.rs.
+--
+-- State: a string holding the theoretical arrival time (TAT) in µs since the epoch.
+-- Rule fields used (see check.lua): burst, interval (µs, per/requests rounded up),
+-- max_delay (µs, or -1 when not shaping), algo (3 = leakyBucket).
+--   capacity = burst × interval; new_tat = max(tat, now) + cost × interval;
+--   admitted when new_tat − now ≤ capacity (and, when shaping, the wait max(tat, now) − now ≤
+--   max_delay, returned as the delay). TTL = new_tat − now.
+
+sluice.gcra = {}
+
+function sluice.gcra.read(key, ktype)
+  if ktype ~= 'string' then
+    return nil
+  end
+  return int(redis.call('GET', key))
+end
+
+function sluice.gcra.check(l, tat, now, cost)
+  local interval = l.interval
+  local capacity = l.burst * interval
+  local base = math.max(tat or now, now)
+  local backlog = base - now
+  local free_now = idiv(math.max(capacity - backlog, 0), interval)
+  if cost > l.burst then
+    return false, free_now, backlog, -1, 0
+  end
+  local new_tat = base + cost * interval
+  local fits = new_tat - now <= capacity
+  local shaping = l.algo == 3 and l.max_delay >= 0
+  local within_delay = (not shaping) or backlog <= l.max_delay
+  if fits and within_delay then
+    local delay = 0
+    if shaping then
+      delay = backlog
+    end
+    return true, idiv(capacity - (new_tat - now), interval), new_tat - now, -1, delay
+  end
+  local until_fits = math.max(new_tat - now - capacity, 0)
+  local until_short_wait = 0
+  if shaping then
+    until_short_wait = math.max(backlog - l.max_delay, 0)
+  end
+  return false, free_now, backlog, math.max(until_fits, until_short_wait), 0
+end
+
+function sluice.gcra.consume(key, ktype, tat, l, now, cost)
+  local new_tat = math.max(tat or now, now) + cost * l.interval
+  if worth_writing(ktype, new_tat, now) then
+    -- SET replaces a key of any type, so another algorithm's state needs no DEL.
+    redis.call('SET', key, fmt(new_tat), 'PX', ttl_ms(new_tat, now))
+  end
+end

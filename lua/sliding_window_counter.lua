@@ -1,0 +1,106 @@
+-- Sliding window counter: estimate = previous × (per − elapsed) / per + current, admitted when
+-- floor(estimate) + cost ≤ requests. Mirrors src/algorithm/sliding_counter.rs, including its
+-- whole-millisecond weights (previous × per_ms stays below 2^53, so the floor is exact here too).
+--
+-- State: hash {a = "swc", index = window index (now / per), previous, current}.
+-- Rule fields used: requests, per. A clock behind the stored window stays in it.
+-- TTL: end of the next window when current > 0, else end of this window when previous > 0.
+
+sluice.sliding_window_counter = {}
+
+local U32_MAX = 4294967295
+
+function sluice.sliding_window_counter.read(key, ktype)
+  if ktype ~= 'hash' then
+    return nil
+  end
+  local v = redis.call('HMGET', key, 'a', 'index', 'previous', 'current')
+  local index, previous, current = int(v[2]), int(v[3]), int(v[4])
+  if v[1] ~= 'swc' or index == nil or previous == nil or current == nil then
+    return nil
+  end
+  return { index = index, previous = previous, current = current }
+end
+
+local function swc_roll(l, c, now)
+  local index = idiv(now, l.per)
+  if c ~= nil and c.index >= index then
+    return c
+  end
+  if c ~= nil and c.index + 1 == index then
+    return { index = index, previous = c.current, current = 0 }
+  end
+  return { index = index, previous = 0, current = 0 }
+end
+
+local function weighted_previous(previous, per_ms, elapsed_ms)
+  return idiv(previous * (per_ms - math.min(elapsed_ms, per_ms)), per_ms)
+end
+
+-- Smallest elapsed (ms) into a window at which floor(previous × (per − e) / per) ≤ allowance.
+local function first_fit_ms(previous, per_ms, allowance)
+  if previous == 0 then
+    return 0
+  end
+  return math.max(per_ms - idiv((allowance + 1) * per_ms - 1, previous), 0)
+end
+
+local function swc_pristine_at(l, start, previous, current, now)
+  if current > 0 then
+    return start + 2 * l.per
+  elseif previous > 0 then
+    return start + l.per
+  end
+  return now
+end
+
+function sluice.sliding_window_counter.check(l, counts, now, cost)
+  local c = swc_roll(l, counts, now)
+  local per_ms = idiv(l.per, 1000)
+  local start = c.index * l.per
+  local elapsed_ms = idiv(math.max(now - start, 0), 1000)
+  local estimate = weighted_previous(c.previous, per_ms, elapsed_ms) + c.current
+  if estimate + cost <= l.requests then
+    local reset_at = swc_pristine_at(l, start, c.previous, c.current + cost, now)
+    return true, l.requests - estimate - cost, math.max(reset_at - now, 0), -1, 0
+  end
+  local retry_after = -1
+  if cost <= l.requests then
+    -- This window, if the current count leaves room; else the next, whose previous count is
+    -- this window's current; else the one after, which starts empty.
+    local at = nil
+    if c.current + cost <= l.requests then
+      local e = first_fit_ms(c.previous, per_ms, l.requests - c.current - cost)
+      if e < per_ms then
+        at = start + e * 1000
+      end
+    end
+    if at == nil then
+      local e = first_fit_ms(c.current, per_ms, l.requests - cost)
+      if e < per_ms then
+        at = start + l.per + e * 1000
+      end
+    end
+    if at == nil then
+      at = start + 2 * l.per
+    end
+    retry_after = math.max(at - now, 0)
+  end
+  local reset_at = swc_pristine_at(l, start, c.previous, c.current, now)
+  return false, math.max(l.requests - estimate, 0), math.max(reset_at - now, 0), retry_after, 0
+end
+
+function sluice.sliding_window_counter.consume(key, ktype, counts, l, now, cost)
+  local c = swc_roll(l, counts, now)
+  local current = math.min(c.current + cost, U32_MAX)
+  local pristine_at = swc_pristine_at(l, c.index * l.per, c.previous, c.current + cost, now)
+  if not worth_writing(ktype, pristine_at, now) then
+    return
+  end
+  if counts == nil and ktype ~= 'none' then
+    redis.call('DEL', key)
+  end
+  redis.call('HSET', key, 'a', 'swc', 'index', fmt(c.index), 'previous', fmt(c.previous),
+    'current', fmt(current))
+  redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
+end

@@ -1,0 +1,62 @@
+-- Token bucket with continuous refill. Mirrors src/algorithm/token_bucket.rs.
+--
+-- State: hash {a = "tb", credit = µs of emission (one token = one interval), updated = µs}.
+-- Rule fields used: burst, interval. capacity = burst × interval; the level at `now` is
+-- min(credit + max(now − updated, 0), capacity) (a clock behind `updated` refills nothing).
+-- TTL = updated + (capacity − credit) − now after consuming.
+
+sluice.token_bucket = {}
+
+function sluice.token_bucket.read(key, ktype)
+  if ktype ~= 'hash' then
+    return nil
+  end
+  local v = redis.call('HMGET', key, 'a', 'credit', 'updated')
+  local credit, updated = int(v[2]), int(v[3])
+  if v[1] ~= 'tb' or credit == nil or updated == nil then
+    return nil
+  end
+  return { credit = credit, updated = updated }
+end
+
+local function tb_level(l, b, now)
+  local capacity = l.burst * l.interval
+  if b == nil then
+    return capacity
+  end
+  return math.min(b.credit + math.max(now - b.updated, 0), capacity)
+end
+
+function sluice.token_bucket.check(l, b, now, cost)
+  local interval = l.interval
+  local capacity = l.burst * interval
+  local level = tb_level(l, b, now)
+  if cost > l.burst then
+    return false, idiv(level, interval), capacity - level, -1, 0
+  end
+  local needed = cost * interval
+  if level >= needed then
+    local left = level - needed
+    return true, idiv(left, interval), capacity - left, -1, 0
+  end
+  return false, idiv(level, interval), capacity - level, needed - level, 0
+end
+
+function sluice.token_bucket.consume(key, ktype, b, l, now, cost)
+  local capacity = l.burst * l.interval
+  local level = tb_level(l, b, now)
+  local credit = math.max(level - cost * l.interval, 0)
+  local updated = now
+  if b ~= nil then
+    updated = math.max(b.updated, now)
+  end
+  local pristine_at = updated + (capacity - credit)
+  if not worth_writing(ktype, pristine_at, now) then
+    return
+  end
+  if b == nil and ktype ~= 'none' then
+    redis.call('DEL', key) -- another algorithm's state: start over, as Rust replaces it
+  end
+  redis.call('HSET', key, 'a', 'tb', 'credit', fmt(credit), 'updated', fmt(updated))
+  redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
+end

@@ -1,0 +1,143 @@
+//! Redis key names: the one place they are built.
+//!
+//! `sl1:{<tag>}:<rule-id as 16 hex digits>:<key>`
+//!
+//! - `sl1:` versions the layout: a change to the state encoding bumps it, so old and new
+//!   replicas never read each other's state during a rollout (the old keys simply expire).
+//! - `{<tag>}` is the Redis Cluster hash tag. Every rule a request matches must live in one slot
+//!   for the decision script to read and write them atomically, so the tag is the request's
+//!   namespace: all rules of one namespace's policies share it. The cost is that one namespace's
+//!   keys all sit on one cluster shard; a tenant big enough to overload a shard needs its own
+//!   namespaces.
+//! - The rule id is the stable identity of the rule (not its numbers), so editing a limit keeps
+//!   its counters.
+//! - The key is the rule's joined key parts, binary-safe. Keys longer than [`MAX_INLINE_KEY`]
+//!   bytes are replaced by their SHA-256 in hex, so a huge header value cannot make a huge Redis
+//!   key.
+//!
+//! Rules that cannot share the request's tag (a future cluster-wide "global" rule keyed by its
+//! own tag) cannot be decided in the same script. The store would then decide them in a second
+//! call and, when that call denies after the first admitted, refund the first call's consumption
+//! (check-then-consume with refund): atomic per slot, not across slots, and documented as such.
+//! This round does not implement that path; every rule of a request uses the request's tag.
+
+use sha2::{Digest, Sha256};
+
+use super::RuleId;
+
+/// Version prefix of every key Sluice writes.
+pub const PREFIX: &str = "sl1:";
+/// Keys up to this many bytes are kept verbatim; longer ones are hashed.
+pub const MAX_INLINE_KEY: usize = 128;
+/// The tag used when a request names no namespace.
+pub const DEFAULT_TAG: &str = "default";
+
+/// The Redis key holding the state of `rule` for `key`, in the hash-tag slot of `tag`.
+pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PREFIX.len() + tag.len() + 22 + key.len().min(64));
+    out.extend_from_slice(PREFIX.as_bytes());
+    out.push(b'{');
+    push_tag(&mut out, tag);
+    out.extend_from_slice(b"}:");
+    out.extend_from_slice(format!("{rule:016x}").as_bytes());
+    out.push(b':');
+    if key.len() > MAX_INLINE_KEY {
+        out.extend_from_slice(hex(&Sha256::digest(key)).as_bytes());
+    } else {
+        out.extend_from_slice(key);
+    }
+    out
+}
+
+/// The hash tag must be non-empty and free of braces, or Redis would hash a different part of
+/// the key (an empty `{}` tag hashes the whole key, splitting a request's rules across slots).
+/// Kubernetes namespace names never contain braces; anything else is replaced by a digest.
+fn push_tag(out: &mut Vec<u8>, tag: &str) {
+    if tag.is_empty() {
+        out.extend_from_slice(DEFAULT_TAG.as_bytes());
+    } else if tag.contains(['{', '}']) || tag.len() > MAX_INLINE_KEY {
+        out.extend_from_slice(hex(&Sha256::digest(tag.as_bytes())[..8]).as_bytes());
+    } else {
+        out.extend_from_slice(tag.as_bytes());
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// The Redis Cluster slot of `key` (CRC16/XMODEM of its hash tag, mod 16384), for tests and
+/// diagnostics.
+pub fn cluster_slot(key: &[u8]) -> u16 {
+    let hashed = match key.iter().position(|&b| b == b'{') {
+        Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &key[open + 1..open + 1 + len],
+            _ => key,
+        },
+        None => key,
+    };
+    crc16_xmodem(hashed) % 16384
+}
+
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= (byte as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_prefix_tag_rule_key() {
+        let k = state_key("tenant-acme", 0xabc, b"203.0.113.7");
+        assert_eq!(k, b"sl1:{tenant-acme}:0000000000000abc:203.0.113.7".to_vec());
+    }
+
+    #[test]
+    fn keys_of_one_namespace_share_a_slot() {
+        let a = state_key("tenant-acme", 1, b"ip:1.2.3.4");
+        let b = state_key("tenant-acme", u64::MAX, b"{tricky}key");
+        let c = state_key("tenant-acme", 7, &[0xff; 500]);
+        assert_eq!(cluster_slot(&a), cluster_slot(&b));
+        assert_eq!(cluster_slot(&a), cluster_slot(&c));
+        assert_ne!(cluster_slot(&a), cluster_slot(&state_key("tenant-other", 1, b"ip:1.2.3.4")));
+    }
+
+    #[test]
+    fn long_keys_are_hashed_short_ones_are_not() {
+        let exact = vec![b'x'; MAX_INLINE_KEY];
+        assert!(state_key("ns", 1, &exact).ends_with(&exact));
+        let long = vec![b'x'; MAX_INLINE_KEY + 1];
+        let k = state_key("ns", 1, &long);
+        let tail = &k[k.len() - 64..];
+        assert!(tail.iter().all(u8::is_ascii_hexdigit), "sha256 hex");
+        assert_eq!(k.len(), "sl1:{ns}:0000000000000001:".len() + 64);
+        assert_ne!(k, state_key("ns", 1, &[b'x'; MAX_INLINE_KEY + 2]));
+    }
+
+    #[test]
+    fn braces_or_empty_tags_cannot_break_the_slot() {
+        let k = state_key("a}b", 1, b"k");
+        assert_eq!(k.iter().filter(|&&b| b == b'}').count(), 1);
+        assert!(state_key("", 1, b"k").starts_with(b"sl1:{default}:"));
+    }
+
+    #[test]
+    fn crc16_matches_the_cluster_spec() {
+        // From the Redis Cluster specification: CRC16("123456789") = 0x31C3.
+        assert_eq!(crc16_xmodem(b"123456789"), 0x31c3);
+        assert_eq!(cluster_slot(b"{user1000}.following"), cluster_slot(b"{user1000}.followers"));
+        assert_eq!(cluster_slot(b"foo{}{bar}"), crc16_xmodem(b"foo{}{bar}") % 16384);
+    }
+}

@@ -1,0 +1,501 @@
+//! The shared store: per-key state in Redis (a single server or a Redis Cluster), every request
+//! decided by one Lua script call.
+//!
+//! One call per request, whatever the number of rules: the script (lua/check.lua) decides every
+//! rule read-only, and consumes in all of them only when every enforcing rule admits the request.
+//! All of a request's keys share a hash tag (the namespace, see [`super::keys`]) so the script is
+//! legal on a cluster. The script is sent by SHA (EVALSHA) and reloaded when Redis answers
+//! NOSCRIPT (after a restart, failover or SCRIPT FLUSH).
+//!
+//! Failure handling stops at an error: each call has a deadline ([`StoreError::Timeout`]) and a
+//! circuit breaker fails calls at once while Redis is known to be down
+//! ([`StoreError::Unavailable`]). Applying each rule's `on_store_failure` to that error is the
+//! caller's job, since only the caller has the local fallback store.
+
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClient;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+
+use super::breaker::{Breaker, BreakerConfig, BreakerState};
+use super::keys::{self, DEFAULT_TAG};
+use super::{RuleCheck, Store, StoreError, Verdict};
+use crate::algorithm::{Algorithm, Decision, Micros};
+
+/// The decision script: the shared prelude, one file per algorithm, then the entry point.
+pub const SCRIPT_SOURCE: &str = concat!(
+    include_str!("../../lua/common.lua"),
+    include_str!("../../lua/token_bucket.lua"),
+    include_str!("../../lua/gcra.lua"),
+    include_str!("../../lua/fixed_window.lua"),
+    include_str!("../../lua/sliding_window_log.lua"),
+    include_str!("../../lua/sliding_window_counter.lua"),
+    include_str!("../../lua/check.lua"),
+);
+
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
+
+/// Arguments the script takes per rule (see lua/check.lua).
+pub const ARGS_PER_RULE: usize = 8;
+/// Values the script returns per rule, after the overall flag.
+pub const REPLY_PER_RULE: usize = 5;
+
+/// Where Redis is.
+#[derive(Clone, PartialEq, Eq)]
+pub enum RedisEndpoint {
+    /// `redis://[user:password@]host:port[/db]` or `rediss://…` (TLS).
+    Single(String),
+    /// Seed nodes of a Redis Cluster (`--redis-cluster URL[,URL…]`); the rest is discovered.
+    Cluster(Vec<String>),
+}
+
+impl std::fmt::Debug for RedisEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl RedisEndpoint {
+    /// The endpoint with passwords replaced, safe to log and show in status.
+    pub fn redacted(&self) -> String {
+        match self {
+            RedisEndpoint::Single(url) => redact_url(url),
+            RedisEndpoint::Cluster(urls) => {
+                format!("cluster[{}]", urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(","))
+            }
+        }
+    }
+}
+
+/// Why a Redis configuration cannot be used at all (as opposed to Redis being unreachable, which
+/// [`RedisStore::connect`] tolerates).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RedisConfigError {
+    #[error("invalid Redis endpoint {endpoint}: {reason}")]
+    Invalid { endpoint: String, reason: String },
+    #[error("--redis-cluster needs at least one node URL")]
+    NoClusterNodes,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisConfig {
+    pub endpoint: RedisEndpoint,
+    /// Deadline of one decision, connection wait included. Past it the call fails with
+    /// [`StoreError::Timeout`] and the rules' failure modes apply.
+    pub timeout: Duration,
+    /// Deadline of one connection attempt (re-connections happen in the background).
+    pub connect_timeout: Duration,
+    pub breaker: BreakerConfig,
+    /// PEM root certificate(s) trusted for `rediss://` instead of the built-in web PKI roots
+    /// (in-cluster Redis usually has a private CA).
+    pub tls_root_ca: Option<Vec<u8>>,
+}
+
+impl RedisConfig {
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+    pub fn single(url: impl Into<String>) -> RedisConfig {
+        RedisConfig::new(RedisEndpoint::Single(url.into()))
+    }
+
+    pub fn cluster<S: Into<String>>(urls: impl IntoIterator<Item = S>) -> RedisConfig {
+        RedisConfig::new(RedisEndpoint::Cluster(urls.into_iter().map(Into::into).collect()))
+    }
+
+    pub fn new(endpoint: RedisEndpoint) -> RedisConfig {
+        RedisConfig {
+            endpoint,
+            timeout: RedisConfig::DEFAULT_TIMEOUT,
+            connect_timeout: RedisConfig::DEFAULT_CONNECT_TIMEOUT,
+            breaker: BreakerConfig::default(),
+            tls_root_ca: None,
+        }
+    }
+}
+
+enum Connection {
+    /// Multiplexed: concurrent decisions are pipelined over one socket; reconnects by itself.
+    Single(ConnectionManager),
+    /// Connected on first use (and again after a failed first use), so the process starts while
+    /// the cluster is down; afterwards the cluster connection re-routes and reconnects by itself.
+    Cluster(Box<ClusterState>),
+}
+
+struct ClusterState {
+    client: ClusterClient,
+    connection: tokio::sync::OnceCell<ClusterConnection>,
+}
+
+pub struct RedisStore {
+    connection: Connection,
+    breaker: Breaker,
+    timeout: Duration,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("endpoint", &self.endpoint)
+            .field("timeout", &self.timeout)
+            .field("breaker", &self.breaker_state())
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Prepares the store. Connections are made lazily and re-made in the background, so this
+    /// succeeds while Redis is down (decisions then fail until it is back); it fails only on an
+    /// unusable configuration (a malformed URL). Must run inside a Tokio runtime.
+    pub async fn connect(config: RedisConfig) -> Result<RedisStore, RedisConfigError> {
+        let endpoint = config.endpoint.redacted();
+        // Only the error's category: its detail may echo the URL, password included.
+        let invalid = |e: RedisError| RedisConfigError::Invalid { endpoint: endpoint.clone(), reason: e.category().to_string() };
+        // redis's rustls needs a process-wide crypto provider; without one the first TLS
+        // handshake panics. Keep one the embedding program installed.
+        if rustls::crypto::CryptoProvider::get_default().is_none() {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let certificates = || ::redis::TlsCertificates { client_tls: None, root_cert: config.tls_root_ca.clone() };
+        let connection = match &config.endpoint {
+            RedisEndpoint::Single(url) => {
+                let client = match &config.tls_root_ca {
+                    Some(_) => ::redis::Client::build_with_tls(url.as_str(), certificates()),
+                    None => ::redis::Client::open(url.as_str()),
+                }
+                .map_err(invalid)?;
+                let manager_config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.connect_timeout))
+                    // Retry a lost connection quickly a few times; a call arriving after the
+                    // retries gave up starts a new round, so recovery needs no restart.
+                    .set_number_of_retries(3)
+                    .set_min_delay(Duration::from_millis(20))
+                    .set_max_delay(Duration::from_millis(500));
+                Connection::Single(ConnectionManager::new_lazy_with_config(client, manager_config).map_err(invalid)?)
+            }
+            RedisEndpoint::Cluster(urls) => {
+                if urls.is_empty() {
+                    return Err(RedisConfigError::NoClusterNodes);
+                }
+                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
+                    .connection_timeout(config.connect_timeout)
+                    .retries(2);
+                if config.tls_root_ca.is_some() {
+                    builder = builder.certs(certificates());
+                }
+                let client = builder.build().map_err(invalid)?;
+                Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
+            }
+        };
+        Ok(RedisStore { connection, breaker: Breaker::new(config.breaker), timeout: config.timeout, endpoint })
+    }
+
+    /// The endpoint with any password redacted.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// For metrics and status: `closed`, `open` or `halfOpen`.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state(Instant::now())
+    }
+
+    /// Decides `checks` atomically in the cluster slot of `tag` (the request's namespace).
+    ///
+    /// `now` is `None` in production (Redis `TIME`, one clock for every replica); conformance
+    /// tests pass a time.
+    pub async fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Verdict, StoreError> {
+        if checks.is_empty() {
+            return Ok(Verdict { allowed: true, decisions: Vec::new() });
+        }
+        let Some(permit) = self.breaker.try_acquire(Instant::now()) else {
+            return Err(StoreError::Unavailable("circuit breaker open".into()));
+        };
+        let mut invocation = SCRIPT.prepare_invoke();
+        for check in checks {
+            invocation.key(keys::state_key(tag, check.rule, check.key));
+        }
+        for arg in script_args(now, checks) {
+            invocation.arg(arg);
+        }
+        let call = async {
+            match &self.connection {
+                Connection::Single(manager) => invocation.invoke_async::<Value>(&mut manager.clone()).await,
+                Connection::Cluster(cluster) => {
+                    let mut connection =
+                        cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await?.clone();
+                    invocation.invoke_async::<Value>(&mut connection).await
+                }
+            }
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Err(_elapsed) => {
+                permit.failure(Instant::now());
+                Err(StoreError::Timeout(self.timeout.as_millis() as u64))
+            }
+            Ok(Err(error)) => {
+                let (error, store_down) = classify(&error);
+                if store_down {
+                    permit.failure(Instant::now());
+                } else {
+                    // Redis answered: it is up, whatever went wrong with this call.
+                    permit.success(Instant::now());
+                }
+                tracing::debug!(endpoint = %self.endpoint, %error, "redis decision failed");
+                Err(error)
+            }
+            Ok(Ok(reply)) => {
+                permit.success(Instant::now());
+                parse_reply(&reply, checks.len())
+            }
+        }
+    }
+}
+
+impl Store for RedisStore {
+    fn check(
+        &self,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        self.check_tagged(DEFAULT_TAG, now, checks)
+    }
+
+    fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        RedisStore::check_tagged(self, tag, now, checks)
+    }
+}
+
+/// The script's algorithm codes (lua/check.lua).
+pub fn algorithm_code(algorithm: Algorithm) -> u8 {
+    match algorithm {
+        Algorithm::TokenBucket => 1,
+        Algorithm::Gcra => 2,
+        Algorithm::LeakyBucket => 3,
+        Algorithm::FixedWindow => 4,
+        Algorithm::SlidingWindowLog => 5,
+        Algorithm::SlidingWindowCounter => 6,
+    }
+}
+
+/// ARGV of the script: `now` (or "" for Redis TIME), then [`ARGS_PER_RULE`] per rule.
+pub fn script_args(now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Vec<String> {
+    let mut args = Vec::with_capacity(1 + ARGS_PER_RULE * checks.len());
+    args.push(now.map_or_else(String::new, |n| n.to_string()));
+    for check in checks {
+        let limit = check.limit;
+        args.push(algorithm_code(limit.algorithm()).to_string());
+        args.push(limit.requests().to_string());
+        args.push(limit.per().to_string());
+        args.push(limit.burst().to_string());
+        args.push(limit.interval().to_string());
+        args.push(limit.max_delay().map_or_else(|| "-1".to_string(), |d| d.to_string()));
+        args.push(check.cost.to_string());
+        args.push(if check.enforce { "1" } else { "0" }.to_string());
+    }
+    args
+}
+
+/// Interprets the script's reply: `{allowed, then per rule: allowed, remaining, reset_after_us,
+/// retry_after_us (-1 = none), delay_us}`.
+pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("expected an array reply, got {}", value_kind(reply))));
+    };
+    let expected = 1 + REPLY_PER_RULE * rules;
+    if items.len() != expected {
+        return Err(StoreError::Protocol(format!("expected {expected} values for {rules} rules, got {}", items.len())));
+    }
+    let ints = items
+        .iter()
+        .map(|v| match v {
+            Value::Int(i) => Ok(*i),
+            other => Err(StoreError::Protocol(format!("expected integers, got {}", value_kind(other)))),
+        })
+        .collect::<Result<Vec<i64>, _>>()?;
+    let flag = |i: i64| match i {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(StoreError::Protocol(format!("expected 0 or 1, got {other}"))),
+    };
+    let count = |i: i64| u64::try_from(i).map_err(|_| StoreError::Protocol(format!("expected a count, got {i}")));
+    let decisions = ints[1..]
+        .chunks_exact(REPLY_PER_RULE)
+        .map(|d| {
+            Ok(Decision {
+                allowed: flag(d[0])?,
+                remaining: count(d[1])?,
+                reset_after: count(d[2])?,
+                retry_after: if d[3] == -1 { None } else { Some(count(d[3])?) },
+                delay: count(d[4])?,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(Verdict { allowed: flag(ints[0])?, decisions })
+}
+
+fn value_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Nil => "nil",
+        Value::Int(_) => "an integer",
+        Value::BulkString(_) | Value::SimpleString(_) | Value::VerbatimString { .. } => "a string",
+        Value::Array(_) | Value::Set(_) => "an array",
+        Value::Okay => "OK",
+        Value::Map(_) | Value::Attribute { .. } => "a map",
+        Value::Double(_) => "a double",
+        Value::Boolean(_) => "a boolean",
+        _ => "another type",
+    }
+}
+
+/// Maps a client error to a store error, and says whether it means Redis is down or unreachable
+/// (which counts towards opening the breaker) rather than a bad answer from a live server.
+pub fn classify(error: &RedisError) -> (StoreError, bool) {
+    let store_down = error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || matches!(
+            error.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::AuthenticationFailed
+                | ErrorKind::Server(
+                    ServerErrorKind::TryAgain
+                        | ServerErrorKind::ClusterDown
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::BusyLoading
+                        | ServerErrorKind::ReadOnly
+                )
+        )
+        // A script running too long blocks the server for everyone.
+        || error.code() == Some("BUSY");
+    // The error's Display never includes the URL, only the kind and server detail.
+    let message = error.to_string();
+    if store_down { (StoreError::Unavailable(message), true) } else { (StoreError::Protocol(message), false) }
+}
+
+/// `scheme://user:secret@host/…` → `scheme://user:***@host/…`; URLs without a password are
+/// returned as they are.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else { return url.to_string() };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else { return url.to_string() };
+    let userinfo = &rest[..at];
+    let redacted = match userinfo.find(':') {
+        Some(colon) => format!("{}:***", &userinfo[..colon]),
+        // `redis://secret@host` puts the password where a user would be.
+        None => "***".to_string(),
+    };
+    format!("{}{}{}", &url[..scheme_end + 3], redacted, &rest[at..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Limit;
+    use crate::store::FailureMode;
+
+    fn ints(v: &[i64]) -> Value {
+        Value::Array(v.iter().map(|&i| Value::Int(i)).collect())
+    }
+
+    #[test]
+    fn parses_a_two_rule_reply() {
+        let verdict = parse_reply(&ints(&[0, 1, 4, 100, -1, 0, 0, 0, 900, 250, 0]), 2).unwrap();
+        assert!(!verdict.allowed);
+        assert_eq!(
+            verdict.decisions,
+            vec![
+                Decision { allowed: true, remaining: 4, reset_after: 100, retry_after: None, delay: 0 },
+                Decision { allowed: false, remaining: 0, reset_after: 900, retry_after: Some(250), delay: 0 },
+            ]
+        );
+        let shaped = parse_reply(&ints(&[1, 1, 0, 10, -1, 7]), 1).unwrap();
+        assert_eq!(shaped.decisions[0].delay, 7);
+        assert!(shaped.allowed);
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        let err = |v: Value, n| parse_reply(&v, n).unwrap_err();
+        assert!(matches!(err(ints(&[1, 1, 0, 0, -1]), 1), StoreError::Protocol(m) if m.contains("expected 6")));
+        assert!(matches!(err(Value::Okay, 1), StoreError::Protocol(m) if m.contains("OK")));
+        assert!(matches!(err(ints(&[2, 1, 0, 0, -1, 0]), 1), StoreError::Protocol(m) if m.contains("0 or 1")));
+        assert!(matches!(err(ints(&[1, 1, -5, 0, -1, 0]), 1), StoreError::Protocol(m) if m.contains("count")));
+        assert!(matches!(err(ints(&[1, 1, 0, 0, -2, 0]), 1), StoreError::Protocol(_)));
+        let mixed = Value::Array(vec![Value::Int(1), Value::BulkString(b"x".to_vec())]);
+        assert!(matches!(err(mixed, 0), StoreError::Protocol(_)));
+        assert_eq!(parse_reply(&ints(&[1]), 0).unwrap(), Verdict { allowed: true, decisions: vec![] });
+    }
+
+    #[test]
+    fn args_follow_the_script_contract() {
+        let shaper = Limit::new(Algorithm::LeakyBucket, 3, 1_000_000, Some(2), Some(400_000)).unwrap();
+        let window = Limit::new(Algorithm::FixedWindow, 10, 60_000_000, None, None).unwrap();
+        let checks = [
+            RuleCheck { rule: 1, limit: &shaper, key: b"a", cost: 1, enforce: true, on_store_failure: FailureMode::Allow },
+            RuleCheck { rule: 2, limit: &window, key: b"b", cost: 2, enforce: false, on_store_failure: FailureMode::Deny },
+        ];
+        assert_eq!(
+            script_args(Some(42), &checks),
+            ["42", "3", "3", "1000000", "2", "333334", "400000", "1", "1", "4", "10", "60000000", "10", "6000000", "-1", "2", "0"]
+        );
+        assert_eq!(script_args(None, &checks[..1])[0], "");
+        assert_eq!(script_args(None, &checks).len(), 1 + ARGS_PER_RULE * 2);
+    }
+
+    #[test]
+    fn script_is_one_piece_with_every_algorithm() {
+        for name in ["sluice.token_bucket", "sluice.gcra", "sluice.fixed_window", "sluice.sliding_window_log", "sluice.sliding_window_counter"] {
+            assert!(SCRIPT_SOURCE.contains(&format!("{name} = {{}}")), "{name}");
+        }
+        assert!(SCRIPT_SOURCE.starts_with("-- Shared prelude"));
+        assert!(SCRIPT_SOURCE.trim_end().ends_with("return reply"));
+    }
+
+    #[test]
+    fn passwords_never_survive_redaction() {
+        assert_eq!(redact_url("redis://:hunter2@10.0.0.1:6379/0"), "redis://:***@10.0.0.1:6379/0");
+        assert_eq!(redact_url("rediss://app:hunter2@redis.svc:6380"), "rediss://app:***@redis.svc:6380");
+        assert_eq!(redact_url("redis://hunter2@h"), "redis://***@h");
+        assert_eq!(redact_url("redis://localhost:6379"), "redis://localhost:6379");
+        assert_eq!(redact_url("redis://h:1/0?user=a@b"), "redis://h:1/0?user=a@b");
+        let endpoint = RedisEndpoint::Cluster(vec!["redis://:pw@a:1".into(), "redis://:pw@b:2".into()]);
+        assert!(!format!("{endpoint:?}").contains("pw"));
+    }
+
+    #[tokio::test]
+    async fn unusable_configuration_is_refused_without_echoing_secrets() {
+        let err = RedisStore::connect(RedisConfig::single("http://:hunter2@host")).await.unwrap_err();
+        assert!(matches!(&err, RedisConfigError::Invalid { .. }), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let none: [&str; 0] = [];
+        assert_eq!(RedisStore::connect(RedisConfig::cluster(none)).await.unwrap_err(), RedisConfigError::NoClusterNodes);
+        assert!(RedisStore::connect(RedisConfig::single("redis://127.0.0.1:1")).await.is_ok(), "lazy: no connection yet");
+    }
+
+    #[test]
+    fn classifies_outages_apart_from_bad_answers() {
+        let refused: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(matches!(classify(&refused), (StoreError::Unavailable(_), true)));
+        let script_bug: RedisError = (ErrorKind::Server(ServerErrorKind::ResponseError), "ERR", "user_script:1: bad".to_string()).into();
+        assert!(matches!(classify(&script_bug), (StoreError::Protocol(_), false)));
+        let loading: RedisError = (ErrorKind::Server(ServerErrorKind::BusyLoading), "loading").into();
+        assert!(classify(&loading).1);
+    }
+}

@@ -1,0 +1,21 @@
+//! The Redis store (the Lua script) passes every conformance vector, as the memory store does.
+
+#[path = "common/conformance.rs"]
+mod conformance;
+mod support;
+
+use std::time::Duration;
+
+use sluice::store::redis::{RedisConfig, RedisStore};
+use support::redis_server::RedisServer;
+
+#[tokio::test]
+async fn redis_store_passes_every_vector() {
+    let server = RedisServer::start();
+    let mut config = RedisConfig::single(server.url());
+    // Generous for debug builds on a loaded machine; deadlines are tested in redis_store.rs.
+    config.timeout = Duration::from_secs(5);
+    let store = RedisStore::connect(config).await.expect("store");
+    let failures = conformance::run(&store).await;
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}

@@ -1,0 +1,505 @@
+//! RedisStore against a real redis-server: the Lua script must give the pure Rust algorithms'
+//! decisions, atomically, with TTLs, surviving script-cache loss and outages.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use redis::{AsyncCommands, Value};
+use sluice::algorithm::{self, Algorithm, Decision, Limit, Micros, State};
+use sluice::store::breaker::{BreakerConfig, BreakerState};
+use sluice::store::keys::state_key;
+use sluice::store::redis::{RedisConfig, RedisStore};
+use sluice::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
+use support::redis_server::RedisServer;
+
+const T0: Micros = 1_700_000_000_000_000;
+const SEC: Micros = 1_000_000;
+const MS: Micros = 1_000;
+
+async fn store(server: &RedisServer) -> RedisStore {
+    let mut config = RedisConfig::single(server.url());
+    // Debug builds on a busy 2-core box: the default 50 ms would make these tests flaky.
+    config.timeout = Duration::from_secs(5);
+    RedisStore::connect(config).await.expect("store")
+}
+
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap()
+}
+
+fn limit(algorithm: Algorithm, requests: u64, per: Micros, burst: Option<u64>, max_delay: Option<Micros>) -> Limit {
+    Limit::new(algorithm, requests, per, burst, max_delay).unwrap()
+}
+
+fn check<'a>(rule: RuleId, limit: &'a Limit, key: &'a [u8], cost: u64, enforce: bool) -> RuleCheck<'a> {
+    RuleCheck { rule, limit, key, cost, enforce, on_store_failure: FailureMode::LocalFallback }
+}
+
+/// Limits exercising every algorithm, odd intervals (rounded up), tiny and long windows, and the
+/// leaky bucket both policing and shaping.
+fn limit_pool() -> Vec<Limit> {
+    use Algorithm::*;
+    vec![
+        limit(TokenBucket, 10, SEC, Some(5), None),
+        limit(TokenBucket, 3, SEC, None, None),
+        limit(TokenBucket, 1, MS, Some(3), None),
+        limit(Gcra, 10, SEC, Some(5), None),
+        limit(Gcra, 3, SEC, None, None),
+        limit(Gcra, 7, 10 * MS, Some(2), None),
+        limit(LeakyBucket, 10, SEC, Some(5), None),
+        limit(LeakyBucket, 5, SEC, Some(3), Some(300 * MS)),
+        limit(LeakyBucket, 2, 100 * MS, Some(4), Some(0)),
+        limit(FixedWindow, 5, SEC, None, None),
+        limit(FixedWindow, 100, 60 * SEC, None, None),
+        limit(FixedWindow, 3, 7 * MS, None, None),
+        limit(SlidingWindowLog, 5, SEC, None, None),
+        limit(SlidingWindowLog, 3, 10 * MS, None, None),
+        limit(SlidingWindowLog, 40, SEC, None, None),
+        limit(SlidingWindowCounter, 7, 60 * SEC, None, None),
+        limit(SlidingWindowCounter, 5, SEC, None, None),
+        limit(SlidingWindowCounter, 3, 10 * MS, None, None),
+    ]
+}
+
+/// The reference: the pure algorithms driven exactly as every store must drive them (decide all,
+/// then consume in each admitting rule only when no enforcing rule denied).
+/// For each key a step wrote: the TTL in ms the script must have set, or `None` for no key.
+type Written = Vec<(Vec<u8>, Option<u64>)>;
+
+#[derive(Default)]
+struct Model {
+    states: HashMap<Vec<u8>, State>,
+}
+
+impl Model {
+    /// Returns the verdict and, for each key written, the TTL (ms) the script must have set
+    /// (`None`: the key must not exist).
+    fn decide(&mut self, now: Micros, checks: &[(Vec<u8>, RuleCheck<'_>)]) -> (Verdict, Written) {
+        let decisions: Vec<Decision> = checks
+            .iter()
+            .map(|(k, c)| algorithm::check(c.limit, self.states.get(k), now, c.cost))
+            .collect();
+        let plain: Vec<RuleCheck<'_>> = checks.iter().map(|(_, c)| *c).collect();
+        let verdict = Verdict::from_decisions(&plain, decisions);
+        let mut written = Vec::new();
+        if verdict.allowed {
+            for ((key, c), d) in checks.iter().zip(&verdict.decisions) {
+                if !d.allowed {
+                    continue;
+                }
+                let mut state = self.states.remove(key);
+                let existed = state.is_some();
+                let pristine_at = algorithm::apply(c.limit, &mut state, now, c.cost);
+                let empty_log = matches!(&state, Some(State::Log(l)) if l.is_empty());
+                if (!existed && pristine_at <= now) || empty_log {
+                    // Not created (zero cost on a fresh key) or an empty log (pristine, like no
+                    // state at all): no key in Redis.
+                    written.push((key.clone(), None));
+                } else {
+                    self.states.insert(key.clone(), state.expect("applied"));
+                    let us = pristine_at.saturating_sub(now);
+                    written.push((key.clone(), Some(us.div_ceil(1000).max(1))));
+                }
+            }
+        }
+        (verdict, written)
+    }
+}
+
+/// THE key test: for random sequences of (time, cost) over random sets of rules (including rules
+/// whose algorithm changes under the same key, clocks stepping back, zero and oversized costs),
+/// the Lua script decides exactly what the Rust algorithms decide and sets the TTLs they imply.
+#[tokio::test]
+async fn lua_decisions_equal_rust_algorithms() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let mut con = raw(server).await;
+    let pool = limit_pool();
+    let tag = "equal-rust";
+    for seed in 0..36u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut model = Model::default();
+        // Four rule ids per sequence, each bound to a limit that may be edited (re-bound) later.
+        let mut bound: Vec<usize> = (0..4).map(|_| rng.random_range(0..pool.len())).collect();
+        let mut now = T0 + rng.random_range(0..10 * SEC);
+        for step in 0..120 {
+            now = match rng.random_range(0..10) {
+                0 | 1 => now,
+                2 | 3 => now + rng.random_range(1..1_000),
+                4..=6 => now + rng.random_range(1_000..400_000),
+                7 => now + rng.random_range(400_000..3 * SEC),
+                8 => now.saturating_sub(rng.random_range(1..50_000)),
+                _ => now + rng.random_range(1..120 * SEC),
+            };
+            if rng.random_ratio(1, 25) {
+                // An edit of the rule: any algorithm, but the same `per`. Editing `per` under a
+                // stored fixed-window or sliding-counter index reinterprets that index in the new
+                // period (a far-future window, products beyond 2^53): a flaw of the Rust
+                // reference itself, reported rather than mirrored.
+                let slot = rng.random_range(0..4);
+                let per = pool[bound[slot]].per();
+                let same_per: Vec<usize> = (0..pool.len()).filter(|&i| pool[i].per() == per).collect();
+                bound[slot] = same_per[rng.random_range(0..same_per.len())];
+            }
+            let mut rules: Vec<usize> = (0..4).collect();
+            let count = rng.random_range(1..=3);
+            for i in 0..count {
+                rules.swap(i, rng.random_range(i..4));
+            }
+            let key_values: Vec<Vec<u8>> = (0..count).map(|_| format!("k{}", rng.random_range(0..2)).into_bytes()).collect();
+            let cost = match rng.random_range(0..10) {
+                0 => 0,
+                1..=5 => 1,
+                6..=8 => rng.random_range(2..5),
+                _ => rng.random_range(5..60),
+            };
+            let checks: Vec<(Vec<u8>, RuleCheck<'_>)> = (0..count)
+                .map(|i| {
+                    let rule = seed * 100 + rules[i] as u64;
+                    let c = check(rule, &pool[bound[rules[i]]], &key_values[i], cost, !rng.random_ratio(1, 5));
+                    (state_key(tag, rule, c.key), c)
+                })
+                .collect();
+            let model_before = model.states.clone();
+            let (expected, written) = model.decide(now, &checks);
+            let plain: Vec<RuleCheck<'_>> = checks.iter().map(|(_, c)| *c).collect();
+            let got = store.check_tagged(tag, Some(now), &plain).await;
+            let context = || {
+                format!(
+                    "seed {seed} step {step} now {now} cost {cost} rules {:?}",
+                    checks.iter().map(|(k, c)| (String::from_utf8_lossy(k).into_owned(), c.limit.clone(), c.enforce)).collect::<Vec<_>>()
+                )
+            };
+            if got.as_ref() != Ok(&expected) {
+                let mut states = String::new();
+                for (key, _) in &checks {
+                    let kind: String = redis::cmd("TYPE").arg(key).query_async(&mut con).await.unwrap();
+                    let pttl: i64 = con.pttl(key).await.unwrap();
+                    states += &format!("\n  {} model {:?} redis {kind} pttl {pttl}", String::from_utf8_lossy(key), model_before.get(key));
+                }
+                panic!("{}\n  redis {got:?}\n  rust  {expected:?}{states}", context());
+            }
+            for (key, ttl) in written {
+                let pttl: i64 = con.pttl(&key).await.unwrap();
+                // The test's clock is not Redis's: keep the key until the test's time says it is
+                // pristine (the model never expires anything either).
+                let persisted: bool = con.persist(&key).await.unwrap();
+                match ttl {
+                    None => assert_eq!(pttl, -2, "key must not exist: {}", context()),
+                    Some(ttl) => {
+                        let ttl = ttl as i64;
+                        if pttl != -2 {
+                            assert!(pttl <= ttl && pttl >= ttl - 250, "pttl {pttl} expected {ttl}: {}", context());
+                        }
+                        if !persisted {
+                            // A short TTL ran out in real time before we could persist it: Redis
+                            // forgot a nearly pristine key, so the model must forget it too.
+                            assert!(ttl <= 250, "key with a {ttl} ms TTL vanished: {}", context());
+                            model.states.remove(&key);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Hand-checked values against the seed examples, through Redis: 5 then 3 for a bucket of 5 at
+/// 10/s, and the sliding-counter book example (limit 7, previous 5, current 3, 30% in).
+#[tokio::test]
+async fn seed_examples_through_redis() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::LeakyBucket] {
+        let l = limit(algorithm, 10, SEC, Some(5), None);
+        let key = algorithm.name().as_bytes();
+        let mut first = 0;
+        for _ in 0..20 {
+            first += store.check_tagged("seed", Some(T0), &[check(1, &l, key, 1, true)]).await.unwrap().allowed as u32;
+        }
+        let mut later = 0;
+        for _ in 0..20 {
+            later += store.check_tagged("seed", Some(T0 + 300_000), &[check(1, &l, key, 1, true)]).await.unwrap().allowed as u32;
+        }
+        assert_eq!((first, later), (5, 3), "{algorithm}");
+    }
+    let l = limit(Algorithm::SlidingWindowCounter, 7, 60 * SEC, None, None);
+    let minute = 28_333_333 * 60 * SEC;
+    for _ in 0..5 {
+        assert!(store.check_tagged("seed", Some(minute + SEC), &[check(2, &l, b"swc", 1, true)]).await.unwrap().allowed);
+    }
+    let now = minute + 60 * SEC; // next window
+    for _ in 0..3 {
+        assert!(store.check_tagged("seed", Some(now + SEC), &[check(2, &l, b"swc", 1, true)]).await.unwrap().allowed);
+    }
+    let at_30 = now + 18 * SEC;
+    let v = store.check_tagged("seed", Some(at_30), &[check(2, &l, b"swc", 1, true)]).await.unwrap();
+    assert!(v.allowed);
+    assert_eq!(v.decisions[0].remaining, 0);
+    assert!(!store.check_tagged("seed", Some(at_30), &[check(2, &l, b"swc", 1, true)]).await.unwrap().allowed);
+}
+
+async fn dump(con: &mut redis::aio::MultiplexedConnection, key: &[u8]) -> Option<Vec<u8>> {
+    redis::cmd("DUMP").arg(key).query_async(con).await.unwrap()
+}
+
+/// A denial by one enforcing rule writes nothing in any rule; a shadow rule's denial blocks
+/// nothing; an admitted request consumes in every rule that admitted it.
+#[tokio::test]
+async fn denial_writes_nothing_anywhere() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let mut con = raw(server).await;
+    let tag = "all-or-nothing";
+    let wide = limit(Algorithm::Gcra, 100, SEC, None, None);
+    let log = limit(Algorithm::SlidingWindowLog, 100, SEC, None, None);
+    let narrow = limit(Algorithm::FixedWindow, 1, 60 * SEC, None, None);
+    let checks = [check(1, &wide, b"ip", 1, true), check(2, &log, b"ip", 1, true), check(3, &narrow, b"tenant", 1, true)];
+    let keys: Vec<Vec<u8>> = checks.iter().map(|c| state_key(tag, c.rule, c.key)).collect();
+
+    let first = store.check_tagged(tag, Some(T0), &checks).await.unwrap();
+    assert!(first.allowed);
+    let before: Vec<_> = dump_all(&mut con, &keys).await;
+    assert!(before.iter().all(Option::is_some), "every admitting rule consumed");
+
+    let denied = store.check_tagged(tag, Some(T0 + 1), &checks).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.decisions.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, true, false]);
+    assert_eq!(dump_all(&mut con, &keys).await, before, "a denial changed state");
+
+    // The narrow rule in shadow mode: admitted, the others consume, the shadow rule does not.
+    let shadow = [checks[0], checks[1], check(3, &narrow, b"tenant", 1, false)];
+    let admitted = store.check_tagged(tag, Some(T0 + 2), &shadow).await.unwrap();
+    assert!(admitted.allowed);
+    assert!(!admitted.decisions[2].allowed);
+    let after = dump_all(&mut con, &keys).await;
+    assert_ne!(after[0], before[0]);
+    assert_ne!(after[1], before[1]);
+    assert_eq!(after[2], before[2], "the denying shadow rule consumed");
+}
+
+async fn dump_all(con: &mut redis::aio::MultiplexedConnection, keys: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
+    let mut out = Vec::new();
+    for key in keys {
+        out.push(dump(con, key).await);
+    }
+    out
+}
+
+/// On Redis's own clock (production mode), every key written carries a TTL no longer than the
+/// time until its state is pristine.
+#[tokio::test]
+async fn every_key_gets_a_ttl_on_redis_time() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let mut con = raw(server).await;
+    let tag = "ttl";
+    // Periods of a second or more, so no key can expire before it is inspected.
+    let pool: Vec<Limit> = limit_pool().into_iter().filter(|l| l.per() >= SEC).collect();
+    for (i, l) in pool.iter().enumerate() {
+        let v = store.check_tagged(tag, None, &[check(i as u64, l, b"k", 1, true)]).await.unwrap();
+        assert!(v.allowed, "{l:?}");
+    }
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("sl1:{ttl}:*").query_async(&mut con).await.unwrap();
+    assert_eq!(keys.len(), pool.len());
+    for key in keys {
+        let pttl: i64 = con.pttl(&key).await.unwrap();
+        assert!(pttl > 0 && pttl <= 120_000, "{} has pttl {pttl}", String::from_utf8_lossy(&key));
+    }
+}
+
+/// The script cache is volatile (restart, failover, SCRIPT FLUSH): EVALSHA's NOSCRIPT reloads it.
+#[tokio::test]
+async fn survives_script_flush() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let mut con = raw(server).await;
+    let l = limit(Algorithm::FixedWindow, 2, 60 * SEC, None, None);
+    let c = [check(1, &l, b"k", 1, true)];
+    assert!(store.check_tagged("flush", Some(T0), &c).await.unwrap().allowed);
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut con).await.unwrap();
+    let second = store.check_tagged("flush", Some(T0), &c).await.expect("reloaded after NOSCRIPT");
+    assert!(second.allowed);
+    assert!(!store.check_tagged("flush", Some(T0), &c).await.unwrap().allowed, "state kept across the reload");
+}
+
+/// Many clients on one key at one instant admit exactly the bound, never more: 32 tasks over
+/// four stores (four replicas' connections) × 20 requests against a limit of 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_never_over_admit() {
+    let server = RedisServer::shared();
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(store(server).await));
+    }
+    for algorithm in Algorithm::ALL {
+        let l = Arc::new(limit(algorithm, 100, 3_600 * SEC, None, None));
+        let mut tasks = Vec::new();
+        for t in 0..32 {
+            let (store, l) = (stores[t % 4].clone(), l.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut admitted = 0u64;
+                for _ in 0..20 {
+                    let v = store.check_tagged("race", Some(T0), &[check(7, &l, algorithm.name().as_bytes(), 1, true)]).await;
+                    admitted += v.expect("decision").allowed as u64;
+                }
+                admitted
+            }));
+        }
+        let mut total = 0;
+        for task in tasks {
+            total += task.await.unwrap();
+        }
+        assert_eq!(total, 100, "{algorithm}");
+    }
+}
+
+/// Generic code over `Store` gets the Redis store's decisions (default tag).
+#[tokio::test]
+async fn usable_through_the_store_trait() {
+    async fn admitted<S: Store>(store: &S, l: &Limit, n: usize) -> usize {
+        let mut count = 0;
+        for _ in 0..n {
+            count += store.check(Some(T0), &[check(99, l, b"trait", 1, true)]).await.unwrap().allowed as usize;
+        }
+        count
+    }
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let l = limit(Algorithm::TokenBucket, 3, SEC, None, None);
+    assert_eq!(admitted(&store, &l, 5).await, 3);
+    assert!(store.check_tagged("other-ns", Some(T0), &[check(99, &l, b"trait", 1, true)]).await.unwrap().allowed);
+    assert_eq!(store.check(Some(T0), &[]).await.unwrap(), Verdict { allowed: true, decisions: vec![] });
+}
+
+/// Redis killed: calls fail within the deadline, the breaker opens and then fails calls at once;
+/// Redis back on the same port: decisions resume by themselves and the breaker closes.
+#[tokio::test]
+async fn outage_fails_fast_and_recovers() {
+    let mut server = RedisServer::start();
+    let mut config = RedisConfig::single(server.url());
+    config.timeout = Duration::from_millis(50);
+    config.breaker = BreakerConfig { failure_threshold: 3, cool_down: Duration::from_millis(300) };
+    let store = RedisStore::connect(config).await.unwrap();
+    let l = limit(Algorithm::Gcra, 1_000, SEC, None, None);
+    let c = [check(1, &l, b"k", 1, true)];
+    // Warm up: the first call connects and loads the script on a slow debug build.
+    let mut warm = Err(StoreError::Timeout(0));
+    for _ in 0..50 {
+        warm = store.check_tagged("outage", None, &c).await;
+        if warm.is_ok() {
+            break;
+        }
+    }
+    assert!(warm.is_ok(), "{warm:?}");
+    assert_eq!(store.breaker_state(), BreakerState::Closed);
+
+    server.kill();
+    let mut failures = 0;
+    while store.breaker_state() == BreakerState::Closed {
+        let started = Instant::now();
+        let result = store.check_tagged("outage", None, &c).await;
+        let elapsed = started.elapsed();
+        assert!(matches!(result, Err(StoreError::Timeout(_) | StoreError::Unavailable(_))), "{result:?}");
+        assert!(elapsed < Duration::from_millis(250), "took {elapsed:?} with a 50 ms deadline");
+        failures += 1;
+        assert!(failures <= 3, "breaker did not open after 3 failures");
+    }
+    assert_eq!(store.breaker_state(), BreakerState::Open);
+    let started = Instant::now();
+    let fast = store.check_tagged("outage", None, &c).await;
+    assert!(matches!(&fast, Err(StoreError::Unavailable(m)) if m.contains("breaker")), "{fast:?}");
+    assert!(started.elapsed() < Duration::from_millis(10), "open breaker must not wait");
+
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(v) = store.check_tagged("outage", None, &c).await {
+            assert!(v.allowed);
+            break;
+        }
+        assert!(Instant::now() < deadline, "decisions did not resume after Redis came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(store.breaker_state(), BreakerState::Closed);
+}
+
+/// A store whose Redis never existed still constructs (the process must start and apply
+/// failure modes), and reports the outage as an error, not a hang.
+#[tokio::test]
+async fn unreachable_redis_is_an_error_not_a_hang() {
+    let port = support::redis_server::free_port(false);
+    let mut config = RedisConfig::single(format!("redis://:secret@127.0.0.1:{port}"));
+    config.timeout = Duration::from_millis(50);
+    let store = RedisStore::connect(config).await.expect("lazy connect");
+    assert!(!format!("{store:?}").contains("secret"));
+    let l = limit(Algorithm::Gcra, 10, SEC, None, None);
+    let started = Instant::now();
+    let result = store.check_tagged("nowhere", None, &[check(1, &l, b"k", 1, true)]).await;
+    assert!(result.is_err());
+    assert!(!result.unwrap_err().to_string().contains("secret"));
+    assert!(started.elapsed() < Duration::from_millis(250));
+}
+
+/// TTLs are the time until pristine rounded UP to whole milliseconds (a key must never expire
+/// while its state still matters), at least 1 ms. The script and PTTL run in one MULTI so no
+/// time passes between them.
+#[tokio::test]
+async fn ttl_rounds_up_to_whole_milliseconds() {
+    use sluice::store::redis::{SCRIPT_SOURCE, script_args};
+    let server = RedisServer::shared();
+    let mut con = raw(server).await;
+    let gcra = limit(Algorithm::Gcra, 7, 10 * MS, Some(2), None); // interval 1429 µs
+    let window = limit(Algorithm::FixedWindow, 5, SEC, None, None);
+    let second = 1_700_000_000 * SEC;
+    let cases: [(&Limit, Micros, u64, i64); 5] = [
+        (&gcra, T0, 1, 2),               // 1429 µs → 2 ms
+        (&gcra, T0 + 10 * SEC, 2, 3),    // 2858 µs → 3 ms
+        (&window, second + 999_500, 1, 1), // 500 µs → 1 ms
+        (&window, second + 1, 1, 1_000), // 999 999 µs → 1000 ms
+        (&window, second, 1, 1_000),     // exactly 1 s
+    ];
+    for (i, (l, now, cost, expected)) in cases.into_iter().enumerate() {
+        let key = state_key("ttl-exact", i as u64, b"k");
+        let checks = [check(i as u64, l, b"k", cost, true)];
+        let (_, pttl): (Value, i64) = redis::pipe()
+            .atomic()
+            .cmd("EVAL")
+            .arg(SCRIPT_SOURCE)
+            .arg(1)
+            .arg(&key)
+            .arg(script_args(Some(now), &checks))
+            .cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(pttl, expected, "case {i}");
+    }
+}
+
+/// `rediss://` works with a private CA, and an untrusted certificate is an error, not a panic
+/// (redis's rustls needs a crypto provider the store installs).
+#[tokio::test]
+async fn tls_with_a_private_ca() {
+    let (_server, tls_port, ca, _dir) = support::redis_server::start_tls();
+    let l = limit(Algorithm::Gcra, 10, SEC, None, None);
+    let c = [check(1, &l, b"k", 1, true)];
+
+    let mut config = RedisConfig::single(format!("rediss://127.0.0.1:{tls_port}"));
+    config.timeout = Duration::from_secs(5);
+    config.tls_root_ca = Some(ca);
+    let store = RedisStore::connect(config.clone()).await.expect("tls store");
+    let v = store.check_tagged("tls", None, &c).await.expect("decision over TLS");
+    assert!(v.allowed);
+
+    config.tls_root_ca = None;
+    config.timeout = Duration::from_millis(500);
+    let untrusted = RedisStore::connect(config).await.expect("lazy");
+    assert!(untrusted.check_tagged("tls", None, &c).await.is_err());
+}

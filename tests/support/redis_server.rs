@@ -1,0 +1,242 @@
+//! Real `redis-server` processes for integration tests (Debian: `apt-get install redis-server
+//! redis-tools`).
+//!
+//! Each server runs under a tiny `sh` watchdog that reads the test process's pipe: when the test
+//! binary exits, even by a panic or a kill, the pipe closes and the watchdog kills its server, so
+//! the shared `static` servers (never dropped) do not outlive the tests.
+
+#![allow(dead_code)] // each test binary uses a different part of this module
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// `SLUICE_REDIS_SERVER` overrides the binary.
+fn server_binary() -> PathBuf {
+    std::env::var_os("SLUICE_REDIS_SERVER").map_or_else(|| PathBuf::from("/usr/bin/redis-server"), PathBuf::from)
+}
+
+fn cli_binary() -> PathBuf {
+    std::env::var_os("SLUICE_REDIS_CLI").map_or_else(|| PathBuf::from("/usr/bin/redis-cli"), PathBuf::from)
+}
+
+/// A port nothing listens on now (and, for cluster nodes, whose bus port +10000 is free too).
+pub fn free_port(with_bus: bool) -> u16 {
+    for _ in 0..200 {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+        let port = listener.local_addr().expect("local addr").port();
+        if !with_bus {
+            return port;
+        }
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port found");
+}
+
+pub struct RedisServer {
+    port: u16,
+    extra: Vec<String>,
+    child: Option<(Child, ChildStdin)>,
+}
+
+impl RedisServer {
+    /// A fresh server on a free port, without persistence.
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(free_port(false), &[])
+    }
+
+    pub fn start_with(port: u16, extra: &[String]) -> RedisServer {
+        let mut server = RedisServer { port, extra: extra.to_vec(), child: None };
+        server.spawn();
+        server
+    }
+
+    /// One server per test binary, for tests that only need a working Redis.
+    pub fn shared() -> &'static RedisServer {
+        static SHARED: OnceLock<RedisServer> = OnceLock::new();
+        SHARED.get_or_init(RedisServer::start)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let binary = server_binary();
+        assert!(
+            binary.exists(),
+            "{} not found: install it with `apt-get install -y redis-server redis-tools` \
+             (or set SLUICE_REDIS_SERVER)",
+            binary.display()
+        );
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(r#"bin="$1"; shift; "$bin" "$@" & r=$!; read _ignored; kill -9 $r 2>/dev/null; wait $r 2>/dev/null; exit 0"#)
+            .arg("sh")
+            .arg(&binary)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(&self.extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut child = command.spawn().expect("spawn redis-server");
+        let stdin = child.stdin.take().expect("piped stdin");
+        self.child = Some((child, stdin));
+        wait_for_ping(self.port, Duration::from_secs(10));
+    }
+
+    /// Kills the server abruptly (SIGKILL) and waits until it is gone.
+    pub fn kill(&mut self) {
+        if let Some((mut child, mut stdin)) = self.child.take() {
+            let _ = stdin.write_all(b"stop\n");
+            drop(stdin);
+            let _ = child.wait();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            assert!(Instant::now() < deadline, "redis-server on {} did not stop", self.port);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Starts the server again on the same port (its data is gone: no persistence).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Runs `redis-cli -p PORT args…` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new(cli_binary())
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut reply = [0u8; 7];
+    stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+}
+
+fn wait_for_ping(port: u16, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !ping(port) {
+        assert!(Instant::now() < deadline, "redis-server on port {port} did not answer PING");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A server that also listens with TLS, with a certificate for 127.0.0.1 signed by a throwaway
+/// CA made with `openssl`. Returns the server, its TLS port, the CA certificate (PEM) to trust
+/// and the directory holding the files.
+pub fn start_tls() -> (RedisServer, u16, Vec<u8>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    std::fs::write(path("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("write ext");
+    let openssl = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run openssl (apt-get install openssl)");
+        assert!(status.success(), "openssl {args:?} failed");
+    };
+    let (ca, ca_key, cert, key, csr) = (path("ca.pem"), path("ca.key"), path("cert.pem"), path("key.pem"), path("req.csr"));
+    openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=sluice test CA", "-keyout", &ca_key, "-out", &ca]);
+    openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &csr]);
+    openssl(&["x509", "-req", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "1", "-extfile", &path("ext.cnf"), "-out", &cert]);
+    let tls_port = free_port(false);
+    let extra: Vec<String> = [
+        "--tls-port", &tls_port.to_string(), "--tls-cert-file", &cert, "--tls-key-file", &key,
+        "--tls-ca-cert-file", &ca, "--tls-auth-clients", "no",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let server = RedisServer::start_with(free_port(false), &extra);
+    let pem = std::fs::read(&ca).expect("read CA");
+    (server, tls_port, pem, dir)
+}
+
+/// Three masters, no replicas, slots spread by `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                let port = free_port(true);
+                RedisServer::start_with(port, &cluster_args(dir.path(), port))
+            })
+            .collect();
+        let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addresses.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = Command::new(cli_binary()).args(&args).output().expect("redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
+                assert!(Instant::now() < deadline, "cluster did not become ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes, _dir: dir }
+    }
+
+    pub fn shared() -> &'static RedisCluster {
+        static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+        SHARED.get_or_init(RedisCluster::start)
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
+
+fn cluster_args(dir: &Path, port: u16) -> Vec<String> {
+    vec![
+        "--cluster-enabled".into(),
+        "yes".into(),
+        "--cluster-config-file".into(),
+        dir.join(format!("nodes-{port}.conf")).display().to_string(),
+        "--dir".into(),
+        dir.display().to_string(),
+        "--cluster-node-timeout".into(),
+        "2000".into(),
+    ]
+}
