@@ -3,22 +3,16 @@
 
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
-pub enum Outcome {
-    /// The rule admitted the request.
-    Allowed,
-    /// An enforcing rule refused the request.
-    Limited,
-    /// A shadow rule would have refused the request.
-    WouldLimit,
-}
+/// `allowed` (the rule admitted the request), `limited` (an enforcing rule refused it) or
+/// `would_limit` (a shadow rule would have refused it).
+pub type Outcome = &'static str;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
@@ -137,9 +131,9 @@ impl Metrics {
     pub fn rule_counters(&self, policy: &str, rule: &str) -> RuleCounters {
         let labels = |outcome| RuleLabels { policy: policy.to_string(), rule: rule.to_string(), outcome };
         RuleCounters {
-            allowed: self.decisions.get_or_create_owned(&labels(Outcome::Allowed)),
-            limited: self.decisions.get_or_create_owned(&labels(Outcome::Limited)),
-            would_limit: self.decisions.get_or_create_owned(&labels(Outcome::WouldLimit)),
+            allowed: self.decisions.get_or_create_owned(&labels("allowed")),
+            limited: self.decisions.get_or_create_owned(&labels("limited")),
+            would_limit: self.decisions.get_or_create_owned(&labels("would_limit")),
         }
     }
 
