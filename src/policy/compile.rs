@@ -36,6 +36,8 @@ pub struct Snapshot {
     policies: Vec<CompiledPolicy>,
     by_namespace: HashMap<String, Range<usize>>,
     header_names: Vec<String>,
+    /// The accepted policies themselves, sorted like `policies`.
+    sources: Vec<RateLimitPolicy>,
 }
 
 #[derive(Debug)]
@@ -238,10 +240,10 @@ pub fn rule_id(identity: &str) -> RuleId {
 /// files) the first in input order is kept and the others are rejected.
 pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     let mut rejected = Vec::new();
-    let mut compiled: Vec<(CompiledPolicy, String)> = Vec::new();
+    let mut compiled: Vec<(CompiledPolicy, String, RateLimitPolicy)> = Vec::new();
     for policy in policies {
         let qualified = policy.qualified_name();
-        if compiled.iter().any(|(p, _)| p.qualified == qualified) {
+        if compiled.iter().any(|(p, _, _)| p.qualified == qualified) {
             rejected.push(Rejected {
                 policy: qualified.clone(),
                 errors: single_error("metadata.name", format!("duplicate policy {qualified}")),
@@ -253,15 +255,15 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
                 // The hash covers what the policy says, not bookkeeping such as resourceVersion, so
                 // a re-list of unchanged objects yields the same version.
                 let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
-                compiled.push((c, canonical));
+                compiled.push((c, canonical, source_of(&policy)));
             }
             Err(errors) => rejected.push(Rejected { policy: qualified, errors }),
         }
     }
-    compiled.sort_by(|(a, _), (b, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    compiled.sort_by(|(a, _, _), (b, _, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
 
     let mut hasher = Sha256::new();
-    for (p, canonical) in &compiled {
+    for (p, canonical, _) in &compiled {
         hasher.update(p.qualified.as_bytes());
         hasher.update([0]);
         hasher.update(canonical.as_bytes());
@@ -270,7 +272,8 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     let digest = hasher.finalize();
     let version: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
 
-    let policies: Vec<CompiledPolicy> = compiled.into_iter().map(|(p, _)| p).collect();
+    let (policies, sources): (Vec<CompiledPolicy>, Vec<RateLimitPolicy>) =
+        compiled.into_iter().map(|(p, _, source)| (p, source)).unzip();
     let mut by_namespace: HashMap<String, Range<usize>> = HashMap::new();
     for (i, p) in policies.iter().enumerate() {
         by_namespace.entry(p.namespace.clone()).and_modify(|r| r.end = i + 1).or_insert(i..i + 1);
@@ -291,7 +294,15 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     header_names.dedup();
     rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
 
-    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names }, rejected }
+    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources }, rejected }
+}
+
+/// The policy as compiled: name, namespace and spec, without status or server bookkeeping, so a
+/// sidecar can rebuild the same snapshot from `/v1/snapshot`.
+fn source_of(policy: &RateLimitPolicy) -> RateLimitPolicy {
+    let mut source = RateLimitPolicy::new(&policy.metadata.name.clone().unwrap_or_default(), policy.spec.clone());
+    source.metadata.namespace = Some(policy.metadata.namespace.clone().unwrap_or_else(|| "default".to_string()));
+    source
 }
 
 fn single_error(path: &str, message: String) -> ValidationErrors {
@@ -425,6 +436,11 @@ impl Default for Snapshot {
 }
 
 impl Snapshot {
+    /// The accepted policies (name, namespace, spec) this snapshot was compiled from.
+    pub fn sources(&self) -> &[RateLimitPolicy] {
+        &self.sources
+    }
+
     /// Content hash: 16 hex digits of SHA-256 over the valid policies, sorted by namespace/name.
     /// The same policies give the same version whatever order they arrived in.
     pub fn version(&self) -> &str {

@@ -192,6 +192,8 @@ struct SnapshotBody<'a> {
     loaded_at_ms: u64,
     #[serde(flatten)]
     view: crate::policy::SnapshotView,
+    /// The policies in force, as documents a sidecar can compile into the same snapshot.
+    sources: &'a [crate::policy::RateLimitPolicy],
     last_reload_error: Option<super::engine::ReloadError>,
 }
 
@@ -207,6 +209,7 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
         loaded: engine.is_loaded(),
         loaded_at_ms: live.loaded_at / 1000,
         view: live.snapshot.view(),
+        sources: live.snapshot.sources(),
         last_reload_error: engine.last_error(),
     };
     ([(header::ETAG, etag)], axum::Json(body)).into_response()
