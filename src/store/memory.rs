@@ -264,6 +264,16 @@ impl Store for MemoryStore {
         let now = now.unwrap_or_else(|| self.clock.now());
         Ok(self.check_at(now, checks))
     }
+
+    fn status(&self) -> super::StoreStatus {
+        let stats = self.stats();
+        super::StoreStatus {
+            kind: "memory",
+            live_keys: stats.live_keys,
+            evicted_keys: stats.evicted,
+            ..Default::default()
+        }
+    }
 }
 
 #[cfg(test)]
