@@ -259,8 +259,8 @@ impl<S: Store> Engine<S> {
             header_inputs.push(RuleHeaderInput {
                 name: extras.map_or("", |e| e.header_name.as_str()),
                 shadow,
-                requests: m.rule.limit().requests(),
-                per: m.rule.limit().per(),
+                requests: m.rule.limit().capacity(),
+                per: quota_window(m.rule.limit()),
                 decision,
             });
             rules.push(RuleResult {
@@ -268,7 +268,7 @@ impl<S: Store> Engine<S> {
                 rule: m.rule.name().to_string(),
                 allowed: decision.allowed,
                 shadow,
-                limit: m.rule.limit().requests(),
+                limit: m.rule.limit().capacity(),
                 remaining: decision.remaining,
                 reset_ms: ceil_ms(decision.reset_after),
                 retry_after_ms: decision.retry_after.map(ceil_ms),
@@ -340,9 +340,45 @@ impl<S: Store> Engine<S> {
     }
 }
 
+/// The window a quota is stated over in `RateLimit-Policy`: `per` for window algorithms; for
+/// buckets, the time to refill the whole capacity (`burst` at `requests` per `per`), so that the
+/// quota `q` is the capacity and `remaining` never exceeds it.
+fn quota_window(limit: &Limit) -> Micros {
+    if limit.algorithm().uses_burst() { limit.burst() * limit.interval() } else { limit.per() }
+}
+
 /// The quota name clients see in `RateLimit-Policy`: `policy/rule`, without the namespace the
 /// client already knows.
 fn header_name(policy: &str, rule: &str) -> String {
     let policy_name = policy.rsplit_once('/').map_or(policy, |(_, name)| name);
     format!("{policy_name}/{rule}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Algorithm;
+
+    #[test]
+    fn bucket_quotas_are_their_capacity_over_the_refill_time() {
+        let bucket = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(20), None).unwrap();
+        assert_eq!((bucket.capacity(), quota_window(&bucket)), (20, 2_000_000));
+        let window = Limit::new(Algorithm::FixedWindow, 100, 60_000_000, None, None).unwrap();
+        assert_eq!((window.capacity(), quota_window(&window)), (100, 60_000_000));
+    }
+
+    #[test]
+    fn each_replica_enforces_its_share() {
+        let limit = Limit::new(Algorithm::Gcra, 100, 1_000_000, Some(30), None).unwrap();
+        let share = replica_share(&limit, 4);
+        assert_eq!((share.requests(), share.burst(), share.per()), (25, 7, 1_000_000));
+        let tiny = Limit::new(Algorithm::FixedWindow, 2, 1_000_000, None, None).unwrap();
+        assert_eq!(replica_share(&tiny, 8).requests(), 1, "never zero");
+        assert_eq!(replica_share(&limit, 1), limit);
+    }
+
+    #[test]
+    fn header_names_leave_out_the_namespace() {
+        assert_eq!(header_name("tenant-acme/orders-api", "per-key"), "orders-api/per-key");
+    }
 }
