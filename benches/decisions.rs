@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::{LIVE_KEYS, Pick, SECOND, T0, keys, variants};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::{Clock, SystemClock};
 use sluice::store::memory::MemoryStore;
@@ -107,6 +107,23 @@ fn sluice_single(c: &mut Criterion, all_keys: &[String]) {
                     black_box(store.check_into(T0 + (tick >> COLD_TICK_SHIFT), &checks, &mut decisions));
                     black_box(&decisions);
                 })
+            });
+            // The same 1M keys, but the request's key is already in cache, as in a server that
+            // has just parsed it: the setup (untimed) copies a random key into a fresh String,
+            // so only the store's own memory accesses are measured.
+            group.bench_function(format!("{}/1M-cachedkey", variant.name), |b| {
+                b.iter_batched_ref(
+                    || {
+                        tick += 1;
+                        (all_keys[pick.next(all_keys.len())].clone(), T0 + (tick >> COLD_TICK_SHIFT))
+                    },
+                    |(k, now)| {
+                        let checks = [one(1, limit, k.as_bytes())];
+                        black_box(store.check_into(*now, &checks, &mut decisions));
+                        black_box(&decisions);
+                    },
+                    BatchSize::SmallInput,
+                )
             });
             let stats = store.stats();
             assert_eq!(stats.evicted, 0, "a 1M run must not evict: {stats:?}");
@@ -193,19 +210,36 @@ fn sluice_multi(c: &mut Criterion, all_keys: &[String]) {
         let mut decisions: Vec<Decision> = Vec::with_capacity(3);
         let mut pick = Pick::new();
         let mut tick: u64 = 0;
-        let mut decide = |decisions: &mut Vec<Decision>| {
-            tick += 1;
+        let decide = |decisions: &mut Vec<Decision>, tick: &mut u64, pick: &mut Pick| {
+            *tick += 1;
             let i = pick.next(all_keys.len());
             let (tenant, route) = tiers.of(i);
             let checks = limits.checks(&all_keys[i], tenant, route);
-            store.check_into(T0 + (tick >> COLD_TICK_SHIFT), &checks, decisions)
+            store.check_into(T0 + (*tick >> COLD_TICK_SHIFT), &checks, decisions)
         };
-        report_admitted("memory/multi3/1M", 100_000, |_| decide(&mut decisions));
+        report_admitted("memory/multi3/1M", 100_000, |_| decide(&mut decisions, &mut tick, &mut pick));
         group.bench_function("multi3/1M", |b| {
             b.iter(|| {
-                black_box(decide(&mut decisions));
+                black_box(decide(&mut decisions, &mut tick, &mut pick));
                 black_box(&decisions);
             })
+        });
+        // See `1M-cachedkey` above: the request's three keys are in cache.
+        group.bench_function("multi3/1M-cachedkey", |b| {
+            b.iter_batched_ref(
+                || {
+                    tick += 1;
+                    let i = pick.next(all_keys.len());
+                    let (tenant, route) = tiers.of(i);
+                    (all_keys[i].clone(), tenant.to_string(), route.to_string(), T0 + (tick >> COLD_TICK_SHIFT))
+                },
+                |(ip, tenant, route, now)| {
+                    let checks = limits.checks(ip, tenant, route);
+                    black_box(store.check_into(*now, &checks, &mut decisions));
+                    black_box(&decisions);
+                },
+                BatchSize::SmallInput,
+            )
         });
     }
     group.finish();
@@ -268,6 +302,19 @@ fn governor_gcra(c: &mut Criterion, all_keys: &[String]) {
                 let k = &all_keys[pick.next(all_keys.len())];
                 black_box(limiter.check_key(k).is_ok())
             })
+        });
+        group.bench_function("gcra/1M-cachedkey", |b| {
+            b.iter_batched_ref(
+                || {
+                    tick += 1;
+                    (all_keys[pick.next(all_keys.len())].clone(), (tick >> COLD_TICK_SHIFT) * 1_000)
+                },
+                |(k, ns)| {
+                    clock.0.store(*ns, Ordering::Relaxed);
+                    black_box(limiter.check_key(k).is_ok())
+                },
+                BatchSize::SmallInput,
+            )
         });
     }
     {
@@ -335,6 +382,17 @@ fn limitador_fixed(c: &mut Criterion, all_keys: &[String]) {
         };
         report_admitted("limitador/fixedWindow/1M", 100_000, |_| decide());
         group.bench_function("fixedWindow/1M", |b| b.iter(|| black_box(decide())));
+        let mut pick = Pick::new();
+        group.bench_function("fixedWindow/1M-cachedkey", |b| {
+            b.iter_batched_ref(
+                || all_keys[pick.next(all_keys.len())].clone(),
+                |k| {
+                    let ctx = limitador_ctx(&[("key", k)]);
+                    black_box(limiter.check_rate_limited_and_update(&ns, &ctx, 1).is_ok_and(|r| !r.limited))
+                },
+                BatchSize::SmallInput,
+            )
+        });
     }
     // Three limits in one call, like memory/multi3 (limitador has only fixed windows).
     let tiers = Tiers::new();
