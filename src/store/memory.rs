@@ -57,6 +57,18 @@ impl Hasher for SlotHasher {
 
 type Slots = HashMap<u128, Entry, BuildHasherDefault<SlotHasher>>;
 
+/// Removes consecutive duplicates from a sorted slice in place; returns the distinct count.
+fn dedup_sorted(values: &mut [usize]) -> usize {
+    let mut distinct = 0;
+    for i in 0..values.len() {
+        if distinct == 0 || values[i] != values[distinct - 1] {
+            values[distinct] = values[i];
+            distinct += 1;
+        }
+    }
+    distinct
+}
+
 #[derive(Default)]
 #[repr(align(128))]
 struct Shard {
@@ -136,37 +148,75 @@ impl MemoryStore {
         if let [only] = checks {
             let slot = self.slot_key(only.rule, only.key);
             let mut slots = self.shards[self.shard_of(slot)].slots.lock();
-            let decision = algorithm::check(only.limit, slots.get(&slot).map(|e| &e.state), now, only.cost);
-            if decision.allowed {
-                self.consume(&mut slots, slot, only, now);
-            }
+            // One table lookup: decide and consume on the entry found, instead of `get` here and
+            // `get_mut` again in `consume`.
+            let decision = if let Some(entry) = slots.get_mut(&slot) {
+                let decision = algorithm::check(only.limit, Some(&entry.state), now, only.cost);
+                if decision.allowed {
+                    Self::consume_entry(entry, only, now);
+                }
+                decision
+            } else {
+                let decision = algorithm::check(only.limit, None, now, only.cost);
+                if decision.allowed {
+                    self.consume(&mut slots, slot, only, now);
+                }
+                decision
+            };
             decisions.push(decision);
             return decision.allowed || !only.enforce;
         }
+        // Requests rarely match more than a handful of rules: keep their bookkeeping on the stack.
+        const INLINE: usize = 8;
+        if checks.len() <= INLINE {
+            let mut slots = [(0u128, 0usize); INLINE];
+            let mut shard_ids = [0usize; INLINE];
+            let mut guards: [Option<MutexGuard<'_, Slots>>; INLINE] = Default::default();
+            self.check_many(now, checks, decisions, &mut slots[..checks.len()], &mut shard_ids[..checks.len()], &mut guards)
+        } else {
+            let mut slots = vec![(0u128, 0usize); checks.len()];
+            let mut shard_ids = vec![0usize; checks.len()];
+            let mut guards: Vec<Option<MutexGuard<'_, Slots>>> = (0..checks.len()).map(|_| None).collect();
+            self.check_many(now, checks, decisions, &mut slots, &mut shard_ids, &mut guards)
+        }
+    }
 
-        let slots: Vec<(u128, usize)> = checks
-            .iter()
-            .map(|c| {
-                let slot = self.slot_key(c.rule, c.key);
-                (slot, self.shard_of(slot))
-            })
-            .collect();
+    /// The several-rules case of [`Self::check_into`], on caller-provided scratch space
+    /// (`slots` and `shard_ids` as long as `checks`, `guards` at least as long, all `None`).
+    fn check_many<'s>(
+        &'s self,
+        now: Micros,
+        checks: &[RuleCheck<'_>],
+        decisions: &mut Vec<Decision>,
+        slots: &mut [(u128, usize)],
+        shard_ids: &mut [usize],
+        guards: &mut [Option<MutexGuard<'s, Slots>>],
+    ) -> bool {
+        for ((check, slot), shard_id) in checks.iter().zip(slots.iter_mut()).zip(shard_ids.iter_mut()) {
+            let key = self.slot_key(check.rule, check.key);
+            *slot = (key, self.shard_of(key));
+            *shard_id = slot.1;
+        }
         // Locks are always taken in shard order, so concurrent requests cannot deadlock.
-        let mut shard_ids: Vec<usize> = slots.iter().map(|&(_, shard)| shard).collect();
         shard_ids.sort_unstable();
-        shard_ids.dedup();
-        let mut guards: Vec<MutexGuard<'_, Slots>> = shard_ids.iter().map(|&s| self.shards[s].slots.lock()).collect();
+        let distinct = dedup_sorted(shard_ids);
+        let shard_ids = &shard_ids[..distinct];
+        for (guard, &s) in guards.iter_mut().zip(shard_ids) {
+            *guard = Some(self.shards[s].slots.lock());
+        }
         let guard_of = |shard: usize| shard_ids.binary_search(&shard).unwrap_or(0);
 
-        for (check, &(slot, shard)) in checks.iter().zip(&slots) {
-            let state = guards[guard_of(shard)].get(&slot).map(|e| &e.state);
+        for (check, &(slot, shard)) in checks.iter().zip(slots.iter()) {
+            let state = guards[guard_of(shard)].as_ref().and_then(|g| g.get(&slot)).map(|e| &e.state);
             decisions.push(algorithm::check(check.limit, state, now, check.cost));
         }
         let allowed = checks.iter().zip(decisions.iter()).all(|(c, d)| d.allowed || !c.enforce);
         if allowed {
-            for ((check, &(slot, shard)), decision) in checks.iter().zip(&slots).zip(decisions.iter()) {
-                if decision.allowed {
-                    self.consume(&mut guards[guard_of(shard)], slot, check, now);
+            for ((check, &(slot, shard)), decision) in checks.iter().zip(slots.iter()).zip(decisions.iter()) {
+                if decision.allowed
+                    && let Some(guard) = guards[guard_of(shard)].as_mut()
+                {
+                    self.consume(guard, slot, check, now);
                 }
             }
         }
@@ -180,13 +230,17 @@ impl MemoryStore {
         Verdict { allowed, decisions }
     }
 
+    fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) {
+        let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
+        entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
+        if let Some(state) = state {
+            entry.state = state;
+        }
+    }
+
     fn consume(&self, slots: &mut Slots, slot: u128, check: &RuleCheck<'_>, now: Micros) {
         if let Some(entry) = slots.get_mut(&slot) {
-            let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
-            entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
-            if let Some(state) = state {
-                entry.state = state;
-            }
+            Self::consume_entry(entry, check, now);
             return;
         }
         let mut state = None;
