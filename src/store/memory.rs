@@ -1,20 +1,21 @@
 //! The in-process store: sharded hash maps of compact per-key state.
 //!
-//! Keys are 128-bit SipHash-1-3 digests of (rule identity, key) under a per-process random seed,
-//! so a key costs the same few bytes however long the header value it came from, and nobody can
-//! aim collisions at a seed they do not know. Each entry remembers when its state becomes
+//! Keys are 128-bit digests of (rule identity, key): two aHash hashers under independent
+//! per-process random keys. A key costs the same few bytes however long the header value it came
+//! from, and without the keys nobody can aim collisions at another client's counter (aHash is
+//! keyed for HashDoS resistance; 128 bits make accidental collisions negligible). It replaced
+//! SipHash-1-3-128, which took about 45% of a single-rule decision's instructions. Each entry remembers when its state becomes
 //! pristine again (full bucket, empty window); past that moment it is dropped, because a missing
 //! key means exactly that state. A cap on live keys bounds memory under a flood of distinct keys:
 //! a full shard first drops what has expired, then evicts the eighth of its entries closest to
 //! pristine (counted in [`MemoryStats::evicted`], since an evicted key starts over).
 
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 use parking_lot::{Mutex, MutexGuard};
-use siphasher::sip128::{Hasher128, SipHasher13};
 
 use super::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::algorithm::{self, Decision, Micros, State};
@@ -89,7 +90,8 @@ pub struct MemoryStore {
     shards: Box<[Shard]>,
     shard_bits: u32,
     shard_capacity: usize,
-    seed: (u64, u64),
+    /// Two independently keyed hashers give the 128-bit slot key.
+    seed: (ahash::RandomState, ahash::RandomState),
     clock: Arc<dyn Clock>,
     expired: AtomicU64,
     evicted: AtomicU64,
@@ -118,7 +120,10 @@ impl MemoryStore {
             shards,
             shard_bits: shard_count.trailing_zeros(),
             shard_capacity: max_keys.div_ceil(shard_count),
-            seed: (rand::random(), rand::random()),
+            seed: (
+                ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
+                ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
+            ),
             clock,
             expired: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
@@ -131,10 +136,13 @@ impl MemoryStore {
     }
 
     fn slot_key(&self, rule: RuleId, key: &[u8]) -> u128 {
-        let mut hasher = SipHasher13::new_with_keys(self.seed.0, self.seed.1);
-        hasher.write(&rule.to_le_bytes());
-        hasher.write(key);
-        hasher.finish128().as_u128()
+        let half = |state: &ahash::RandomState| {
+            let mut hasher = state.build_hasher();
+            hasher.write_u64(rule);
+            hasher.write(key);
+            hasher.finish()
+        };
+        (u128::from(half(&self.seed.0)) << 64) | u128::from(half(&self.seed.1))
     }
 
     fn shard_of(&self, slot: u128) -> usize {
