@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# `POST /v1/check` through `sluice serve --redis` against the ceiling: redis-benchmark running
+# Sluice's own decision script (EVALSHA, one fixed-window rule, random keys) at the same
+# concurrency on the same Redis. Also counts Redis round trips per decision from INFO
+# commandstats.
+#
+#   scripts/bench/redis-load.sh                      # ~2 minutes
+#   CONNS="16 64" DURATION=10 scripts/bench/redis-load.sh
+#
+# Redis runs on CPU $REDIS_CPU; redis-benchmark, or sluice and wrk, on the other CPU (a 2-core
+# machine cannot give each process a core of its own: sluice and wrk share one, which the
+# redis-benchmark side does not need to do, so the ratio is a lower bound).
+# Env: DURATION (s, 10), CONNS ("16 64"), KEYS (100000), REDIS_CPU (0), OTHER_CPU (1),
+#      SKIP_BUILD (1 to reuse the release binary), OUT (markdown results file).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BENCH="$ROOT/scripts/bench"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+DURATION="${DURATION:-10}"
+CONNS="${CONNS:-16 64}"
+KEYS="${KEYS:-100000}"
+REDIS_CPU="${REDIS_CPU:-0}"
+OTHER_CPU="${OTHER_CPU:-1}"
+OUT="${OUT:-$(mktemp -t redis-load.XXXXXX.md)}"
+export BENCH_KEYS="$KEYS"
+log() { printf '%s\n' "$*" >&2; }
+
+need=()
+command -v wrk >/dev/null || need+=(wrk)
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-benchmark >/dev/null || need+=(redis-tools)
+if ((${#need[@]})); then
+    log "installing ${need[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >&2
+fi
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    (cd "$ROOT" && cargo build --release --quiet --bin sluice)
+fi
+SLUICE="$TARGET/release/sluice"
+
+REDIS_PORT=18379
+SLUICE_PORT=18380
+PIDS=()
+cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+start_redis() {
+    taskset -c "$REDIS_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+        --daemonize no --loglevel warning >/dev/null 2>&1 & PIDS+=($!)
+    for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && return 0; sleep 0.1; done
+    log "redis did not start"; exit 1
+}
+cli() { redis-cli -p "$REDIS_PORT" "$@"; }
+script_calls() { cli INFO commandstats | awk -F'[=,:]' '/^cmdstat_evalsha:/ {print $3}'; }
+
+start_redis
+SCRIPT_FILE=$(mktemp)
+cat "$ROOT"/lua/{common,token_bucket,gcra,fixed_window,sliding_window_log,sliding_window_counter,check}.lua > "$SCRIPT_FILE"
+SHA=$(cli -x SCRIPT LOAD < "$SCRIPT_FILE" | tr -d '\r')
+log "script $SHA"
+
+RUST_LOG=warn taskset -c "$OTHER_CPU" "$SLUICE" serve --policies "$BENCH/policies-1rule" \
+    --listen "127.0.0.1:$SLUICE_PORT" --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s 2>/dev/null & PIDS+=($!)
+for _ in $(seq 100); do curl -sf -o /dev/null -d '{"path":"/"}' "http://127.0.0.1:$SLUICE_PORT/v1/check" && break; sleep 0.1; done
+sample='{"namespace":"bench","path":"/orders/1","headers":{"x-api-key":"key-1"}}'
+curl -s -d "$sample" "http://127.0.0.1:$SLUICE_PORT/v1/check" | grep -q '"allowed":true' || { log "sample not allowed"; exit 1; }
+
+{
+    echo "| connections | redis-benchmark EVALSHA (req/s) | sluice /v1/check on Redis (req/s) | ratio | sluice p50 | sluice p99 | EVALSHA per decision |"
+    echo "|---:|---:|---:|---:|---:|---:|---:|"
+} > "$OUT"
+
+for c in $CONNS; do
+    # The ceiling: the same script, one fixed-window rule (1e9 per hour, so nothing is denied),
+    # random keys, `c` connections.
+    n=$((c * 4000))
+    ceiling=$(taskset -c "$OTHER_CPU" redis-benchmark -p "$REDIS_PORT" -c "$c" -n "$n" -r "$KEYS" -q \
+        EVALSHA "$SHA" 1 "sl1:{bench}:bench:9:key-__rand_int__" "" 4 1000000000 3600000000 1000000000 4 -1 1 1 \
+        | tr '\r' '\n' | awk '/requests per second/ {for (i = 1; i <= NF; i++) if ($i ~ /^[0-9.]+$/) v = $i} END {print v}')
+    before=$(script_calls)
+    out=$(taskset -c "$OTHER_CPU" wrk -t1 -c "$c" -d "${DURATION}s" --latency -s "$BENCH/check.lua" \
+        "http://127.0.0.1:$SLUICE_PORT/v1/check")
+    after=$(script_calls)
+    rps=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
+    total=$(awk '/requests in/ {print $1}' <<<"$out")
+    p50=$(awk '$1 == "50%" {print $2}' <<<"$out")
+    p99=$(awk '$1 == "99%" {print $2}' <<<"$out")
+    non2xx=$(awk '/Non-2xx/ {print $4}' <<<"$out")
+    per=$(awk -v a="$after" -v b="$before" -v t="$total" 'BEGIN { printf "%.3f", (a - b) / t }')
+    ratio=$(awk -v s="$rps" -v r="$ceiling" 'BEGIN { printf "%.0f%%", 100 * s / r }')
+    log "c=$c ceiling=$ceiling sluice=$rps ($ratio) p50=$p50 p99=$p99 evalsha/decision=$per non2xx=${non2xx:-0}"
+    echo "| $c | $ceiling | $rps | $ratio | $p50 | $p99 | $per |" >> "$OUT"
+done
+log "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), load $(cut -d' ' -f1-3 /proc/loadavg)"
+cat "$OUT"
