@@ -187,7 +187,8 @@ async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct SnapshotBody<'a> {
-    version: &'a str,
+    // No `version` here: the flattened view carries it, and a second copy made the JSON object
+    // repeat the key, which strict parsers (serde structs among them) refuse.
     loaded: bool,
     loaded_at_ms: u64,
     #[serde(flatten)]
@@ -205,7 +206,6 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
         return (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response();
     }
     let body = SnapshotBody {
-        version,
         loaded: engine.is_loaded(),
         loaded_at_ms: live.loaded_at / 1000,
         view: live.snapshot.view(),

@@ -292,8 +292,9 @@ impl Decider {
                 input.headers.clone(),
                 None,
             );
-            if let Ok(request) = request {
-                return (Source::Local, from_engine(self.local.check(&request).await));
+            match request {
+                Ok(request) => return (Source::Local, from_engine(self.local.check(&request).await)),
+                Err(error) => tracing::debug!(%error, "request cannot be checked locally"),
             }
         }
         let decision = match self.on_failure {
@@ -354,7 +355,10 @@ impl Decider {
             .await
             .map_err(|e| e.to_string())?
             .to_bytes();
-        let document: SnapshotDocument = serde_json::from_slice(&body).map_err(|e| format!("snapshot: {e}"))?;
+        // Through a Value: it tolerates a key repeated by a flattened field, where a struct fails.
+        let document: SnapshotDocument = serde_json::from_slice::<serde_json::Value>(&body)
+            .and_then(serde_json::from_value)
+            .map_err(|e| format!("snapshot: {e}"))?;
         if !document.loaded {
             // The endpoint has no policies yet; an empty cache would wrongly admit everything.
             return Ok(None);

@@ -70,13 +70,13 @@ impl SidecarMetrics {
         let breaker_open = Gauge::<i64, AtomicI64>::default();
         registry.register(
             "endpoint_circuit_open",
-            "1 while the endpoint's circuit breaker is open (checks skip the endpoint)",
+            "Whether the endpoint's circuit breaker is open, so checks skip the endpoint (0 or 1)",
             breaker_open.clone(),
         );
         let snapshot_cached = Gauge::<i64, AtomicI64>::default();
         registry.register(
             "snapshot_cached",
-            "1 once a policy snapshot is cached for the local fallback",
+            "Whether a policy snapshot is cached for the local fallback (0 or 1)",
             snapshot_cached.clone(),
         );
         let snapshot_updates = Counter::default();
