@@ -120,6 +120,7 @@ async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
                 "proto": get("x-forwarded-proto"),
                 "host": get("host"),
                 "connection": get("connection"),
+                "hop": get("x-hop"),
             }))
             .into_response()
         }))
@@ -396,6 +397,7 @@ async fn client_ip_comes_from_trusted_hops_and_is_forwarded() {
         .unwrap();
     assert_eq!(seen["xff"], "203.0.113.7, 127.0.0.1");
     assert_eq!(seen["proto"], "https", "kept from the trusted hop");
+    assert_eq!(seen["hop"], "", "headers named in Connection are hop-by-hop");
 
     // The per-IP rule keys on the forwarded client, not on the loopback peer.
     let by_ip = |ip: &'static str| c.get(sidecar.url("/by-ip")).header("x-forwarded-for", ip).send();
@@ -497,4 +499,69 @@ async fn cached_snapshot_enforces_while_the_endpoint_is_away_and_the_endpoint_ta
         assert!(Instant::now() < deadline, "the sidecar never went back to the endpoint");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A stand-in endpoint that records the check requests it gets and answers from a script.
+async fn start_fake_endpoint() -> (SocketAddr, Arc<std::sync::Mutex<Vec<serde_json::Value>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let app = Router::new()
+        .route("/v1/snapshot", get(|| async {
+            ([("etag", "\"v1\"")], axum::Json(serde_json::json!({
+                "version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": [],
+            })))
+        }))
+        .route("/v1/check", post(|State(seen): State<Arc<std::sync::Mutex<Vec<serde_json::Value>>>>, axum::Json(body): axum::Json<serde_json::Value>| async move {
+            let delay = if body["path"] == "/slow" { 300 } else { 0 };
+            seen.lock().unwrap().push(body);
+            axum::Json(serde_json::json!({
+                "allowed": true, "status": 200, "retryAfterMs": null, "delayMs": delay,
+                "headers": {"X-RateLimit-Limit": "10"}, "rules": [],
+            }))
+        }))
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn checks_carry_the_pod_identity_and_only_the_headers_policies_use() {
+    let (up, _state) = start_upstream().await;
+    let (endpoint, seen) = start_fake_endpoint().await;
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &[]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    let r = c
+        .post(sidecar.url("/orders/1?page=2"))
+        .header("host", "api.example.com")
+        .header("x-api-key", "k1")
+        .header("authorization", "Bearer secret")
+        .header("cookie", "session=secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-ratelimit-limit"], "10", "the decision's headers are added");
+    let check = seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(check["namespace"], "tenant-acme");
+    assert_eq!(check["labels"], serde_json::json!({"app": "web", "tier": "front"}));
+    assert_eq!(check["method"], "POST");
+    assert_eq!(check["path"], "/orders/1");
+    assert_eq!(check["host"], "api.example.com");
+    assert_eq!(check["clientIp"], "127.0.0.1");
+    assert_eq!(check["headers"], serde_json::json!({"x-api-key": "k1"}), "credentials never leave the pod");
+}
+
+#[tokio::test]
+async fn a_shaping_delay_is_waited_before_forwarding() {
+    let (up, state) = start_upstream().await;
+    let (endpoint, _seen) = start_fake_endpoint().await;
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &[]);
+    let c = client();
+    let before = state.hits.load(Ordering::SeqCst);
+    let started = Instant::now();
+    assert_eq!(c.get(sidecar.url("/slow")).send().await.unwrap().status(), 200);
+    assert!(started.elapsed() >= Duration::from_millis(300), "delayMs honoured: {:?}", started.elapsed());
+    assert_eq!(state.hits.load(Ordering::SeqCst), before + 1);
 }
