@@ -565,3 +565,28 @@ async fn a_shaping_delay_is_waited_before_forwarding() {
     assert!(started.elapsed() >= Duration::from_millis(300), "delayMs honoured: {:?}", started.elapsed());
     assert_eq!(state.hits.load(Ordering::SeqCst), before + 1);
 }
+
+#[tokio::test]
+async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let mut sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+    // A response in flight: its first chunk is out, the last is held by the upstream.
+    let mut response = c.get(sidecar.url("/stream")).send().await.unwrap();
+    assert_eq!(response.chunk().await.unwrap().unwrap(), Bytes::from_static(b"first\n"));
+    let pid = sidecar.process.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sidecar.process.logs.lock().unwrap().iter().any(|l| l.contains("shutting down")) {
+        assert!(Instant::now() < deadline, "no shutdown log line");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Draining: the held chunk still arrives once released.
+    state.release.notify_one();
+    let rest = tokio::time::timeout(Duration::from_secs(10), response.chunk()).await.unwrap().unwrap().unwrap();
+    assert_eq!(rest, Bytes::from_static(b"last\n"));
+    let status = sidecar.process.terminate();
+    assert!(status.success(), "{status:?}");
+}

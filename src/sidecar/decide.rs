@@ -184,6 +184,11 @@ impl Decider {
         }
     }
 
+    /// The local fallback's store, for the sweeper that drops idle keys.
+    pub fn local_store(&self) -> Arc<MemoryStore> {
+        self.local.store().clone()
+    }
+
     /// The request headers a check should carry, lower-case names, repeated values joined.
     pub fn check_headers(&self, headers: &HeaderMap) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
