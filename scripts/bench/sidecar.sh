@@ -3,7 +3,8 @@
 # to the upstream, and the sidecar's resident memory. Prints a Markdown report on stdout.
 #
 #   scripts/bench/sidecar.sh            # builds the release binary first
-#   SLUICE_BIN=path/to/sluice DURATION=10s scripts/bench/sidecar.sh
+#   SLUICE_BIN=path/to/sluice DURATION=10s ROUNDS=3 CONNS=32 PIN=1 scripts/bench/sidecar.sh
+#   (PIN=0: no taskset, everything shares every CPU)
 #
 # Topology, all on loopback:  wrk → [sidecar → (POST /v1/check → sluice serve)] → nginx upstream
 # The upstream is nginx answering a fixed 2-byte body (Debian packages: nginx, wrk). wrk is pinned
@@ -26,7 +27,7 @@ if [ -z "${SLUICE_BIN:-}" ]; then
 fi
 
 cpus=$(nproc)
-if [ "$cpus" -ge 2 ] && command -v taskset >/dev/null; then
+if [ "${PIN:-1}" = 1 ] && [ "$cpus" -ge 2 ] && command -v taskset >/dev/null; then
   LOAD="taskset -c 0"; SERVERS="taskset -c 1-$((cpus - 1))"
 else
   LOAD=""; SERVERS=""
@@ -38,7 +39,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+wait_port() { for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; tail -n 20 "$work"/*.log "$work"/*.err >&2 2>/dev/null; exit 1; }
 
 UP=$(free_port); EP=$(free_port); SC=$(free_port); ADMIN=$(free_port)
 
@@ -54,10 +55,11 @@ http {
   server { listen 127.0.0.1:$UP; location / { return 200 "ok"; } }
 }
 NGINX
-$SERVERS "$NGINX" -p "$work" -c "$work/nginx.conf" -g "daemon off; pid $work/nginx.pid; error_log $work/nginx.err;" &
-pids+=($!)
+$SERVERS "$NGINX" -p "$work" -c "$work/nginx.conf" -g "daemon off; master_process off; pid $work/nginx.pid; error_log $work/nginx.err;" &
+upstream=$!
+pids+=($upstream)
 
-# Endpoint: a policy that matches every benchmark request with a limit it never reaches, so each
+# Endpoint: a policy that matches every benchmark request with a limit it does not reach, so each
 # request costs a real decision (match, key, store) and comes back with headers.
 cat > "$work/policy.yaml" <<'YAML'
 apiVersion: sluice.dev/v1alpha1
@@ -68,10 +70,11 @@ spec:
     - name: per-client
       key: [{clientIP: true}]
       algorithm: tokenBucket
-      limit: {requests: 1000000000, per: 1s}
+      limit: {requests: 100000, per: 1s}
 YAML
 RUST_LOG=warn $SERVERS "$SLUICE_BIN" serve --policies "$work/policy.yaml" --listen "127.0.0.1:$EP" 2>"$work/serve.log" &
-pids+=($!)
+endpoint=$!
+pids+=($endpoint)
 RUST_LOG=warn $SERVERS "$SLUICE_BIN" sidecar --listen "127.0.0.1:$SC" --admin-listen "127.0.0.1:$ADMIN" \
   --upstream "127.0.0.1:$UP" --endpoint "http://127.0.0.1:$EP" --namespace bench --labels app=bench \
   2>"$work/sidecar.log" &
@@ -90,14 +93,35 @@ rps() { awk '/^Requests\/sec/ {printf "%.0f", $2}' "$work/wrk.out"; }
 to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1e6; else print n }'; }
 
 curl -fs "http://127.0.0.1:$SC/" >/dev/null   # warm the pools
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 
-declare -A r
-for target in direct sidecar; do
-  url="http://127.0.0.1:$UP/"; [ $target = sidecar ] && url="http://127.0.0.1:$SC/"
-  run 1 "$url"; r[$target.p50]=$(to_us "$(pct 50%)"); r[$target.p99]=$(to_us "$(pct 99%)")
-  run "$CONNS" "$url"; r[$target.rps]=$(rps); r[$target.cp50]=$(to_us "$(pct 50%)"); r[$target.cp99]=$(to_us "$(pct 99%)")
+# The machine may be shared: interleave the targets and report each figure's median over ROUNDS.
+ROUNDS=${ROUNDS:-3}
+declare -A all
+for round in $(seq "$ROUNDS"); do
+  for target in direct sidecar; do
+    url="http://127.0.0.1:$UP/"; [ $target = sidecar ] && url="http://127.0.0.1:$SC/"
+    run 1 "$url"; all[$target.p50]+="$(to_us "$(pct 50%)") "; all[$target.p99]+="$(to_us "$(pct 99%)") "
+    run "$CONNS" "$url"; all[$target.rps]+="$(rps) "
+    all[$target.cp50]+="$(to_us "$(pct 50%)") "; all[$target.cp99]+="$(to_us "$(pct 99%)") "
+  done
 done
+median() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+declare -A r
+for k in "${!all[@]}"; do r[$k]=$(median "${all[$k]}"); echo "$k: ${all[$k]}-> ${r[$k]}" >&2; done
 rss_after=$(rss "$sidecar")
+
+# CPU per proxied request of each process (user + system), over one more loaded run.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+declare -A t0
+for p in sidecar endpoint upstream; do t0[$p]=$(ticks "${!p}"); done
+run "$CONNS" "http://127.0.0.1:$SC/"
+total=$(awk '/requests in/ {print $1}' "$work/wrk.out")
+hz=$(getconf CLK_TCK)
+declare -A cpu
+for p in sidecar endpoint upstream; do
+  cpu[$p]=$(awk -v a="${t0[$p]}" -v b="$(ticks "${!p}")" -v n="$total" -v hz="$hz" 'BEGIN {printf "%.0f", (b - a) / hz * 1e6 / n}')
+done
 checks=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_decisions_total\{source="endpoint",result="allow"\}/ {print $2}')
 
 added50=$(awk -v a="${r[sidecar.p50]}" -v b="${r[direct.p50]}" 'BEGIN {printf "%.0f", a - b}')
@@ -112,7 +136,9 @@ cat <<REPORT
 | throughput, $CONNS connections | ${r[direct.rps]} req/s | ${r[sidecar.rps]} req/s | ${ratio}% of direct |
 | latency p50 / p99, $CONNS connections | ${r[direct.cp50]} / ${r[direct.cp99]} µs | ${r[sidecar.cp50]} / ${r[sidecar.cp99]} µs | |
 
+CPU per request through the sidecar (user + system): sidecar ${cpu[sidecar]} µs, endpoint (sluice serve) ${cpu[endpoint]} µs, upstream (nginx) ${cpu[upstream]} µs.
+
 Sidecar RSS: $((rss_idle / 1024)) MB idle after start (${rss_idle} kB), $((rss_after / 1024)) MB after the runs (${rss_after} kB).
 Endpoint decisions during the runs: ${checks:-?} (every proxied request was checked).
-Machine: $(nproc) CPUs ($(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//')); wrk ${LOAD:+pinned with '$LOAD', servers with '$SERVERS'}; duration $DURATION per run.
+Machine: $(nproc) CPUs ($(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//')); ${LOAD:+wrk pinned with '$LOAD', servers with '$SERVERS'}${LOAD:-nothing pinned}; duration $DURATION per run, median of $ROUNDS interleaved rounds; load average before: $load_before.
 REPORT
