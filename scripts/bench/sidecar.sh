@@ -124,15 +124,15 @@ for p in sidecar endpoint upstream; do
 done
 checks=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_decisions_total\{source="endpoint",result="allow"\}/ {print $2}')
 
-added50=$(awk -v a="${r[sidecar.p50]}" -v b="${r[direct.p50]}" 'BEGIN {printf "%.0f", a - b}')
-added99=$(awk -v a="${r[sidecar.p99]}" -v b="${r[direct.p99]}" 'BEGIN {printf "%.0f", a - b}')
+added50=$(awk -v a="${r[sidecar.p50]}" -v b="${r[direct.p50]}" 'BEGIN {printf "%+.0f", a - b}')
+added99=$(awk -v a="${r[sidecar.p99]}" -v b="${r[direct.p99]}" 'BEGIN {printf "%+.0f", a - b}')
 ratio=$(awk -v a="${r[sidecar.rps]}" -v b="${r[direct.rps]}" 'BEGIN {printf "%.0f", 100 * a / b}')
 
 cat <<REPORT
 | | direct to upstream | through the sidecar | added / ratio |
 |---|---|---|---|
-| latency p50, 1 connection | ${r[direct.p50]} µs | ${r[sidecar.p50]} µs | +${added50} µs |
-| latency p99, 1 connection | ${r[direct.p99]} µs | ${r[sidecar.p99]} µs | +${added99} µs |
+| latency p50, 1 connection | ${r[direct.p50]} µs | ${r[sidecar.p50]} µs | ${added50} µs |
+| latency p99, 1 connection | ${r[direct.p99]} µs | ${r[sidecar.p99]} µs | ${added99} µs |
 | throughput, $CONNS connections | ${r[direct.rps]} req/s | ${r[sidecar.rps]} req/s | ${ratio}% of direct |
 | latency p50 / p99, $CONNS connections | ${r[direct.cp50]} / ${r[direct.cp99]} µs | ${r[sidecar.cp50]} / ${r[sidecar.cp99]} µs | |
 
@@ -140,5 +140,5 @@ CPU per request through the sidecar (user + system): sidecar ${cpu[sidecar]} µs
 
 Sidecar RSS: $((rss_idle / 1024)) MB idle after start (${rss_idle} kB), $((rss_after / 1024)) MB after the runs (${rss_after} kB).
 Endpoint decisions during the runs: ${checks:-?} (every proxied request was checked).
-Machine: $(nproc) CPUs ($(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//')); ${LOAD:+wrk pinned with '$LOAD', servers with '$SERVERS'}${LOAD:-nothing pinned}; duration $DURATION per run, median of $ROUNDS interleaved rounds; load average before: $load_before.
+Machine: $(nproc) CPUs ($(awk -F: '/model name/ {print $2; exit}' /proc/cpuinfo | sed 's/^ *//')); $(if [ -n "$LOAD" ]; then echo "wrk pinned with '$LOAD', servers with '$SERVERS'"; else echo 'nothing pinned'; fi); duration $DURATION per run, median of $ROUNDS interleaved rounds; load average before: $load_before.
 REPORT
