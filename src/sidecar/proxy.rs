@@ -82,8 +82,8 @@ impl Proxy {
 
         let upgrade = is_upgrade(&request);
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
-        if let Err(response) = self.prepare(&mut request, peer, host.as_deref(), upgrade) {
-            return response;
+        if self.prepare(&mut request, peer, host.as_deref(), upgrade).is_err() {
+            return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
         }
         let started = Instant::now();
         let mut response = match self.client.request(request).await {
@@ -129,14 +129,13 @@ impl Proxy {
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
-    ) -> Result<(), Response<ProxyBody>> {
+    ) -> Result<(), http::Error> {
         let path = request.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
         let uri = Uri::builder()
             .scheme(Scheme::HTTP)
             .authority(self.upstream.clone())
             .path_and_query(path)
-            .build()
-            .map_err(|_| problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new()))?;
+            .build()?;
         *request.uri_mut() = uri;
         // The application speaks HTTP/1.1 on loopback whatever the client spoke to us.
         *request.version_mut() = Version::HTTP_11;
