@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests start or drive: Redis (shared store), openssl (TLS test certificates).
-packages=(redis-server redis-tools openssl)
+# Debian packages the tests start or drive: Redis (shared store), openssl (TLS test
+# certificates), nginx (examples/nginx against the ext_authz mode, tests/nginx_authz.rs).
+packages=(redis-server redis-tools openssl nginx)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,7 +18,7 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 # Tests start their own servers; a packaged Redis listening on 6379 would only get in the way.
-if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server >/dev/null 2>&1 || true; fi
+if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server nginx >/dev/null 2>&1 || true; fi
 
 echo "==> cargo test"
 cargo test --locked --all-features -- --test-threads="${SLUICE_TEST_THREADS:-4}"

@@ -8,5 +8,6 @@ pub mod clock;
 pub mod duration;
 pub mod policy;
 pub mod server;
+pub mod sidecar;
 pub mod store;
 pub mod telemetry;

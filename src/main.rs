@@ -28,6 +28,8 @@ enum Command {
     Serve(ServeArgs),
     /// Print the RateLimitPolicy CustomResourceDefinition (what crds/ holds).
     Crd,
+    /// Per-pod reverse proxy in front of the application: asks the endpoint, answers 429 or forwards.
+    Sidecar(sluice::sidecar::SidecarArgs),
 }
 
 #[derive(clap::Args)]
@@ -78,6 +80,11 @@ fn main() -> anyhow::Result<()> {
             init_logging(&cli.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(run_serve(args))
+        }
+        Command::Sidecar(args) => {
+            init_logging(&cli.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            Ok(runtime.block_on(sluice::sidecar::run(args))?)
         }
     }
 }

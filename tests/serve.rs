@@ -282,6 +282,32 @@ async fn envoy_ext_authz_mode_answers_200_or_429_with_headers() {
 }
 
 #[tokio::test]
+async fn ext_authz_denial_status_can_be_403_for_nginx() {
+    let dir = policy_dir(POLICY);
+    let s = start(dir.path());
+    let c = client();
+    let send = |deny_status: &'static str| {
+        c.post(s.url("/v1/authz/orders/9"))
+            .header("x-api-key", "nginx")
+            .header("x-sluice-namespace", "tenant-acme")
+            .header("x-sluice-labels", "app=orders")
+            .header("x-sluice-deny-status", deny_status)
+            .send()
+    };
+    for _ in 0..3 {
+        assert_eq!(send("403").await.unwrap().status(), 200, "allowed stays 200");
+    }
+    let r = send("403").await.unwrap();
+    assert_eq!(r.status(), 403);
+    assert!(r.headers().contains_key("retry-after"), "the headers nginx copies are there");
+    assert_eq!(send("429").await.unwrap().status(), 429);
+    assert_eq!(send("401").await.unwrap().status(), 401);
+    let bad = send("500").await.unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.text().await.unwrap().contains("x-sluice-deny-status"));
+}
+
+#[tokio::test]
 async fn sigterm_drains_and_exits_zero() {
     let dir = policy_dir(POLICY);
     let mut s = start(dir.path());

@@ -27,6 +27,9 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 pub const NAMESPACE_HEADER: &str = "x-sluice-namespace";
 pub const LABELS_HEADER: &str = "x-sluice-labels";
 pub const COST_HEADER: &str = "x-sluice-cost";
+/// Opt-in status for a denial in the ext_authz mode. nginx `auth_request` turns any answer but
+/// 2xx, 401 and 403 into a 500, so nginx asks for 403 and maps it back to 429 itself.
+pub const DENY_STATUS_HEADER: &str = "x-sluice-deny-status";
 
 pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
     Router::new()
@@ -82,15 +85,32 @@ async fn check<S: Store>(State(engine): State<Arc<Engine<S>>>, body: Result<Byte
 /// Host and headers arrive as they were; 200 admits, 429 with the rate-limit headers refuses.
 async fn authz<S: Store>(State(engine): State<Arc<Engine<S>>>, request: axum::extract::Request) -> Response {
     let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
+    let deny_status = match deny_status(request.headers()) {
+        Ok(status) => status,
+        Err(error) => return bad_request(engine.metrics(), error),
+    };
     let request = match authz_request(request.method(), request.uri(), request.headers(), peer) {
         Ok(request) => request,
         Err(error) => return bad_request(engine.metrics(), error),
     };
     let decision = engine.check(&request).await;
-    let status = if decision.allowed { StatusCode::OK } else { StatusCode::TOO_MANY_REQUESTS };
+    let status = if decision.allowed { StatusCode::OK } else { deny_status };
     engine.metrics().responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
     let extra = decision.headers.clone();
     json_response(status, &decision, Some(&extra))
+}
+
+/// 429 unless the caller asked for 401 or 403 (the only denials nginx `auth_request` passes on).
+fn deny_status(headers: &HeaderMap) -> Result<StatusCode, BadRequest> {
+    match headers.get(DENY_STATUS_HEADER).map(|v| v.as_bytes()) {
+        None | Some(b"429") => Ok(StatusCode::TOO_MANY_REQUESTS),
+        Some(b"403") => Ok(StatusCode::FORBIDDEN),
+        Some(b"401") => Ok(StatusCode::UNAUTHORIZED),
+        Some(other) => Err(BadRequest(format!(
+            "header {DENY_STATUS_HEADER}: must be 401, 403 or 429, got {:?}",
+            String::from_utf8_lossy(other)
+        ))),
+    }
 }
 
 fn authz_request(
@@ -192,7 +212,8 @@ async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct SnapshotBody<'a> {
-    version: &'a str,
+    // No `version` here: the flattened view carries it, and a second copy made the JSON object
+    // repeat the key, which strict parsers (serde structs among them) refuse.
     loaded: bool,
     loaded_at_ms: u64,
     #[serde(flatten)]
@@ -211,7 +232,6 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
         return (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response();
     }
     let body = SnapshotBody {
-        version,
         loaded: engine.is_loaded(),
         loaded_at_ms: live.loaded_at / 1000,
         view: live.snapshot.view(),

@@ -24,7 +24,7 @@ impl SluiceProcess {
     pub fn try_start(args: &[&str]) -> Result<SluiceProcess, String> {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()))
             .env("SLUICE_LOG_FORMAT", "text")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -1,0 +1,278 @@
+//! The sidecar's command line, and turning it into a checked [`Config`].
+//!
+//! Every flag also reads an environment variable, and the pod identity (namespace, labels) can
+//! come from downward-API files, because that is how the injected container gets them without
+//! needing API access.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::uri::{Authority, Uri};
+
+use super::SidecarError;
+
+/// What to decide while the enforcement endpoint is slow or unreachable and no snapshot has
+/// been fetched yet (with a cached snapshot, the local fallback decides instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnFailure {
+    /// Forward the request (fail open): a dead limiter never takes the application down.
+    Allow,
+    /// Answer 429 (fail closed).
+    Deny,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct SidecarArgs {
+    /// Address the proxy listens on (what the pod's Service targets).
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8000")]
+    pub listen: SocketAddr,
+    /// The application, as HOST:PORT (usually 127.0.0.1:<app port>).
+    #[arg(long, env = "SLUICE_UPSTREAM")]
+    pub upstream: String,
+    /// Base URL of the enforcement endpoint (`sluice serve` or the operator), e.g. http://sluice:8080.
+    #[arg(long, env = "SLUICE_ENDPOINT")]
+    pub endpoint: String,
+    /// The pod's namespace; wins over --namespace-file.
+    #[arg(long, env = "SLUICE_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Downward-API file holding the namespace (a file with just the name).
+    #[arg(long, env = "SLUICE_NAMESPACE_FILE")]
+    pub namespace_file: Option<PathBuf>,
+    /// The pod's labels as k=v[,k=v…]; merged over --labels-file.
+    #[arg(long, env = "SLUICE_LABELS")]
+    pub labels: Option<String>,
+    /// Downward-API labels file (`key="value"` per line).
+    #[arg(long, env = "SLUICE_LABELS_FILE")]
+    pub labels_file: Option<PathBuf>,
+    /// Decision while the endpoint is unreachable and no snapshot is cached.
+    #[arg(long, env = "SLUICE_ON_ENDPOINT_FAILURE", value_enum, default_value = "allow")]
+    pub on_endpoint_failure: OnFailure,
+    /// How long one check may take before the failure mode decides.
+    #[arg(long, env = "SLUICE_ENDPOINT_TIMEOUT", default_value = "100ms", value_parser = parse_positive_duration)]
+    pub endpoint_timeout: Duration,
+    /// Address of /healthz and /metrics.
+    #[arg(long, env = "SLUICE_ADMIN_LISTEN", default_value = "0.0.0.0:9091")]
+    pub admin_listen: SocketAddr,
+    /// Reverse proxies in front of the sidecar whose X-Forwarded-For entries are trusted.
+    #[arg(long, env = "SLUICE_TRUSTED_HOPS", default_value_t = 0)]
+    pub trusted_hops: usize,
+    /// How often the endpoint's snapshot is polled (a 304 when unchanged).
+    #[arg(long, env = "SLUICE_SNAPSHOT_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
+    pub snapshot_interval: Duration,
+}
+
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
+    if micros == 0 {
+        return Err("must be above zero".into());
+    }
+    Ok(Duration::from_micros(micros))
+}
+
+/// The checked configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub upstream: Authority,
+    /// `…/v1/check` and `…/v1/snapshot` on the endpoint.
+    pub check_uri: Uri,
+    pub snapshot_uri: Uri,
+    pub namespace: String,
+    pub labels: BTreeMap<String, String>,
+    pub on_failure: OnFailure,
+    pub endpoint_timeout: Duration,
+    pub trusted_hops: usize,
+    pub snapshot_interval: Duration,
+}
+
+impl Config {
+    pub fn from_args(args: SidecarArgs) -> Result<Config, SidecarError> {
+        let bad = |what: String| SidecarError::Config(what);
+        let upstream_text = args.upstream.strip_prefix("http://").unwrap_or(&args.upstream).trim_end_matches('/');
+        let upstream: Authority = upstream_text
+            .parse()
+            .map_err(|_| bad(format!("--upstream: {:?} is not HOST:PORT", args.upstream)))?;
+        if upstream.port_u16().is_none() {
+            return Err(bad(format!("--upstream: {:?} has no port", args.upstream)));
+        }
+
+        let base = args.endpoint.trim_end_matches('/');
+        let endpoint: Uri = base.parse().map_err(|_| bad(format!("--endpoint: {:?} is not a URL", args.endpoint)))?;
+        if endpoint.scheme_str() != Some("http") || endpoint.authority().is_none() {
+            return Err(bad(format!("--endpoint: {:?} must be an http://HOST[:PORT] URL", args.endpoint)));
+        }
+        let endpoint_uri = |path: &str| -> Result<Uri, SidecarError> {
+            format!("{base}{path}").parse().map_err(|_| bad(format!("--endpoint: cannot append {path} to {base:?}")))
+        };
+
+        let namespace = match (args.namespace, &args.namespace_file) {
+            (Some(ns), _) => ns,
+            (None, Some(path)) => read_file(path, "--namespace-file")?.trim().to_string(),
+            (None, None) => "default".to_string(),
+        };
+        if namespace.is_empty() {
+            return Err(bad("namespace: empty".into()));
+        }
+
+        let mut labels = BTreeMap::new();
+        if let Some(path) = &args.labels_file {
+            labels = parse_downward_labels(&read_file(path, "--labels-file")?)
+                .map_err(|e| bad(format!("--labels-file {}: {e}", path.display())))?;
+        }
+        if let Some(list) = &args.labels {
+            labels.extend(parse_label_list(list).map_err(|e| bad(format!("--labels: {e}")))?);
+        }
+
+        Ok(Config {
+            listen: args.listen,
+            admin_listen: args.admin_listen,
+            upstream,
+            check_uri: endpoint_uri("/v1/check")?,
+            snapshot_uri: endpoint_uri("/v1/snapshot")?,
+            namespace,
+            labels,
+            on_failure: args.on_endpoint_failure,
+            endpoint_timeout: args.endpoint_timeout,
+            trusted_hops: args.trusted_hops,
+            snapshot_interval: args.snapshot_interval,
+        })
+    }
+}
+
+fn read_file(path: &Path, flag: &str) -> Result<String, SidecarError> {
+    std::fs::read_to_string(path).map_err(|e| SidecarError::Config(format!("{flag} {}: {e}", path.display())))
+}
+
+/// `k=v,k2=v2` (spaces around items ignored; an empty list is no labels).
+pub fn parse_label_list(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (k, v) = item.split_once('=').ok_or_else(|| format!("expected key=value, got {item:?}"))?;
+        let k = k.trim();
+        if k.is_empty() {
+            return Err(format!("empty key in {item:?}"));
+        }
+        labels.insert(k.to_string(), v.trim().to_string());
+    }
+    Ok(labels)
+}
+
+/// The downward API's labels file: one `key="value"` per line, the value quoted the way Go's
+/// `strconv.Quote` does (so `\"`, `\\` and `\n`-style escapes may appear).
+pub fn parse_downward_labels(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let (k, v) = line.split_once('=').ok_or_else(|| format!("line {}: expected key=\"value\"", n + 1))?;
+        let v = v.trim();
+        let value = if v.starts_with('"') {
+            unquote(v).ok_or_else(|| format!("line {}: badly quoted value {v}", n + 1))?
+        } else {
+            v.to_string()
+        };
+        labels.insert(k.trim().to_string(), value);
+    }
+    Ok(labels)
+}
+
+fn unquote(quoted: &str) -> Option<String> {
+    let inner = quoted.strip_prefix('"')?.strip_suffix('"')?;
+    let mut out = String::with_capacity(inner.len());
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next()? {
+            '"' => out.push('"'),
+            '\\' => out.push('\\'),
+            'n' => out.push('\n'),
+            't' => out.push('\t'),
+            'r' => out.push('\r'),
+            other => {
+                // Label values are restricted to [A-Za-z0-9._-]; other escapes cannot occur in
+                // practice, so keep them verbatim rather than failing the pod.
+                out.push('\\');
+                out.push(other);
+            }
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_lists() {
+        let l = parse_label_list(" app=orders , tier=web,").unwrap();
+        assert_eq!(l.get("app").map(String::as_str), Some("orders"));
+        assert_eq!(l.get("tier").map(String::as_str), Some("web"));
+        assert!(parse_label_list("").unwrap().is_empty());
+        assert!(parse_label_list("app").unwrap_err().contains("key=value"));
+        assert!(parse_label_list("=x").is_err());
+    }
+
+    #[test]
+    fn downward_api_labels_file() {
+        let text = "app=\"orders\"\npod-template-hash=\"7d9f\"\nnote=\"say \\\"hi\\\"\"\n\n";
+        let l = parse_downward_labels(text).unwrap();
+        assert_eq!(l.len(), 3);
+        assert_eq!(l["app"], "orders");
+        assert_eq!(l["pod-template-hash"], "7d9f");
+        assert_eq!(l["note"], "say \"hi\"");
+        assert!(parse_downward_labels("app=\"unterminated\n").is_err());
+        assert!(parse_downward_labels("no equals\n").is_err());
+    }
+
+    fn args(upstream: &str, endpoint: &str) -> SidecarArgs {
+        SidecarArgs {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            upstream: upstream.into(),
+            endpoint: endpoint.into(),
+            namespace: None,
+            namespace_file: None,
+            labels: Some("app=orders".into()),
+            labels_file: None,
+            on_endpoint_failure: OnFailure::Allow,
+            endpoint_timeout: Duration::from_millis(100),
+            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            trusted_hops: 0,
+            snapshot_interval: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn config_checks_addresses() {
+        let c = Config::from_args(args("127.0.0.1:3000", "http://sluice:8080/")).unwrap();
+        assert_eq!(c.upstream.as_str(), "127.0.0.1:3000");
+        assert_eq!(c.check_uri.to_string(), "http://sluice:8080/v1/check");
+        assert_eq!(c.snapshot_uri.to_string(), "http://sluice:8080/v1/snapshot");
+        assert_eq!(c.namespace, "default");
+        assert!(Config::from_args(args("127.0.0.1", "http://sluice:8080")).is_err(), "port required");
+        assert!(Config::from_args(args("127.0.0.1:3000", "https://sluice:8080")).is_err(), "no TLS client");
+        assert!(Config::from_args(args("127.0.0.1:3000", "sluice:8080")).is_err());
+    }
+
+    #[test]
+    fn namespace_and_labels_from_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("namespace"), "tenant-acme\n").unwrap();
+        std::fs::write(dir.path().join("labels"), "app=\"web\"\ntier=\"front\"\n").unwrap();
+        let mut a = args("127.0.0.1:3000", "http://sluice:8080");
+        a.namespace_file = Some(dir.path().join("namespace"));
+        a.labels_file = Some(dir.path().join("labels"));
+        let c = Config::from_args(a).unwrap();
+        assert_eq!(c.namespace, "tenant-acme");
+        assert_eq!(c.labels["app"], "orders", "--labels wins over the file");
+        assert_eq!(c.labels["tier"], "front");
+    }
+}

@@ -1,0 +1,415 @@
+//! Getting a decision for a request: from the enforcement endpoint when it answers in time,
+//! otherwise from the cached snapshot (local fallback), otherwise from `--on-endpoint-failure`.
+//!
+//! A circuit breaker sits in front of the endpoint so that once it is known to be down, requests
+//! stop paying the timeout: they go straight to the fallback until a probe finds it back.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, ETAG, HeaderName, HeaderValue, IF_NONE_MATCH};
+use http::{HeaderMap, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::config::{Config, OnFailure};
+use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
+use crate::clock::SystemClock;
+use crate::policy::RateLimitPolicy;
+use crate::server::engine::{CheckResponse, Engine};
+use crate::server::request::CheckRequest;
+use crate::store::breaker::{Breaker, BreakerConfig};
+use crate::store::memory::MemoryStore;
+use crate::telemetry::Metrics;
+
+/// The endpoint's answers are small; this only guards against a misdirected URL.
+const MAX_ENDPOINT_BODY: usize = 4 << 20;
+/// Keys the local fallback may hold: a sidecar sees one pod's traffic.
+const LOCAL_MAX_KEYS: usize = 100_000;
+/// Retry-After when refusing because the limiter is unreachable.
+const FAILURE_RETRY_AFTER_SECS: u64 = 1;
+
+pub type HeaderList = Vec<(HeaderName, HeaderValue)>;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Allow { delay: Duration, headers: HeaderList },
+    Deny { retry_after_secs: Option<u64>, headers: HeaderList },
+}
+
+/// Who decided, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Endpoint,
+    Local,
+    FailureMode,
+}
+
+impl Source {
+    fn name(self) -> &'static str {
+        match self {
+            Source::Endpoint => "endpoint",
+            Source::Local => "local",
+            Source::FailureMode => "failure_mode",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    #[error("endpoint unreachable: {0}")]
+    Unreachable(String),
+    #[error("endpoint answered {0}")]
+    Status(StatusCode),
+    #[error("endpoint refused the check request: {0}")]
+    Rejected(String),
+    #[error("endpoint answer not understood: {0}")]
+    Decode(String),
+    #[error("endpoint did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+impl EndpointError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EndpointError::Unreachable(_) => "unreachable",
+            EndpointError::Status(_) => "status",
+            EndpointError::Rejected(_) => "rejected",
+            EndpointError::Decode(_) => "decode",
+            EndpointError::Timeout(_) => "timeout",
+        }
+    }
+
+    /// Whether the endpoint itself is in trouble (counts against the breaker). A 400 means it
+    /// is fine and this one request could not be expressed as a check.
+    fn is_endpoint_fault(&self) -> bool {
+        !matches!(self, EndpointError::Rejected(_))
+    }
+}
+
+/// Which request headers the check carries: only the ones policies can use, once known.
+#[derive(Debug)]
+enum HeaderFilter {
+    /// No snapshot seen yet: send everything so no header-keyed rule is decided on a missing key.
+    All,
+    Only(Vec<HeaderName>),
+}
+
+/// One request as the limiter sees it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckInput<'a> {
+    pub namespace: &'a str,
+    pub labels: &'a BTreeMap<String, String>,
+    pub method: &'a str,
+    pub path: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<&'a str>,
+    pub client_ip: IpAddr,
+    pub headers: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EndpointDecision {
+    allowed: bool,
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
+    #[serde(default)]
+    delay_ms: u64,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SnapshotDocument {
+    version: String,
+    #[serde(default = "yes")]
+    loaded: bool,
+    #[serde(default)]
+    header_names: Vec<String>,
+    #[serde(default)]
+    sources: Vec<RateLimitPolicy>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+pub struct Decider {
+    client: Client<HttpConnector, Full<Bytes>>,
+    check_uri: Uri,
+    snapshot_uri: Uri,
+    timeout: Duration,
+    on_failure: OnFailure,
+    pub namespace: String,
+    pub labels: BTreeMap<String, String>,
+    breaker: Breaker,
+    header_filter: ArcSwap<HeaderFilter>,
+    /// The last snapshot fetched, enforced locally while the endpoint is away.
+    local: Engine<Arc<MemoryStore>>,
+    metrics: Arc<SidecarMetrics>,
+}
+
+impl Decider {
+    pub fn new(config: &Config, metrics: Arc<SidecarMetrics>) -> Decider {
+        let mut connector = HttpConnector::new();
+        // Checks are one small write and one small read: Nagle would add a delayed-ACK wait.
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.endpoint_timeout));
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
+        let clock = Arc::new(SystemClock);
+        let store = Arc::new(MemoryStore::with_clock(LOCAL_MAX_KEYS, clock.clone()));
+        Decider {
+            client,
+            check_uri: config.check_uri.clone(),
+            snapshot_uri: config.snapshot_uri.clone(),
+            timeout: config.endpoint_timeout,
+            on_failure: config.on_failure,
+            namespace: config.namespace.clone(),
+            labels: config.labels.clone(),
+            breaker: Breaker::new(BreakerConfig::default()),
+            header_filter: ArcSwap::from_pointee(HeaderFilter::All),
+            local: Engine::new(store, clock, Arc::new(Metrics::new())),
+            metrics,
+        }
+    }
+
+    /// The local fallback's store, for the sweeper that drops idle keys.
+    pub fn local_store(&self) -> Arc<MemoryStore> {
+        self.local.store().clone()
+    }
+
+    /// The request headers a check should carry, lower-case names, repeated values joined.
+    pub fn check_headers(&self, headers: &HeaderMap) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        let mut add = |name: &HeaderName| {
+            let values: Vec<&str> = headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
+            if !values.is_empty() {
+                out.insert(name.as_str().to_string(), values.join(", "));
+            }
+        };
+        match &**self.header_filter.load() {
+            HeaderFilter::All => headers.keys().for_each(&mut add),
+            HeaderFilter::Only(names) => names.iter().for_each(&mut add),
+        }
+        out
+    }
+
+    pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
+        let started = Instant::now();
+        let error = match self.breaker.try_acquire(started) {
+            None => {
+                self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: "breaker_open" }).inc();
+                None
+            }
+            Some(permit) => {
+                let outcome = match tokio::time::timeout(self.timeout, self.ask(input)).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => Err(EndpointError::Timeout(self.timeout)),
+                };
+                let now = Instant::now();
+                match outcome {
+                    Ok(decision) => {
+                        permit.success(now);
+                        self.metrics.check_seconds.observe(now.duration_since(started).as_secs_f64());
+                        self.metrics.breaker_open.set(0);
+                        self.count(Source::Endpoint, &decision);
+                        return decision;
+                    }
+                    Err(error) => {
+                        if error.is_endpoint_fault() {
+                            permit.failure(now);
+                        } else {
+                            permit.success(now);
+                        }
+                        self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: error.kind() }).inc();
+                        Some(error)
+                    }
+                }
+            }
+        };
+        let open = self.breaker.state(Instant::now()) != crate::store::breaker::BreakerState::Closed;
+        self.metrics.breaker_open.set(i64::from(open));
+        if let Some(error) = &error {
+            tracing::debug!(%error, "endpoint check failed; falling back");
+        }
+        let (source, decision) = self.fallback(input).await;
+        self.count(source, &decision);
+        decision
+    }
+
+    fn count(&self, source: Source, decision: &Decision) {
+        let result = if matches!(decision, Decision::Allow { .. }) { "allow" } else { "deny" };
+        self.metrics.decisions.get_or_create(&DecisionLabels { source: source.name(), result }).inc();
+    }
+
+    async fn ask(&self, input: &CheckInput<'_>) -> Result<Decision, EndpointError> {
+        let body = serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(e.to_string()))?;
+        let request = Request::post(self.check_uri.clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| EndpointError::Rejected(e.to_string()))?;
+        let response = self.client.request(request).await.map_err(|e| EndpointError::Unreachable(error_chain(&e)))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
+            .collect()
+            .await
+            .map_err(|e| EndpointError::Unreachable(e.to_string()))?
+            .to_bytes();
+        if status == StatusCode::BAD_REQUEST {
+            return Err(EndpointError::Rejected(String::from_utf8_lossy(&body).into_owned()));
+        }
+        if !status.is_success() {
+            return Err(EndpointError::Status(status));
+        }
+        let answer: EndpointDecision = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
+        let headers = answer
+            .headers
+            .iter()
+            .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
+            .collect();
+        Ok(if answer.allowed {
+            Decision::Allow { delay: Duration::from_millis(answer.delay_ms), headers }
+        } else {
+            Decision::Deny { retry_after_secs: answer.retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
+        })
+    }
+
+    async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
+        if self.local.is_loaded() {
+            let request = CheckRequest::from_parts(
+                Some(input.namespace.to_string()),
+                input.labels.clone(),
+                Some(input.method.to_string()),
+                input.path.to_string(),
+                input.host.map(str::to_string),
+                Some(input.client_ip.to_string()),
+                input.headers.clone(),
+                None,
+            );
+            match request {
+                Ok(request) => return (Source::Local, from_engine(self.local.check(&request).await)),
+                Err(error) => tracing::debug!(%error, "request cannot be checked locally"),
+            }
+        }
+        let decision = match self.on_failure {
+            OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new() },
+            OnFailure::Deny => Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new() },
+        };
+        (Source::FailureMode, decision)
+    }
+
+    /// Polls `GET /v1/snapshot` (If-None-Match, so an unchanged snapshot costs a 304) until
+    /// `shutdown`, keeping the header filter and the local fallback current.
+    pub async fn poll_snapshots(self: Arc<Self>, interval: Duration, mut shutdown: watch::Receiver<bool>) {
+        let mut etag: Option<HeaderValue> = None;
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut was_failing = false;
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+            // A snapshot can be large; give it more time than a check but never hang the loop.
+            let fetch = tokio::time::timeout(interval.max(Duration::from_secs(2)), self.fetch_snapshot(etag.clone()));
+            match fetch.await.unwrap_or_else(|_| Err("timed out".into())) {
+                Ok(Some(new_etag)) => {
+                    etag = Some(new_etag);
+                    was_failing = false;
+                }
+                Ok(None) => was_failing = false,
+                Err(message) => {
+                    // Log transitions only: a dead endpoint must not flood the log once a second.
+                    if !was_failing {
+                        tracing::warn!(error = %message, "cannot fetch the policy snapshot; keeping the cached one");
+                    }
+                    was_failing = true;
+                }
+            }
+        }
+    }
+
+    /// `Ok(Some(etag))` after installing a new snapshot, `Ok(None)` when unchanged.
+    async fn fetch_snapshot(&self, etag: Option<HeaderValue>) -> Result<Option<HeaderValue>, String> {
+        let mut request = Request::get(self.snapshot_uri.clone());
+        if let Some(etag) = &etag {
+            request = request.header(IF_NONE_MATCH, etag.clone());
+        }
+        let request = request.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
+        if response.status() == StatusCode::NOT_MODIFIED {
+            return Ok(None);
+        }
+        if !response.status().is_success() {
+            return Err(format!("snapshot request answered {}", response.status()));
+        }
+        let new_etag = response.headers().get(ETAG).cloned();
+        let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        // Through a Value: it tolerates a key repeated by a flattened field, where a struct fails.
+        let document: SnapshotDocument = serde_json::from_slice::<serde_json::Value>(&body)
+            .and_then(serde_json::from_value)
+            .map_err(|e| format!("snapshot: {e}"))?;
+        if !document.loaded {
+            // The endpoint has no policies yet; an empty cache would wrongly admit everything.
+            return Ok(None);
+        }
+        let names = document.header_names.iter().filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok()).collect();
+        let compiled = crate::policy::compile(document.sources);
+        if !compiled.rejected.is_empty() {
+            tracing::warn!(rejected = compiled.rejected.len(), "some policies of the endpoint's snapshot did not compile here");
+        }
+        if compiled.snapshot.version() != document.version {
+            tracing::warn!(
+                endpoint = %document.version,
+                local = %compiled.snapshot.version(),
+                "the cached snapshot compiles to another version (different sluice releases?)"
+            );
+        }
+        self.local.install(Arc::new(compiled.snapshot));
+        self.header_filter.store(Arc::new(HeaderFilter::Only(names)));
+        self.metrics.snapshot_cached.set(1);
+        self.metrics.snapshot_updates.inc();
+        tracing::info!(version = %document.version, "policy snapshot cached");
+        Ok(new_etag.or_else(|| HeaderValue::from_str(&format!("\"{}\"", document.version)).ok()))
+    }
+}
+
+fn from_engine(response: CheckResponse) -> Decision {
+    let headers = response
+        .headers
+        .iter()
+        .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
+        .collect();
+    if response.allowed {
+        Decision::Allow { delay: Duration::from_millis(response.delay_ms), headers }
+    } else {
+        Decision::Deny { retry_after_secs: response.retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
+    }
+}
+
+/// hyper-util's errors put the useful part (connection refused…) in the source chain.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,110 @@
+//! The sidecar's Prometheus metrics. Every label takes a value from a fixed set named here, never
+//! from paths, hosts, client addresses or error texts.
+
+use std::sync::atomic::AtomicI64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `forwarded`, `limited`, `upstream_error`, `upgraded`.
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `endpoint`, `local` (cached snapshot) or `failure_mode`.
+    pub source: &'static str,
+    /// `allow` or `deny`.
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// An [`super::decide::EndpointError::kind`] or `breaker_open`.
+    pub kind: &'static str,
+}
+
+pub struct SidecarMetrics {
+    pub registry: Registry,
+    pub requests: Family<OutcomeLabels, Counter>,
+    pub decisions: Family<DecisionLabels, Counter>,
+    pub endpoint_errors: Family<KindLabels, Counter>,
+    pub check_seconds: Histogram,
+    pub upstream_seconds: Histogram,
+    pub breaker_open: Gauge<i64, AtomicI64>,
+    pub snapshot_cached: Gauge<i64, AtomicI64>,
+    pub snapshot_updates: Counter,
+    pub upgrades_active: Gauge<i64, AtomicI64>,
+}
+
+impl Default for SidecarMetrics {
+    fn default() -> Self {
+        SidecarMetrics::new()
+    }
+}
+
+impl SidecarMetrics {
+    pub fn new() -> SidecarMetrics {
+        let mut registry = Registry::with_prefix("sluice_sidecar");
+        let requests = Family::<OutcomeLabels, Counter>::default();
+        registry.register("requests", "Proxied requests by outcome", requests.clone());
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register("decisions", "Rate-limit decisions by who decided and the result", decisions.clone());
+        let endpoint_errors = Family::<KindLabels, Counter>::default();
+        registry.register("endpoint_errors", "Checks the endpoint did not answer, by kind", endpoint_errors.clone());
+        // 50 µs to ~0.8 s.
+        let check_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 15));
+        registry.register("check_duration_seconds", "Time to get a decision from the endpoint", check_seconds.clone());
+        let upstream_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 18));
+        registry.register(
+            "upstream_duration_seconds",
+            "Time until the application's response head arrived",
+            upstream_seconds.clone(),
+        );
+        let breaker_open = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "endpoint_circuit_open",
+            "Whether the endpoint's circuit breaker is open, so checks skip the endpoint (0 or 1)",
+            breaker_open.clone(),
+        );
+        let snapshot_cached = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "snapshot_cached",
+            "Whether a policy snapshot is cached for the local fallback (0 or 1)",
+            snapshot_cached.clone(),
+        );
+        let snapshot_updates = Counter::default();
+        registry.register("snapshot_updates", "New snapshots fetched from the endpoint", snapshot_updates.clone());
+        let upgrades_active = Gauge::<i64, AtomicI64>::default();
+        registry.register("upgrades_active", "Upgraded connections (WebSocket) being relayed", upgrades_active.clone());
+        SidecarMetrics {
+            registry,
+            requests,
+            decisions,
+            endpoint_errors,
+            check_seconds,
+            upstream_seconds,
+            breaker_open,
+            snapshot_cached,
+            snapshot_updates,
+            upgrades_active,
+        }
+    }
+
+    pub fn outcome(&self, outcome: &'static str) {
+        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,95 @@
+//! `sluice sidecar`: a per-pod reverse proxy in front of the application container.
+//!
+//! Each request is checked with the enforcement endpoint (`POST /v1/check`); a denial is answered
+//! here with 429, an admission is forwarded to the application, streamed both ways. The endpoint's
+//! snapshot is cached (`GET /v1/snapshot`) so that while the endpoint is away the same policies
+//! are enforced locally; see [`decide`].
+
+pub mod config;
+pub mod decide;
+pub mod forwarded;
+pub mod metrics;
+pub mod proxy;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use config::{Config, OnFailure, SidecarArgs};
+use decide::Decider;
+use metrics::SidecarMetrics;
+use proxy::Proxy;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SidecarError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {address}: {source}")]
+    Listen { address: std::net::SocketAddr, source: std::io::Error },
+    #[error("admin server failed: {0}")]
+    Admin(std::io::Error),
+}
+
+/// `/healthz` and `/metrics`. Health reports the sidecar process only: failing it because the
+/// endpoint is down would restart or unroute the application, which the failure modes exist to
+/// prevent.
+pub fn admin_router(metrics: Arc<SidecarMetrics>) -> Router {
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route(
+        "/metrics",
+        get(move || {
+            let metrics = metrics.clone();
+            async move {
+                ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics.encode())
+                    .into_response()
+            }
+        }),
+    )
+}
+
+/// Runs the sidecar until SIGTERM or Ctrl-C, then drains in-flight requests.
+pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
+    let config = Config::from_args(args)?;
+    let metrics = Arc::new(SidecarMetrics::new());
+    let decider = Arc::new(Decider::new(&config, metrics.clone()));
+    let proxy = Arc::new(Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone()));
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| SidecarError::Listen { address: config.listen, source })?;
+    let admin = TcpListener::bind(config.admin_listen)
+        .await
+        .map_err(|source| SidecarError::Listen { address: config.admin_listen, source })?;
+    let address = listener.local_addr().map_err(|source| SidecarError::Listen { address: config.listen, source })?;
+    let admin_address =
+        admin.local_addr().map_err(|source| SidecarError::Listen { address: config.admin_listen, source })?;
+    tracing::info!(%address, upstream = %config.upstream, endpoint = %config.check_uri, namespace = %config.namespace, "sidecar listening");
+    tracing::info!(admin = %admin_address, "sidecar admin (healthz, metrics) listening");
+
+    let (stop, stopped) = watch::channel(false);
+    let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
+    let sweeper = tokio::spawn(crate::server::serve::sweep_memory(decider.local_store(), stopped.clone()));
+    let mut admin_stop = stopped.clone();
+    let admin_server = tokio::spawn(async move {
+        axum::serve(admin, admin_router(metrics))
+            .with_graceful_shutdown(async move {
+                let _ = admin_stop.wait_for(|stop| *stop).await;
+            })
+            .await
+    });
+    let proxy_server = tokio::spawn(proxy::serve(listener, proxy, stopped));
+
+    crate::server::serve::termination_signal().await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let _ = stop.send(true);
+    let _ = proxy_server.await;
+    let _ = tokio::join!(poller, sweeper);
+    match admin_server.await {
+        Ok(Err(error)) => Err(SidecarError::Admin(error)),
+        _ => Ok(()),
+    }
+}

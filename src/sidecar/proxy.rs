@@ -1,0 +1,317 @@
+//! The reverse proxy: one hyper service per client connection (HTTP/1.1 keep-alive or h2c),
+//! a decision per request, then the request streamed to the application and its response
+//! streamed back. Bodies are never collected; upgrades (WebSocket) are spliced byte for byte.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+use super::decide::{CheckInput, Decider, Decision, HeaderList};
+use super::forwarded;
+use super::metrics::SidecarMetrics;
+
+/// What the proxy answers with: the application's streaming body, or a small one of its own.
+pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+
+/// How long in-flight requests may finish after SIGTERM before connections are dropped.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
+
+pub struct Proxy {
+    upstream: Authority,
+    client: Client<HttpConnector, Incoming>,
+    decider: Arc<Decider>,
+    trusted_hops: usize,
+    metrics: Arc<SidecarMetrics>,
+}
+
+impl Proxy {
+    pub fn new(upstream: Authority, decider: Arc<Decider>, trusted_hops: usize, metrics: Arc<SidecarMetrics>) -> Proxy {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            // The Host the client sent is kept; the client must not replace it with the upstream's.
+            .set_host(false)
+            .build(connector);
+        Proxy { upstream, client, decider, trusted_hops, metrics }
+    }
+
+    pub async fn handle(&self, peer: SocketAddr, mut request: Request<Incoming>) -> Response<ProxyBody> {
+        let client_ip = forwarded::client_ip(request.headers(), peer.ip(), self.trusted_hops);
+        let host = request_host(&request);
+        let decision = {
+            let input = CheckInput {
+                namespace: &self.decider.namespace,
+                labels: &self.decider.labels,
+                method: request.method().as_str(),
+                path: request.uri().path(),
+                host: host.as_deref(),
+                client_ip,
+                headers: self.decider.check_headers(request.headers()),
+            };
+            self.decider.decide(&input).await
+        };
+        let (delay, rate_headers) = match decision {
+            Decision::Deny { retry_after_secs, headers } => {
+                self.metrics.outcome("limited");
+                return too_many_requests(retry_after_secs, headers);
+            }
+            Decision::Allow { delay, headers } => (delay, headers),
+        };
+        if !delay.is_zero() {
+            // Shaping (leaky bucket with maxDelay): the endpoint has already admitted the request
+            // for this moment, so hold it here rather than making the client retry.
+            tokio::time::sleep(delay).await;
+        }
+
+        let upgrade = is_upgrade(&request);
+        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
+        if self.prepare(&mut request, peer, host.as_deref(), upgrade).is_err() {
+            return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
+        }
+        let started = Instant::now();
+        let mut response = match self.client.request(request).await {
+            Ok(response) => response,
+            Err(error) => {
+                self.metrics.outcome("upstream_error");
+                tracing::warn!(error = %error_chain(&error), "upstream request failed");
+                return problem(StatusCode::BAD_GATEWAY, "Bad Gateway", "the application did not answer", Vec::new());
+            }
+        };
+        self.metrics.upstream_seconds.observe(started.elapsed().as_secs_f64());
+
+        if let (Some(client_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (client_upgrade, response.status()) {
+            let upstream_upgrade = hyper::upgrade::on(&mut response);
+            let metrics = self.metrics.clone();
+            tokio::spawn(async move {
+                match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                    Ok((client, upstream)) => {
+                        metrics.upgrades_active.inc();
+                        let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
+                        // Either side closing ends the relay; an error is just a dropped connection.
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        metrics.upgrades_active.dec();
+                    }
+                    Err(error) => tracing::debug!(%error, "upgrade did not complete"),
+                }
+            });
+            self.metrics.outcome("upgraded");
+            let (parts, _) = response.into_parts();
+            return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
+        }
+
+        self.metrics.outcome("forwarded");
+        strip_hop_by_hop(response.headers_mut(), false);
+        add_headers(response.headers_mut(), rate_headers);
+        response.map(Either::Left)
+    }
+
+    /// Rewrites the client's request into the one the application gets.
+    fn prepare(
+        &self,
+        request: &mut Request<Incoming>,
+        peer: SocketAddr,
+        host: Option<&str>,
+        upgrade: bool,
+    ) -> Result<(), http::Error> {
+        let path = request.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let uri = Uri::builder()
+            .scheme(Scheme::HTTP)
+            .authority(self.upstream.clone())
+            .path_and_query(path)
+            .build()?;
+        *request.uri_mut() = uri;
+        // The application speaks HTTP/1.1 on loopback whatever the client spoke to us.
+        *request.version_mut() = Version::HTTP_11;
+        let headers = request.headers_mut();
+        strip_hop_by_hop(headers, upgrade);
+        if !headers.contains_key(header::HOST) {
+            // HTTP/2 carries the host in :authority; HTTP/1.1 applications expect Host.
+            let value = host.unwrap_or(self.upstream.as_str());
+            if let Ok(value) = HeaderValue::from_str(value) {
+                headers.insert(header::HOST, value);
+            }
+        }
+        forwarded::set_forwarded(headers, peer.ip(), self.trusted_hops);
+        Ok(())
+    }
+}
+
+fn request_host(request: &Request<Incoming>) -> Option<String> {
+    request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| request.uri().authority().map(|a| a.as_str().to_string()))
+}
+
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// An HTTP/1.1 `Connection: upgrade` request with an `Upgrade` header (WebSocket and friends).
+fn is_upgrade(request: &Request<Incoming>) -> bool {
+    request.version() == Version::HTTP_11
+        && request.headers().contains_key(header::UPGRADE)
+        && has_token(request.headers(), &header::CONNECTION, "upgrade")
+}
+
+/// Removes the headers that describe one connection rather than the message (RFC 9110 §7.6.1),
+/// including any the Connection header names. An upgrade keeps `Upgrade` and `Connection: upgrade`,
+/// which are exactly what must reach the application.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        if !(keep_upgrade && name == header::UPGRADE) {
+            headers.remove(name);
+        }
+    }
+    for name in [header::TE, header::TRAILER, header::TRANSFER_ENCODING, header::PROXY_AUTHENTICATE] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+    headers.remove(header::CONNECTION);
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    } else {
+        headers.remove(header::UPGRADE);
+    }
+}
+
+fn add_headers(headers: &mut HeaderMap, extra: HeaderList) {
+    for (name, value) in extra {
+        headers.insert(name, value);
+    }
+}
+
+/// 429 with the decision's headers and a short RFC 9457 problem body; never cached (RFC 6585).
+fn too_many_requests(retry_after_secs: Option<u64>, headers: HeaderList) -> Response<ProxyBody> {
+    let detail = match retry_after_secs {
+        Some(s) => format!("rate limit exceeded; retry after {s} s"),
+        None => "rate limit exceeded".to_string(),
+    };
+    let mut response = problem(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests", &detail, headers);
+    let map = response.headers_mut();
+    if let Some(s) = retry_after_secs
+        && !map.contains_key(header::RETRY_AFTER)
+    {
+        map.insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    map.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+fn problem(status: StatusCode, title: &str, detail: &str, headers: HeaderList) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let mut response = Response::new(Either::Right(Full::new(Bytes::from(bytes))));
+    *response.status_mut() = status;
+    let map = response.headers_mut();
+    add_headers(map, headers);
+    map.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Accepts connections until `shutdown`, then lets each finish its in-flight requests (up to
+/// [`DRAIN_TIMEOUT`]).
+pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, mut shutdown: watch::Receiver<bool>) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The timer enables hyper's header-read timeout, so a client that never finishes its
+    // headers cannot hold a connection forever.
+    builder.http1().timer(TokioTimer::new()).keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    // Each connection task holds a sender; when all are gone, draining is complete.
+    let (alive, mut drained) = mpsc::channel::<()>(1);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stopped(&mut shutdown) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let proxy = proxy.clone();
+        let builder = builder.clone();
+        let mut shutdown = shutdown.clone();
+        let alive = alive.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, Infallible>(proxy.handle(peer, request).await) }
+            });
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(error = %error, "client connection ended with an error");
+                    }
+                }
+                _ = stopped(&mut shutdown) => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+            drop(alive);
+        });
+    }
+    drop(alive);
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained.recv()).await;
+}
+
+/// Resolves once `shutdown` is true, without holding the channel's read guard across awaits.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}

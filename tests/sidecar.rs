@@ -1,0 +1,598 @@
+//! `sluice sidecar` end to end on loopback: a real upstream (axum, in this test), the real
+//! `sluice serve` as the endpoint, and the real `sluice sidecar` between a client and the upstream.
+
+#[path = "support/sluice_process.rs"]
+mod support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use bytes::Bytes;
+use hyper::body::Frame;
+use support::SluiceProcess;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc};
+
+const POLICY: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: web, namespace: tenant-acme}
+spec:
+  selector: {matchLabels: {app: web}}
+  rules:
+    - name: per-key
+      match: {paths: [{prefix: /limited}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 2, per: 1h}
+    - name: per-ip
+      match: {paths: [{prefix: /by-ip}]}
+      key: [{clientIP: true}]
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1h}
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// The upstream application.
+
+#[derive(Default)]
+struct Upstream {
+    hits: AtomicUsize,
+    /// The streaming handler sends its last chunk only once this is notified.
+    release: Notify,
+}
+
+/// A response body fed from a channel, so the test decides when each chunk is sent.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    // Not periodic in any small power of two, so a dropped or repeated chunk shows.
+    (0..len).map(|i| (i * 7 % 251) as u8).collect()
+}
+
+async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
+    let state = Arc::new(Upstream::default());
+    let app = Router::new()
+        .route("/echo", post(|State(s): State<Arc<Upstream>>, request: Request| async move {
+            s.hits.fetch_add(1, Ordering::SeqCst);
+            // The request body goes straight back: streaming in both directions.
+            Response::new(Body::new(request.into_body()))
+        }))
+        .route("/big/{mb}", get(|State(s): State<Arc<Upstream>>, axum::extract::Path(mb): axum::extract::Path<usize>| async move {
+            s.hits.fetch_add(1, Ordering::SeqCst);
+            pattern(mb << 20)
+        }))
+        .route("/stream", get(|State(s): State<Arc<Upstream>>| async move {
+            s.hits.fetch_add(1, Ordering::SeqCst);
+            let (tx, rx) = mpsc::channel(2);
+            tokio::spawn(async move {
+                let _ = tx.send(Bytes::from_static(b"first\n")).await;
+                s.release.notified().await;
+                let _ = tx.send(Bytes::from_static(b"last\n")).await;
+            });
+            Response::new(Body::new(ChannelBody(rx)))
+        }))
+        .route("/ws", get(|State(s): State<Arc<Upstream>>, mut request: Request| async move {
+            s.hits.fetch_add(1, Ordering::SeqCst);
+            let upgrade = hyper::upgrade::on(&mut request);
+            tokio::spawn(async move {
+                if let Ok(upgraded) = upgrade.await {
+                    let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = io.read(&mut buf).await {
+                        if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+            Response::builder()
+                .status(StatusCode::SWITCHING_PROTOCOLS)
+                .header("connection", "upgrade")
+                .header("upgrade", "websocket")
+                .body(Body::empty())
+                .unwrap()
+        }))
+        .fallback(any(|State(s): State<Arc<Upstream>>, headers: HeaderMap| async move {
+            s.hits.fetch_add(1, Ordering::SeqCst);
+            let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+            axum::Json(serde_json::json!({
+                "xff": get("x-forwarded-for"),
+                "proto": get("x-forwarded-proto"),
+                "host": get("host"),
+                "connection": get("connection"),
+                "hop": get("x-hop"),
+            }))
+            .into_response()
+        }))
+        .with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, state)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes.
+
+fn policy_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
+    dir
+}
+
+fn start_serve(dir: &std::path::Path, listen: &str) -> SluiceProcess {
+    SluiceProcess::start(&["serve", "--policies", dir.to_str().unwrap(), "--listen", listen])
+}
+
+struct Sidecar {
+    process: SluiceProcess,
+    admin: SocketAddr,
+}
+
+fn start_sidecar(upstream: SocketAddr, endpoint: &str, extra: &[&str]) -> Sidecar {
+    start_sidecar_with_timeout(upstream, endpoint, "300ms", extra)
+}
+
+fn start_sidecar_with_timeout(upstream: SocketAddr, endpoint: &str, timeout: &str, extra: &[&str]) -> Sidecar {
+    let upstream = upstream.to_string();
+    let mut args = vec![
+        "sidecar",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+        "--endpoint",
+        endpoint,
+        "--namespace",
+        "tenant-acme",
+        "--labels",
+        "app=web,tier=front",
+        "--endpoint-timeout",
+        timeout,
+        "--snapshot-interval",
+        "100ms",
+    ];
+    args.extend_from_slice(extra);
+    let process = SluiceProcess::start(&args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let admin = loop {
+        let found = process.logs.lock().unwrap().iter().find_map(|line| {
+            let at = line.find("admin=")?;
+            line[at + 6..].split_whitespace().next()?.parse::<SocketAddr>().ok()
+        });
+        if let Some(admin) = found {
+            break admin;
+        }
+        assert!(Instant::now() < deadline, "no admin line in {:?}", process.logs.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Sidecar { process, admin }
+}
+
+impl Sidecar {
+    fn url(&self, path: &str) -> String {
+        self.process.url(path)
+    }
+
+    async fn metrics(&self) -> String {
+        client().get(format!("http://{}/metrics", self.admin)).send().await.unwrap().text().await.unwrap()
+    }
+
+    /// Waits until the metrics page contains `needle`.
+    async fn await_metric(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let page = self.metrics().await;
+            if page.contains(needle) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "metrics never showed {needle:?}:\n{page}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap()
+}
+
+/// A port nobody listens on (bound, then released).
+fn dead_endpoint() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    format!("http://{addr}")
+}
+
+async fn get_with_key(c: &reqwest::Client, url: &str, key: &str) -> reqwest::Response {
+    c.get(url).header("x-api-key", key).send().await.unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn limits_with_headers_and_never_touches_the_upstream_when_denied() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+
+    for remaining in ["1", "0"] {
+        let r = get_with_key(&c, &sidecar.url("/limited/a"), "k1").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-ratelimit-limit"], "2");
+        assert_eq!(r.headers()["x-ratelimit-remaining"], remaining);
+        assert!(r.headers()["ratelimit-policy"].to_str().unwrap().contains("q=2;w=3600"));
+        assert!(r.headers().get("ratelimit").is_some());
+    }
+    let hits = state.hits.load(Ordering::SeqCst);
+    assert_eq!(hits, 2);
+
+    let denied = get_with_key(&c, &sidecar.url("/limited/a"), "k1").await;
+    assert_eq!(denied.status(), 429);
+    let retry: u64 = denied.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry > 0 && retry <= 3600, "Retry-After {retry}");
+    assert_eq!(denied.headers()["x-ratelimit-remaining"], "0");
+    assert_eq!(denied.headers()["content-type"], "application/problem+json");
+    assert_eq!(denied.headers()["cache-control"], "no-store");
+    let problem: serde_json::Value = denied.json().await.unwrap();
+    assert_eq!(problem["status"], 429);
+    assert_eq!(problem["title"], "Too Many Requests");
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits, "a 429 never reaches the application");
+
+    // Another key and an unlimited path go through; the unlimited one carries no rate headers.
+    assert_eq!(get_with_key(&c, &sidecar.url("/limited/a"), "k2").await.status(), 200);
+    let free = c.get(sidecar.url("/free")).send().await.unwrap();
+    assert_eq!(free.status(), 200);
+    assert!(free.headers().get("x-ratelimit-limit").is_none());
+
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains(r#"sluice_sidecar_requests_total{outcome="limited"} 1"#), "{metrics}");
+    assert!(metrics.contains(r#"sluice_sidecar_decisions_total{source="endpoint",result="deny"} 1"#), "{metrics}");
+    let health = c.get(format!("http://{}/healthz", sidecar.admin)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test]
+async fn bodies_of_several_megabytes_stream_intact_both_ways() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+
+    let upload = pattern(8 << 20);
+    let echoed = c.post(sidecar.url("/echo")).body(upload.clone()).send().await.unwrap();
+    assert_eq!(echoed.status(), 200);
+    let echoed = echoed.bytes().await.unwrap();
+    assert_eq!(echoed.len(), upload.len());
+    assert!(echoed[..] == upload[..], "the echoed body differs");
+
+    let big = c.get(sidecar.url("/big/6")).send().await.unwrap().bytes().await.unwrap();
+    assert_eq!(big.len(), 6 << 20);
+    assert!(big[..] == pattern(6 << 20)[..]);
+}
+
+#[tokio::test]
+async fn responses_stream_chunk_by_chunk() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+
+    let mut response = c.get(sidecar.url("/stream")).send().await.unwrap();
+    // The upstream holds its last chunk until we have seen the first; a buffering proxy would
+    // deadlock here, so the timeout is the failure.
+    let first = tokio::time::timeout(Duration::from_secs(10), response.chunk()).await.expect("first chunk streamed");
+    assert_eq!(first.unwrap().unwrap(), Bytes::from_static(b"first\n"));
+    state.release.notify_one();
+    let mut rest = Vec::new();
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        rest.extend_from_slice(&chunk);
+    }
+    assert_eq!(rest, b"last\n");
+}
+
+#[tokio::test]
+async fn websocket_upgrade_is_relayed() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+
+    let mut tcp = tokio::net::TcpStream::connect(sidecar.process.addr).await.unwrap();
+    tcp.write_all(
+        b"GET /ws HTTP/1.1\r\nHost: app\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(tcp.read(&mut byte).await.unwrap(), 1, "connection closed in the head: {head:?}");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap().to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    for message in [&b"hello"[..], b"second frame, longer", &[0u8, 255, 1, 2]] {
+        tcp.write_all(message).await.unwrap();
+        let mut back = vec![0u8; message.len()];
+        tokio::time::timeout(Duration::from_secs(10), tcp.read_exact(&mut back)).await.unwrap().unwrap();
+        assert_eq!(back, message);
+    }
+    sidecar.await_metric("\nsluice_sidecar_upgrades_active 1\n").await;
+}
+
+#[tokio::test]
+async fn http2_cleartext_clients_are_served() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+
+    let tcp = tokio::net::TcpStream::connect(sidecar.process.addr).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    for expected in [200, 200, 429] {
+        let request = hyper::Request::get("http://app.example/limited/h2")
+            .header("x-api-key", "h2")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), expected);
+        assert_eq!(response.version(), hyper::Version::HTTP_2);
+        if expected == 200 {
+            use http_body_util::BodyExt;
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let seen: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(seen["host"], "app.example", "the :authority becomes Host upstream");
+        }
+    }
+}
+
+#[tokio::test]
+async fn client_ip_comes_from_trusted_hops_and_is_forwarded() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &["--trusted-hops", "1"]);
+    let c = client();
+
+    let seen: serde_json::Value = c
+        .get(sidecar.url("/headers"))
+        .header("x-forwarded-for", "203.0.113.7")
+        .header("x-forwarded-proto", "https")
+        .header("connection", "keep-alive, x-hop")
+        .header("x-hop", "must not reach the app")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen["xff"], "203.0.113.7, 127.0.0.1");
+    assert_eq!(seen["proto"], "https", "kept from the trusted hop");
+    assert_eq!(seen["hop"], "", "headers named in Connection are hop-by-hop");
+
+    // The per-IP rule keys on the forwarded client, not on the loopback peer.
+    let by_ip = |ip: &'static str| c.get(sidecar.url("/by-ip")).header("x-forwarded-for", ip).send();
+    assert_eq!(by_ip("203.0.113.7").await.unwrap().status(), 200);
+    assert_eq!(by_ip("203.0.113.7").await.unwrap().status(), 429);
+    assert_eq!(by_ip("198.51.100.4").await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn untrusted_forwarded_for_cannot_choose_the_key() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+    let by_ip = |ip: &'static str| c.get(sidecar.url("/by-ip")).header("x-forwarded-for", ip).send();
+    assert_eq!(by_ip("203.0.113.7").await.unwrap().status(), 200);
+    assert_eq!(by_ip("198.51.100.4").await.unwrap().status(), 429, "both are the loopback peer");
+}
+
+#[tokio::test]
+async fn dead_endpoint_without_snapshot_allows_or_denies_and_the_breaker_makes_it_cheap() {
+    let (up, state) = start_upstream().await;
+    // A black hole: accepts connections and never answers, so each check waits for the timeout.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    // A long timeout, so that "waited for the endpoint" cannot be confused with a slow machine.
+    let allow =
+        start_sidecar_with_timeout(up, &format!("http://{hole_addr}"), "1s", &["--on-endpoint-failure", "allow"]);
+    let c = client();
+    let mut slow = 0;
+    for _ in 0..8 {
+        let started = Instant::now();
+        let r = get_with_key(&c, &allow.url("/limited/x"), "k").await;
+        assert_eq!(r.status(), 200, "fail open");
+        if started.elapsed() >= Duration::from_millis(900) {
+            slow += 1;
+        }
+    }
+    // Five failures open the breaker (1 s cool-down); after that no request waits for the timeout.
+    assert_eq!(slow, 5, "requests that waited for the dead endpoint");
+    let started = Instant::now();
+    assert_eq!(get_with_key(&c, &allow.url("/limited/x"), "k").await.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(500), "breaker open: {:?}", started.elapsed());
+    allow.await_metric("\nsluice_sidecar_endpoint_circuit_open 1\n").await;
+    assert_eq!(state.hits.load(Ordering::SeqCst), 9);
+
+    let deny = start_sidecar(up, &dead_endpoint(), &["--on-endpoint-failure", "deny"]);
+    let r = get_with_key(&c, &deny.url("/limited/x"), "k").await;
+    assert_eq!(r.status(), 429, "fail closed");
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(state.hits.load(Ordering::SeqCst), 9, "denied requests do not reach the app");
+}
+
+#[tokio::test]
+async fn cached_snapshot_enforces_while_the_endpoint_is_away_and_the_endpoint_takes_over_again() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let mut serve = start_serve(dir.path(), "127.0.0.1:0");
+    let endpoint_addr = serve.addr;
+    // Deny mode: if the fallback were not the cached snapshot, the first request would be a 429.
+    let sidecar = start_sidecar(up, &serve.url(""), &["--on-endpoint-failure", "deny"]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    assert_eq!(get_with_key(&c, &sidecar.url("/free"), "k").await.status(), 200);
+
+    serve.child.kill().unwrap();
+    serve.child.wait().unwrap();
+
+    // The cached policy: 2 per hour per key, enforced locally, with headers.
+    for remaining in ["1", "0"] {
+        let r = get_with_key(&c, &sidecar.url("/limited/local"), "fallback").await;
+        assert_eq!(r.status(), 200, "{:?}", sidecar.process.logs.lock().unwrap());
+        assert_eq!(r.headers()["x-ratelimit-remaining"], remaining);
+    }
+    let hits = state.hits.load(Ordering::SeqCst);
+    let denied = get_with_key(&c, &sidecar.url("/limited/local"), "fallback").await;
+    assert_eq!(denied.status(), 429);
+    assert!(denied.headers().get("retry-after").is_some());
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits);
+    // Paths no rule matches are allowed, not denied by the failure mode.
+    assert_eq!(c.get(sidecar.url("/free")).send().await.unwrap().status(), 200);
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains(r#"sluice_sidecar_decisions_total{source="local",result="deny"} 1"#), "{metrics}");
+
+    // The endpoint comes back on the same address: decisions are the endpoint's again (its fresh
+    // memory store has not seen this key, so the request is admitted).
+    let _serve = start_serve(dir.path(), &endpoint_addr.to_string());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = get_with_key(&c, &sidecar.url("/limited/local"), "fallback").await;
+        if r.status() == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the sidecar never went back to the endpoint");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A stand-in endpoint that records the check requests it gets and answers from a script.
+async fn start_fake_endpoint() -> (SocketAddr, Arc<std::sync::Mutex<Vec<serde_json::Value>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let app = Router::new()
+        .route("/v1/snapshot", get(|| async {
+            ([("etag", "\"v1\"")], axum::Json(serde_json::json!({
+                "version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": [],
+            })))
+        }))
+        .route("/v1/check", post(|State(seen): State<Arc<std::sync::Mutex<Vec<serde_json::Value>>>>, axum::Json(body): axum::Json<serde_json::Value>| async move {
+            let delay = if body["path"] == "/slow" { 300 } else { 0 };
+            seen.lock().unwrap().push(body);
+            axum::Json(serde_json::json!({
+                "allowed": true, "status": 200, "retryAfterMs": null, "delayMs": delay,
+                "headers": {"X-RateLimit-Limit": "10"}, "rules": [],
+            }))
+        }))
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn checks_carry_the_pod_identity_and_only_the_headers_policies_use() {
+    let (up, _state) = start_upstream().await;
+    let (endpoint, seen) = start_fake_endpoint().await;
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &[]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    let r = c
+        .post(sidecar.url("/orders/1?page=2"))
+        .header("host", "api.example.com")
+        .header("x-api-key", "k1")
+        .header("authorization", "Bearer secret")
+        .header("cookie", "session=secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-ratelimit-limit"], "10", "the decision's headers are added");
+    let check = seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(check["namespace"], "tenant-acme");
+    assert_eq!(check["labels"], serde_json::json!({"app": "web", "tier": "front"}));
+    assert_eq!(check["method"], "POST");
+    assert_eq!(check["path"], "/orders/1");
+    assert_eq!(check["host"], "api.example.com");
+    assert_eq!(check["clientIp"], "127.0.0.1");
+    assert_eq!(check["headers"], serde_json::json!({"x-api-key": "k1"}), "credentials never leave the pod");
+}
+
+#[tokio::test]
+async fn a_shaping_delay_is_waited_before_forwarding() {
+    let (up, state) = start_upstream().await;
+    let (endpoint, _seen) = start_fake_endpoint().await;
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &[]);
+    let c = client();
+    let before = state.hits.load(Ordering::SeqCst);
+    let started = Instant::now();
+    assert_eq!(c.get(sidecar.url("/slow")).send().await.unwrap().status(), 200);
+    assert!(started.elapsed() >= Duration::from_millis(300), "delayMs honoured: {:?}", started.elapsed());
+    assert_eq!(state.hits.load(Ordering::SeqCst), before + 1);
+}
+
+#[tokio::test]
+async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let mut sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+    // A response in flight: its first chunk is out, the last is held by the upstream.
+    let mut response = c.get(sidecar.url("/stream")).send().await.unwrap();
+    assert_eq!(response.chunk().await.unwrap().unwrap(), Bytes::from_static(b"first\n"));
+    let pid = sidecar.process.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sidecar.process.logs.lock().unwrap().iter().any(|l| l.contains("shutting down")) {
+        assert!(Instant::now() < deadline, "no shutdown log line");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Draining: the held chunk still arrives once released.
+    state.release.notify_one();
+    let rest = tokio::time::timeout(Duration::from_secs(10), response.chunk()).await.unwrap().unwrap().unwrap();
+    assert_eq!(rest, Bytes::from_static(b"last\n"));
+    let status = sidecar.process.terminate();
+    assert!(status.success(), "{status:?}");
+}
