@@ -26,6 +26,8 @@ struct Cli {
 enum Command {
     /// Standalone enforcement endpoint on RateLimitPolicy YAML files, hot-reloaded.
     Serve(ServeArgs),
+    /// In-cluster: controller, embedded enforcement endpoint, status writer (leader), webhooks.
+    Operator(sluice::operator::OperatorArgs),
     /// Print the RateLimitPolicy CustomResourceDefinition (what crds/ holds).
     Crd,
 }
@@ -79,6 +81,11 @@ fn main() -> anyhow::Result<()> {
             init_logging(&cli.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(run_serve(args))
+        }
+        Command::Operator(args) => {
+            init_logging(&cli.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            Ok(runtime.block_on(sluice::operator::run(args))?)
         }
     }
 }

@@ -1,0 +1,370 @@
+//! `sluice operator` against a real kube-apiserver + etcd (e2e/control-plane.sh), or any cluster
+//! named by SLUICE_E2E_KUBECONFIG. Operators run as user `sluice-operator`, bound only to the
+//! roles in deploy/rbac.yaml, so every test also proves those roles are enough.
+//!
+//! Each test uses its own namespace (`--namespaces`) and Lease, so tests run in parallel without
+//! seeing each other's policies or leaders.
+
+#[path = "support/control_plane.rs"]
+mod control_plane;
+
+use std::time::{Duration, Instant};
+
+use control_plane::{ControlPlane, Operator, control_plane, eventually, free_port};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use sluice::policy::RateLimitPolicy;
+
+/// The control plane, or None (with the reason printed) when it cannot be built here.
+fn cluster() -> Option<&'static ControlPlane> {
+    match control_plane() {
+        Ok(cp) => Some(cp),
+        Err(reason) => {
+            eprintln!("SKIPPED: no control plane: {reason}");
+            None
+        }
+    }
+}
+
+async fn namespace(client: &Client, name: &str, labels: Value) {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("ns");
+    match api.create(&PostParams::default(), &ns).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("namespace {name}: {e}"),
+    }
+}
+
+fn policy(ns: &str, name: &str, rule: &str, requests: u64) -> Value {
+    json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "RateLimitPolicy",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"selector": {"matchLabels": {"app": name}}, "rules": [{
+            "name": rule, "key": [{"header": "X-API-Key"}], "algorithm": "fixedWindow",
+            "limit": {"requests": requests, "per": "1h"}
+        }]}
+    })
+}
+
+async fn apply(client: &Client, ns: &str, body: &Value) -> Result<RateLimitPolicy, kube::Error> {
+    let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+    let name = body["metadata"]["name"].as_str().expect("name");
+    api.patch(name, &PatchParams::apply("e2e-test").force(), &Patch::Apply(body)).await
+}
+
+fn condition<'a>(p: &'a RateLimitPolicy, type_: &str) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    p.status.as_ref()?.conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Waits until the policy's status describes its current generation with `Accepted` = `accepted`.
+async fn settled(client: &Client, ns: &str, name: &str, accepted: &str) -> RateLimitPolicy {
+    let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+    eventually(&format!("status of {ns}/{name}"), Duration::from_secs(30), || async {
+        let p = api.get(name).await.map_err(|e| e.to_string())?;
+        let status = p.status.clone().unwrap_or_default();
+        let current = status.observed_generation == p.metadata.generation;
+        match condition(&p, "Accepted") {
+            Some(c) if current && c.status == accepted && c.observed_generation == p.metadata.generation => Ok(p),
+            _ => Err(format!("status {:?}", p.status)),
+        }
+    })
+    .await
+}
+
+async fn check_limit(http: &reqwest::Client, op: &Operator, ns: &str, app: &str) -> Option<u64> {
+    let body = json!({"namespace": ns, "labels": {"app": app}, "path": "/", "headers": {"x-api-key": "k"}});
+    let reply: Value = http.post(op.url("/v1/check")).json(&body).send().await.ok()?.json().await.ok()?;
+    reply["rules"].get(0)?["limit"].as_u64()
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("http client")
+}
+
+async fn ready(http: &reqwest::Client, op: &Operator) {
+    eventually("operator /readyz", Duration::from_secs(30), || async {
+        let status = http.get(op.url("/readyz")).send().await.map_err(|e| e.to_string())?.status();
+        if status == 200 { Ok(()) } else { Err(format!("{status}")) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valid_policies_are_accepted_and_enforced_invalid_ones_rejected() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-status";
+    namespace(&client, ns, json!({})).await;
+    let op = Operator::start(&cp.operator_kubeconfig, "status-1", &["--namespaces", ns, "--lease-name", "e2e-status"]);
+    let http = http();
+    ready(&http, &op).await;
+
+    apply(&client, ns, &policy(ns, "orders", "per-key", 7)).await.expect("valid policy applies");
+    let p = settled(&client, ns, "orders", "True").await;
+    let enforced = condition(&p, "Enforced").expect("Enforced");
+    assert_eq!(enforced.status, "True", "{enforced:?}");
+    let snapshot: Value = http.get(op.url("/v1/snapshot")).send().await.expect("snapshot").json().await.expect("json");
+    let version = snapshot["version"].as_str().or(snapshot["view"]["version"].as_str()).unwrap_or_default().to_string();
+    assert!(!version.is_empty() && enforced.message.contains(&version), "{enforced:?} vs {snapshot}");
+    assert_eq!(check_limit(&http, &op, ns, "orders").await, Some(7));
+
+    // Valid for CEL, invalid for the shared validation (a regex that does not compile): with no
+    // webhook in front it is stored, and its status says why it is not enforced.
+    let mut bad = policy(ns, "broken", "per-key", 5);
+    bad["spec"]["rules"][0]["match"] = json!({"paths": [{"regex": "(unclosed"}]});
+    apply(&client, ns, &bad).await.expect("stored without the webhook");
+    let p = settled(&client, ns, "broken", "False").await;
+    let accepted = condition(&p, "Accepted").expect("Accepted");
+    assert_eq!(accepted.reason, "Invalid");
+    assert!(accepted.message.contains("spec.rules[0].match.paths[0].regex"), "{accepted:?}");
+    assert_eq!(condition(&p, "Enforced").map(|c| c.status.as_str()), Some("False"));
+    // The valid policy stays enforced beside the broken one.
+    assert_eq!(check_limit(&http, &op, ns, "orders").await, Some(7));
+
+    // Events for both outcomes.
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    eventually("Accepted and Rejected events", Duration::from_secs(10), || async {
+        let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let reasons: Vec<_> = list.items.iter().filter_map(|e| e.reason.clone()).collect();
+        if reasons.iter().any(|r| r == "Accepted") && reasons.iter().any(|r| r == "Rejected") {
+            Ok(())
+        } else {
+            Err(format!("{reasons:?}"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cel_refuses_invalid_policies_with_messages() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-cel";
+    namespace(&client, ns, json!({})).await;
+    let mut dup = policy(ns, "dup", "same", 1);
+    let rule = dup["spec"]["rules"][0].clone();
+    dup["spec"]["rules"] = json!([rule.clone(), rule]);
+    let err = apply(&client, ns, &dup).await.expect_err("duplicate rule names refused").to_string();
+    assert!(err.contains("rule names must be unique within a policy"), "{err}");
+
+    let mut per = policy(ns, "per", "r", 1);
+    per["spec"]["rules"][0]["limit"]["per"] = json!("10 seconds");
+    let err = apply(&client, ns, &per).await.expect_err("bad duration refused").to_string();
+    assert!(err.contains("must be a duration such as 1s"), "{err}");
+}
+
+async fn holder(client: &Client, lease: &str) -> Option<String> {
+    let api: Api<Lease> = Api::namespaced(client.clone(), "sluice-system");
+    api.get_opt(lease).await.ok()??.spec?.holder_identity
+}
+
+/// reportingInstance of every Event about `policy` (the status writer's identity).
+async fn reporters(client: &Client, ns: &str, policy: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events.list(&ListParams::default()).await.expect("events");
+    list.items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(policy))
+        .filter_map(|e| e.reporting_instance)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-leader";
+    namespace(&client, ns, json!({})).await;
+    let lease_seconds = 6;
+    let args = ["--namespaces", ns, "--lease-name", "e2e-leader", "--lease-duration", "6s"];
+    let mut a = Operator::start(&cp.operator_kubeconfig, "leader-a", &args);
+    let mut b = Operator::start(&cp.operator_kubeconfig, "leader-b", &args);
+    let http = http();
+    ready(&http, &a).await;
+    ready(&http, &b).await;
+    let first = eventually("a Lease holder", Duration::from_secs(30), || async {
+        holder(&client, "e2e-leader").await.ok_or_else(|| "no holder".to_string())
+    })
+    .await;
+
+    apply(&client, ns, &policy(ns, "one", "r", 3)).await.expect("applies");
+    settled(&client, ns, "one", "True").await;
+    // Both replicas enforce it; only the leader wrote status and events.
+    for op in [&a, &b] {
+        let limit = eventually("both replicas enforce", Duration::from_secs(10), || async {
+            check_limit(&http, op, ns, "one").await.ok_or_else(|| "no rule".to_string())
+        })
+        .await;
+        assert_eq!(limit, 3);
+    }
+    let seen = eventually("the leader's Accepted event", Duration::from_secs(10), || async {
+        let r = reporters(&client, ns, "one").await;
+        if r.is_empty() { Err("no events".into()) } else { Ok(r) }
+    })
+    .await;
+    assert!(seen.iter().all(|r| *r == first), "events from {seen:?}, leader {first}");
+    let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+    let managers: Vec<String> = api
+        .get("one")
+        .await
+        .expect("get")
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| m.subresource.as_deref() == Some("status"))
+        .filter_map(|m| m.manager)
+        .collect();
+    assert_eq!(managers, ["sluice-operator"], "one field manager owns status");
+
+    // Kill the leader without a chance to release its Lease.
+    let (leader, survivor) = if first == "leader-a" { (&mut a, "leader-b") } else { (&mut b, "leader-a") };
+    leader.kill();
+    let killed = Instant::now();
+    eventually("the survivor takes the Lease", Duration::from_secs(lease_seconds * 3), || async {
+        match holder(&client, "e2e-leader").await {
+            Some(h) if h == survivor => Ok(()),
+            other => Err(format!("holder {other:?}")),
+        }
+    })
+    .await;
+    let failover = killed.elapsed();
+    println!("failover: {failover:?} (lease duration {lease_seconds}s)");
+    assert!(failover <= Duration::from_secs(lease_seconds) + Duration::from_secs(2), "failover took {failover:?}");
+
+    // The new leader writes status.
+    apply(&client, ns, &policy(ns, "two", "r", 4)).await.expect("applies");
+    settled(&client, ns, "two", "True").await;
+    let seen = reporters(&client, ns, "two").await;
+    assert!(!seen.is_empty() && seen.iter().all(|r| r == survivor), "events from {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_change_reaches_both_replicas_quickly() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-latency";
+    namespace(&client, ns, json!({})).await;
+    let args = ["--namespaces", ns, "--lease-name", "e2e-latency"];
+    let a = Operator::start(&cp.operator_kubeconfig, "latency-a", &args);
+    let b = Operator::start(&cp.operator_kubeconfig, "latency-b", &args);
+    let http = http();
+    ready(&http, &a).await;
+    ready(&http, &b).await;
+
+    let mut delays = Vec::new();
+    for i in 0..20u64 {
+        let requests = 100 + i;
+        let started = Instant::now();
+        apply(&client, ns, &policy(ns, "tuned", "r", requests)).await.expect("applies");
+        for op in [&a, &b] {
+            eventually("the new limit on every replica", Duration::from_secs(10), || async {
+                match check_limit(&http, op, ns, "tuned").await {
+                    Some(l) if l == requests => Ok(()),
+                    other => Err(format!("limit {other:?}")),
+                }
+            })
+            .await;
+        }
+        delays.push(started.elapsed());
+    }
+    delays.sort();
+    let median = delays[delays.len() / 2];
+    let p99 = delays[(delays.len() * 99).div_ceil(100) - 1];
+    println!("apply-to-enforced on both replicas over {} changes: median {median:?}, p99 {p99:?}", delays.len());
+    assert!(median < Duration::from_secs(1), "median {median:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-webhook";
+    namespace(&client, ns, json!({"sluice-e2e": "webhook"})).await;
+    let port = free_port();
+    // The configurations exist before the operator starts, which patches their caBundle.
+    let scope = json!({"matchLabels": {"sluice-e2e": "webhook"}});
+    let validating = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": "sluice"},
+        "webhooks": [{
+            "name": "policies.sluice.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+            "failurePolicy": "Fail", "namespaceSelector": scope,
+            "clientConfig": {"url": format!("https://127.0.0.1:{port}/validate-policy")},
+            "rules": [{"apiGroups": ["sluice.dev"], "apiVersions": ["v1alpha1"], "operations": ["CREATE", "UPDATE"], "resources": ["ratelimitpolicies"]}]
+        }]
+    });
+    let mutating = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "sluice"},
+        "webhooks": [{
+            "name": "inject.sluice.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+            // A down operator must never block pods.
+            "failurePolicy": "Ignore", "reinvocationPolicy": "Never", "namespaceSelector": scope,
+            "objectSelector": {"matchLabels": {"sluice.dev/inject": "true"}},
+            "clientConfig": {"url": format!("https://127.0.0.1:{port}/mutate-pod")},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
+        }]
+    });
+    cp.kubectl(&["apply", "-f", "-"], Some(&validating.to_string()));
+    cp.kubectl(&["apply", "-f", "-"], Some(&mutating.to_string()));
+    let op = Operator::start(
+        &cp.operator_kubeconfig,
+        "webhook-1",
+        &[
+            "--namespaces", ns, "--lease-name", "e2e-webhook",
+            "--webhook-listen", &format!("127.0.0.1:{port}"), "--webhook-host", "127.0.0.1",
+            "--sidecar-image", "sluice:e2e", "--sidecar-endpoint", "http://sluice.sluice-system.svc:8080",
+        ],
+    );
+    let http = http();
+    ready(&http, &op).await;
+
+    // A regex that does not compile passes CEL; the webhook refuses it naming the field.
+    let mut bad = policy(ns, "broken", "per-key", 5);
+    bad["spec"]["rules"][0]["match"] = json!({"paths": [{"regex": "(unclosed"}]});
+    let refusal = eventually("the webhook refuses", Duration::from_secs(30), || async {
+        match apply(&client, ns, &bad).await {
+            Err(e) if e.to_string().contains("spec.rules[0].match.paths[0].regex") => Ok(e.to_string()),
+            Err(e) => Err(e.to_string()),
+            Ok(_) => {
+                // Admitted before the caBundle/listener were in place: remove and retry.
+                let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+                let _ = api.delete("broken", &Default::default()).await;
+                Err("admitted".into())
+            }
+        }
+    })
+    .await;
+    assert!(refusal.contains("denied the request"), "{refusal}");
+
+    // Cross-policy conflict: same selector, same rule name.
+    apply(&client, ns, &policy(ns, "first", "per-key", 5)).await.expect("first applies");
+    let mut second = policy(ns, "second", "per-key", 9);
+    second["spec"]["selector"] = json!({"matchLabels": {"app": "first"}});
+    let err = apply(&client, ns, &second).await.expect_err("conflict refused").to_string();
+    assert!(err.contains("conflicts with policy first"), "{err}");
+
+    // Pods: only the labelled one gets the sidecar (no nodes: they stay Pending, but the stored
+    // spec shows what admission did).
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for (name, labels) in [("injected", json!({"app": "a", "sluice.dev/inject": "true"})), ("plain", json!({"app": "a"}))] {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"name": "app", "image": "app:1"}]}
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("pod created");
+    }
+    let containers = |p: Pod| -> Vec<String> { p.spec.map(|s| s.containers.into_iter().map(|c| c.name).collect()).unwrap_or_default() };
+    let injected = pods.get("injected").await.expect("get");
+    let sidecar = injected.spec.as_ref().and_then(|s| s.containers.iter().find(|c| c.name == "sluice-sidecar").cloned());
+    let sidecar = sidecar.unwrap_or_else(|| panic!("no sidecar in {:?}; operator logs:\n{}", injected.spec, op.logs()));
+    assert_eq!(sidecar.image.as_deref(), Some("sluice:e2e"));
+    assert_eq!(containers(pods.get("plain").await.expect("get")), ["app"]);
+}
