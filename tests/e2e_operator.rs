@@ -146,16 +146,26 @@ async fn cel_refuses_invalid_policies_with_messages() {
     let client = cp.client().await;
     let ns = "e2e-cel";
     namespace(&client, ns, json!({})).await;
-    let mut dup = policy(ns, "dup", "same", 1);
-    let rule = dup["spec"]["rules"][0].clone();
-    dup["spec"]["rules"] = json!([rule.clone(), rule]);
-    let err = apply(&client, ns, &dup).await.expect_err("duplicate rule names refused").to_string();
-    assert!(err.contains("rule names must be unique within a policy"), "{err}");
+    // Through the API server's schema: rule-level CEL with its message and field.
+    let mut burst = policy(ns, "burst", "r", 1);
+    burst["spec"]["rules"][0]["limit"]["burst"] = json!(5);
+    let err = apply(&client, ns, &burst).await.expect_err("burst on fixedWindow refused").to_string();
+    assert!(err.contains("spec.rules[0]") && err.contains("limit.burst is only used by tokenBucket, gcra and leakyBucket"), "{err}");
 
     let mut per = policy(ns, "per", "r", 1);
     per["spec"]["rules"][0]["limit"]["per"] = json!("10 seconds");
     let err = apply(&client, ns, &per).await.expect_err("bad duration refused").to_string();
-    assert!(err.contains("must be a duration such as 1s"), "{err}");
+    assert!(err.contains("spec.rules[0].limit.per") && err.contains("must be a duration such as 1s"), "{err}");
+
+    // Duplicate rule names: rules is a list-map keyed by name, so a create is refused naming the
+    // duplicate (server-side apply refuses it even earlier, when building the typed patch).
+    let mut dup = policy(ns, "dup", "same", 1);
+    let rule = dup["spec"]["rules"][0].clone();
+    dup["spec"]["rules"] = json!([rule.clone(), rule]);
+    let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+    let typed: RateLimitPolicy = serde_json::from_value(dup).expect("typed");
+    let err = api.create(&PostParams::default(), &typed).await.expect_err("duplicate rule names refused").to_string();
+    assert!(err.contains("spec.rules[1]") && (err.contains("Duplicate value") || err.contains("rule names must be unique")), "{err}");
 }
 
 async fn holder(client: &Client, lease: &str) -> Option<String> {

@@ -48,7 +48,7 @@ pub enum Error {
 pub struct WebhookArgs {
     /// Address of the HTTPS admission webhooks (`/validate-policy`, `/mutate-pod`); unset disables them.
     #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN")]
-    pub listen: Option<SocketAddr>,
+    pub webhook_listen: Option<SocketAddr>,
     /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names.
     #[arg(long = "webhook-host", env = "SLUICE_WEBHOOK_HOSTS", value_delimiter = ',', default_value = "sluice-webhook.sluice-system.svc")]
     pub hosts: Vec<String>,
@@ -110,7 +110,7 @@ pub async fn start(
         .route("/mutate-pod", post(mutate_pod))
         .with_state(state);
     let handle = axum_server::Handle::new();
-    let addr = args.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 9443)));
+    let addr = args.webhook_listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 9443)));
     let server = axum_server::bind_rustls(addr, tls.clone()).handle(handle.clone());
     let listening = handle.clone();
     let task = tokio::spawn(async move {

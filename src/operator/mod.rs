@@ -131,7 +131,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration).await?;
     let writer = tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
 
-    let webhook = match args.webhook.listen {
+    let webhook = match args.webhook.webhook_listen {
         Some(_) => Some(
             admission::start(client.clone(), &args.webhook, &args.operator_namespace, reflectors.readers.clone(), stopped.clone())
                 .await?,

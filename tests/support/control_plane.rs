@@ -214,12 +214,11 @@ where
     Fut: std::future::Future<Output = Result<T, String>>,
 {
     let deadline = Instant::now() + timeout;
-    let mut last = String::new();
     loop {
-        match probe().await {
+        let last = match probe().await {
             Ok(value) => return value,
-            Err(note) => last = note,
-        }
+            Err(note) => note,
+        };
         assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}: {last}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
