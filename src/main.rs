@@ -22,6 +22,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Standalone enforcement endpoint on RateLimitPolicy YAML files, hot-reloaded.

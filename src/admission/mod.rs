@@ -62,7 +62,7 @@ pub struct WebhookArgs {
     #[arg(long = "mutating-webhook", env = "SLUICE_MUTATING_WEBHOOK", default_value = "sluice")]
     pub mutating_config: String,
     /// Image of the injected sidecar container.
-    #[arg(long = "sidecar-image", env = "SLUICE_SIDECAR_IMAGE", default_value = "ghcr.io/sluice-dev/sluice:latest")]
+    #[arg(long = "sidecar-image", env = "SLUICE_SIDECAR_IMAGE", default_value = "sluice:latest")]
     pub sidecar_image: String,
     /// Enforcement endpoint the injected sidecar asks (the operator's check API Service).
     #[arg(long = "sidecar-endpoint", env = "SLUICE_SIDECAR_ENDPOINT", default_value = "http://sluice.sluice-system.svc:8080")]
@@ -136,9 +136,9 @@ pub async fn start(
 
 fn review_of<T: kube::Resource + serde::de::DeserializeOwned>(
     review: AdmissionReview<T>,
-) -> Result<AdmissionRequest<T>, AdmissionResponse> {
+) -> Result<AdmissionRequest<T>, Box<AdmissionResponse>> {
     review.try_into().map_err(|e: kube::core::admission::ConvertAdmissionReviewError| {
-        AdmissionResponse::invalid(format!("malformed AdmissionReview: {e}"))
+        Box::new(AdmissionResponse::invalid(format!("malformed AdmissionReview: {e}")))
     })
 }
 

@@ -169,10 +169,10 @@ impl Operator {
         let sink = logs.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if line.contains("check API listening") {
-                    if let Some(i) = line.find("address=") {
-                        let _ = tx.send(line[i + 8..].split_whitespace().next().unwrap_or("").to_string());
-                    }
+                if line.contains("check API listening")
+                    && let Some(i) = line.find("address=")
+                {
+                    let _ = tx.send(line[i + 8..].split_whitespace().next().unwrap_or("").to_string());
                 }
                 sink.lock().expect("logs").push(line);
             }
