@@ -82,7 +82,7 @@ EOF
 
 cmd_build() {
   command -v go >/dev/null || { log "Go is required to build the control plane"; exit 1; }
-  command -v jq >/dev/null || { log "jq is required (apt-get install jq)"; exit 1; }
+  command -v jq >/dev/null || { log "jq is required (Debian package jq)"; exit 1; }
   mkdir -p "$BIN"
   local start=$SECONDS
   # The etcd version is part of the cache key too: a marker file names it.
@@ -96,8 +96,15 @@ cmd_build() {
   echo "$BIN"
 }
 
+# A port nothing answers on, from 20000-31999: below Linux's ephemeral range (32768+), so outgoing
+# connections do not take it between this probe and the server's bind. bash's /dev/tcp probes.
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+  local p
+  for _ in $(seq 100); do
+    p=$((20000 + RANDOM % 12000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
+  done
+  log "no free port found"; exit 1
 }
 
 cmd_start() {

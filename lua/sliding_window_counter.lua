@@ -2,7 +2,9 @@
 -- floor(estimate) + cost ≤ requests. Mirrors src/algorithm/sliding_counter.rs, including its
 -- whole-millisecond weights (previous × per_ms stays below 2^53, so the floor is exact here too).
 --
--- State: hash {a = "swc", index = window index (now / per), previous, current}.
+-- State: hash {a = "swc", start = the current window's start in µs, previous, current}. Counts
+-- are capped at `requests` when read (a count above the limit denies the same either way, and the
+-- cap keeps previous × per_ms exact after `requests` is cut).
 -- Rule fields used: requests, per. A clock behind the stored window stays in it.
 -- TTL: end of the next window when current > 0, else end of this window when previous > 0.
 
@@ -14,23 +16,24 @@ function sluice.sliding_window_counter.read(key, ktype)
   if ktype ~= 'hash' then
     return nil
   end
-  local v = redis.call('HMGET', key, 'a', 'index', 'previous', 'current')
-  local index, previous, current = int(v[2]), int(v[3]), int(v[4])
-  if v[1] ~= 'swc' or index == nil or previous == nil or current == nil then
+  local v = redis.call('HMGET', key, 'a', 'start', 'previous', 'current')
+  local start, previous, current = int(v[2]), int(v[3]), int(v[4])
+  if v[1] ~= 'swc' or start == nil or previous == nil or current == nil then
     return nil
   end
-  return { index = index, previous = previous, current = current }
+  return { start = start, previous = previous, current = current }
 end
 
 local function swc_roll(l, c, now)
-  local index = idiv(now, l.per)
-  if c ~= nil and c.index >= index then
-    return c
+  local start = idiv(now, l.per) * l.per
+  if c ~= nil and c.start >= start then
+    return { start = c.start, previous = math.min(c.previous, l.requests),
+      current = math.min(c.current, l.requests) }
   end
-  if c ~= nil and c.index + 1 == index then
-    return { index = index, previous = c.current, current = 0 }
+  if c ~= nil and c.start + l.per == start then
+    return { start = start, previous = math.min(c.current, l.requests), current = 0 }
   end
-  return { index = index, previous = 0, current = 0 }
+  return { start = start, previous = 0, current = 0 }
 end
 
 local function weighted_previous(previous, per_ms, elapsed_ms)
@@ -57,7 +60,7 @@ end
 function sluice.sliding_window_counter.check(l, counts, now, cost)
   local c = swc_roll(l, counts, now)
   local per_ms = idiv(l.per, 1000)
-  local start = c.index * l.per
+  local start = c.start
   local elapsed_ms = idiv(math.max(now - start, 0), 1000)
   local estimate = weighted_previous(c.previous, per_ms, elapsed_ms) + c.current
   if estimate + cost <= l.requests then
@@ -93,14 +96,14 @@ end
 function sluice.sliding_window_counter.consume(key, ktype, counts, l, now, cost)
   local c = swc_roll(l, counts, now)
   local current = math.min(c.current + cost, U32_MAX)
-  local pristine_at = swc_pristine_at(l, c.index * l.per, c.previous, c.current + cost, now)
+  local pristine_at = swc_pristine_at(l, c.start, c.previous, c.current + cost, now)
   if not worth_writing(ktype, pristine_at, now) then
     return
   end
   if counts == nil and ktype ~= 'none' then
     redis.call('DEL', key)
   end
-  redis.call('HSET', key, 'a', 'swc', 'index', fmt(c.index), 'previous', fmt(c.previous),
+  redis.call('HSET', key, 'a', 'swc', 'start', fmt(c.start), 'previous', fmt(c.previous),
     'current', fmt(current))
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end

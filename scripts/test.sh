@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests start or drive: Redis (shared store), wrk (load scripts' smoke test).
-packages=(redis-server redis-tools)
+# Debian packages the tests start or drive: Redis (shared store), openssl (TLS test certificates).
+packages=(redis-server redis-tools openssl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
 use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
-use sluice::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
+use sluice::server::backend::StoreArgs;
 use sluice::telemetry::Metrics;
 use tokio::sync::watch;
 
@@ -42,9 +42,8 @@ struct ServeArgs {
     /// Address of the check API.
     #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Most keys the in-memory store holds; beyond it, the keys closest to a full quota are evicted.
-    #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
-    max_keys: usize,
+    #[command(flatten)]
+    store: StoreArgs,
     /// How often policy files are checked for changes.
     #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = parse_interval)]
     reload_interval: Duration,
@@ -100,8 +99,14 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
-    let store = Arc::new(MemoryStore::with_clock(args.max_keys, clock.clone()));
-    let engine = Arc::new(Engine::new(store.clone(), clock, metrics));
+    let built = args.store.build(clock.clone()).await.context("cannot set up the store")?;
+    let memory = built.memory.clone();
+    let mut engine = Engine::new(built.backend, clock, metrics);
+    if args.store.uses_redis() {
+        engine = engine.with_local_fallback(memory.clone(), args.store.fallback_replicas);
+    }
+    let engine = Arc::new(engine);
+    tracing::info!(store = ?sluice::store::Store::status(engine.store()), "store ready");
     tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
     engine.install(Arc::new(snapshot));
 
@@ -112,7 +117,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let (stop, stopped) = watch::channel(false);
     let watcher = tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
-    let sweeper = tokio::spawn(serve::sweep_memory(store, stopped.clone()));
+    let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped.clone()));
     let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped));
 
     serve::termination_signal().await;

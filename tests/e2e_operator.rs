@@ -19,6 +19,13 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use sluice::policy::RateLimitPolicy;
 
+/// Measurements go straight to stderr: libtest captures print!/eprint! of passing tests, but the
+/// numbers belong in every test log.
+fn report(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
+}
+
 /// The control plane, or None (with the reason printed) when it cannot be built here.
 fn cluster() -> Option<&'static ControlPlane> {
     match control_plane() {
@@ -248,7 +255,7 @@ async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
     .await;
     let failover = killed.elapsed();
     let since_renewal = k8s_openapi::jiff::Timestamp::now().duration_since(renewed.0);
-    println!("failover: {failover:?} after the kill, {since_renewal:?} after the last renewal (lease duration {lease_seconds}s)");
+    report(&format!("failover: {failover:?} after the kill, {since_renewal:?} after the last renewal (lease duration {lease_seconds}s)"));
     // The Lease cannot change hands before it expires; after that the survivor's polling adds a
     // little. Bounded both ways the test can see: from the kill and from the last renewal.
     assert!(failover <= Duration::from_secs(lease_seconds) + Duration::from_secs(2), "failover took {failover:?}");
@@ -293,7 +300,7 @@ async fn a_policy_change_reaches_both_replicas_quickly() {
     delays.sort();
     let median = delays[delays.len() / 2];
     let p99 = delays[(delays.len() * 99).div_ceil(100) - 1];
-    println!("apply-to-enforced on both replicas over {} changes: median {median:?}, p99 {p99:?}", delays.len());
+    report(&format!("apply-to-enforced on both replicas over {} changes: median {median:?}, p99 {p99:?}", delays.len()));
     assert!(median < Duration::from_secs(1), "median {median:?}");
 }
 

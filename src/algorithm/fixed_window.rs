@@ -1,26 +1,31 @@
 //! Fixed window: windows aligned to multiples of `per` since the Unix epoch.
+//!
+//! The state keeps the window's start time rather than its index, so editing `per` can never
+//! reinterpret an old index as a window far in the future: a stored window that is not the
+//! current one (and not ahead of it, which a stepped-back clock or a lengthened `per` produce)
+//! is simply over.
 
 use super::{Decision, Limit, Micros, State};
 
-pub(super) fn view(state: Option<&State>) -> Option<(u64, u64)> {
+pub(super) fn view(state: Option<&State>) -> Option<(Micros, u64)> {
     match state {
-        Some(State::Window { index, count }) => Some((*index, *count)),
+        Some(State::Window { start, count }) => Some((*start, *count)),
         _ => None,
     }
 }
 
-/// The window in force and its count; a clock behind the stored window stays in that window.
-fn current(limit: &Limit, window: Option<(u64, u64)>, now: Micros) -> (u64, u64) {
-    let index = now / limit.per;
+/// The window in force (its start) and its count; a clock behind the stored window stays in it.
+fn current(limit: &Limit, window: Option<(Micros, u64)>, now: Micros) -> (Micros, u64) {
+    let start = now - now % limit.per;
     match window {
-        Some((stored, count)) if stored >= index => (stored, count),
-        _ => (index, 0),
+        Some((stored, count)) if stored >= start => (stored, count),
+        _ => (start, 0),
     }
 }
 
-pub(super) fn check(limit: &Limit, window: Option<(u64, u64)>, now: Micros, cost: u64) -> Decision {
-    let (index, count) = current(limit, window, now);
-    let reset_after = ((index + 1) * limit.per).saturating_sub(now);
+pub(super) fn check(limit: &Limit, window: Option<(Micros, u64)>, now: Micros, cost: u64) -> Decision {
+    let (start, count) = current(limit, window, now);
+    let reset_after = (start + limit.per).saturating_sub(now);
     if count + cost <= limit.requests {
         Decision {
             allowed: true,
@@ -41,7 +46,7 @@ pub(super) fn check(limit: &Limit, window: Option<(u64, u64)>, now: Micros, cost
 }
 
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
-    let (index, count) = current(limit, view(state.as_ref()), now);
-    *state = Some(State::Window { index, count: count + cost });
-    (index + 1) * limit.per
+    let (start, count) = current(limit, view(state.as_ref()), now);
+    *state = Some(State::Window { start, count: count + cost });
+    start + limit.per
 }

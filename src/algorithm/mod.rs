@@ -242,11 +242,11 @@ pub enum State {
     /// Token bucket: credit in microseconds of emission (one token = one interval) and the time
     /// it was computed at.
     Bucket { credit: Micros, updated: Micros },
-    /// Fixed window: window index (now / per) and admitted cost in it.
-    Window { index: u64, count: u64 },
-    /// Sliding window counter: current window index and the counts of the previous and current
-    /// windows.
-    Counter { index: u64, previous: u32, current: u32 },
+    /// Fixed window: the window's start (a multiple of `per`) and the cost admitted in it.
+    Window { start: Micros, count: u64 },
+    /// Sliding window counter: the current window's start and the counts of the previous and
+    /// current windows.
+    Counter { start: Micros, previous: u32, current: u32 },
     /// Sliding window log: admitted requests still inside the window, oldest first.
     Log(Box<VecDeque<LogEntry>>),
 }
@@ -353,9 +353,9 @@ mod tests {
     #[test]
     fn seed_sliding_counter_book_example() {
         let l = limit(Algorithm::SlidingWindowCounter, 7, "1m", None);
-        let index = 28_333_333; // any whole minute
-        let state = State::Counter { index, previous: 5, current: 3 };
-        let now = index * 60_000_000 + 18_000_000; // 30% into the window
+        let start = 28_333_333 * 60_000_000; // any whole minute
+        let state = State::Counter { start, previous: 5, current: 3 };
+        let now = start + 18_000_000; // 30% into the window
         let d = check(&l, Some(&state), now, 1);
         assert!(d.allowed);
         assert_eq!(d.remaining, 0);
@@ -374,5 +374,40 @@ mod tests {
         let before = (0..150).filter(|_| decide(&l, &mut state, boundary - 1_000_000, 1).allowed).count();
         let after = (0..150).filter(|_| decide(&l, &mut state, boundary + 1_000_000, 1).allowed).count();
         assert_eq!(before + after, 200, "2N within two seconds across the boundary");
+    }
+
+    /// Editing `per` of a window algorithm never panics, never overflows and never leaves a key
+    /// stuck in a far-future window: at worst the stored window runs out under the new length.
+    #[test]
+    fn editing_per_of_window_algorithms_is_safe() {
+        let now = 1_699_920_000_000_000 + 7_123_000;
+        for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+            for (old_per, new_per) in [("7ms", "1m"), ("1m", "1h"), ("1h", "7ms"), ("1d", "366d")] {
+                let old = limit(algorithm, 3, old_per, None);
+                let new = limit(algorithm, 100, new_per, None);
+                let mut state = None;
+                for _ in 0..3 {
+                    decide(&old, &mut state, now, 1);
+                }
+                let d = decide(&new, &mut state, now + 1, 1);
+                assert!(d.allowed, "{algorithm} {old_per}->{new_per}");
+                let expires_at = apply(&new, &mut state, now + 2, 1);
+                assert!(expires_at <= now + 2 + 2 * new.per() + old.per(), "{algorithm} {old_per}->{new_per}");
+            }
+        }
+    }
+
+    /// Cutting `requests` and raising `per` keeps the counter's arithmetic exact.
+    #[test]
+    fn cutting_requests_after_a_busy_window_stays_exact() {
+        let now = 1_699_920_000_000_000;
+        let busy = limit(Algorithm::SlidingWindowCounter, 900_000, "1s", None);
+        let mut state = None;
+        decide(&busy, &mut state, now, 800_000);
+        let strict = limit(Algorithm::SlidingWindowCounter, 10, "1s", None);
+        let d = decide(&strict, &mut state, now + 1_000_000, 1);
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 0);
+        assert!(d.retry_after.is_some());
     }
 }

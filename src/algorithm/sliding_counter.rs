@@ -1,21 +1,25 @@
 //! Sliding window counter: estimate = previous × (per − elapsed) / per + current, admitted when
 //! floor(estimate) + cost ≤ requests. The weight is computed in whole milliseconds so that
 //! `previous × per_ms` stays an exact integer in every store.
+//!
+//! The state keeps the current window's start time (not its index, which an edit of `per` would
+//! reinterpret), and counts are capped at `requests` when read: a count above the limit denies
+//! the same either way, and the cap keeps `previous × per_ms` exact after `requests` is cut.
 
 use super::{Decision, Limit, Micros, State};
 use crate::duration::MICROS_PER_MS;
 
 #[derive(Clone, Copy)]
 pub(super) struct Counts {
-    index: u64,
+    start: Micros,
     previous: u64,
     current: u64,
 }
 
 pub(super) fn view(state: Option<&State>) -> Option<Counts> {
     match state {
-        Some(State::Counter { index, previous, current }) => {
-            Some(Counts { index: *index, previous: *previous as u64, current: *current as u64 })
+        Some(State::Counter { start, previous, current }) => {
+            Some(Counts { start: *start, previous: *previous as u64, current: *current as u64 })
         }
         _ => None,
     }
@@ -23,11 +27,12 @@ pub(super) fn view(state: Option<&State>) -> Option<Counts> {
 
 /// The counts as seen from `now`'s window (a clock behind the stored window stays in it).
 fn roll(limit: &Limit, counts: Option<Counts>, now: Micros) -> Counts {
-    let index = now / limit.per;
+    let start = now - now % limit.per;
+    let capped = |n: u64| n.min(limit.requests);
     match counts {
-        Some(c) if c.index >= index => c,
-        Some(c) if c.index + 1 == index => Counts { index, previous: c.current, current: 0 },
-        _ => Counts { index, previous: 0, current: 0 },
+        Some(c) if c.start >= start => Counts { start: c.start, previous: capped(c.previous), current: capped(c.current) },
+        Some(c) if c.start + limit.per == start => Counts { start, previous: capped(c.current), current: 0 },
+        _ => Counts { start, previous: 0, current: 0 },
     }
 }
 
@@ -47,7 +52,7 @@ fn first_fit_ms(previous: u64, per_ms: u64, allowance: u64) -> u64 {
 pub(super) fn check(limit: &Limit, counts: Option<Counts>, now: Micros, cost: u64) -> Decision {
     let c = roll(limit, counts, now);
     let per_ms = limit.per / MICROS_PER_MS;
-    let start = c.index * limit.per;
+    let start = c.start;
     let elapsed_ms = now.saturating_sub(start) / MICROS_PER_MS;
     let estimate = weighted_previous(c.previous, per_ms, elapsed_ms) + c.current;
     let pristine_at = |current: u64| {
@@ -94,11 +99,11 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost:
     let c = roll(limit, view(state.as_ref()), now);
     let current = c.current + cost;
     *state = Some(State::Counter {
-        index: c.index,
+        start: c.start,
         previous: c.previous as u32,
         current: current.min(u32::MAX as u64) as u32,
     });
-    let start = c.index * limit.per;
+    let start = c.start;
     if current > 0 {
         start + 2 * limit.per
     } else if c.previous > 0 {

@@ -22,7 +22,7 @@ use crate::admission::{self, WebhookArgs};
 use crate::clock::SystemClock;
 use crate::server::engine::Engine;
 use crate::server::{http, serve};
-use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
+use crate::server::backend::{BackendError, StoreArgs};
 use crate::telemetry::Metrics;
 
 /// The field manager of every status write; one name so server-side apply sees one owner whichever
@@ -43,8 +43,8 @@ pub enum Error {
     Serve(std::io::Error),
     #[error("webhook: {0}")]
     Admission(#[from] admission::Error),
-    #[error("the policy reflector stopped before its first full sync")]
-    NeverSynced,
+    #[error("store: {0}")]
+    Store(#[from] BackendError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -58,9 +58,9 @@ pub struct OperatorArgs {
     /// Namespaces whose RateLimitPolicies are enforced; empty means all namespaces.
     #[arg(long, env = "SLUICE_NAMESPACES", value_delimiter = ',')]
     pub namespaces: Vec<String>,
-    /// Most keys the in-memory store holds; beyond it, the keys closest to a full quota are evicted.
-    #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
-    pub max_keys: usize,
+    /// The store (memory, or Redis shared by every replica): the same flags as `sluice serve`.
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// The operator's own namespace: holds the Lease and the webhook Secret, and is never injected.
     #[arg(long = "operator-namespace", env = "POD_NAMESPACE", default_value = "sluice-system")]
     pub operator_namespace: String,
@@ -104,11 +104,17 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let identity = args.identity.clone().unwrap_or_else(default_identity);
     tracing::info!(%identity, namespaces = ?args.namespaces, "starting operator");
 
-    // The store choice lives here alone, so moving to the shared `--redis` flags is a local change.
+    // The same store selection as `sluice serve`: memory, or Redis with this replica's memory as
+    // the local fallback.
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
-    let store = Arc::new(MemoryStore::with_clock(args.max_keys, clock.clone()));
-    let engine = Arc::new(Engine::new(store.clone(), clock, metrics));
+    let built = args.store.build(clock.clone()).await?;
+    let memory = built.memory.clone();
+    let mut engine = Engine::new(built.backend, clock, metrics);
+    if args.store.uses_redis() {
+        engine = engine.with_local_fallback(memory.clone(), args.store.fallback_replicas);
+    }
+    let engine = Arc::new(engine);
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -139,7 +145,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         None => None,
     };
     let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped.clone()));
-    let sweeper = tokio::spawn(serve::sweep_memory(store, stopped));
+    let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
 
     serve::termination_signal().await;
     tracing::info!("shutting down");

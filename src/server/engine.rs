@@ -12,10 +12,11 @@ use serde::Serialize;
 
 use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
 use super::request::CheckRequest;
-use crate::algorithm::{Decision, Micros};
+use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::{Matched, Snapshot};
+use crate::store::memory::MemoryStore;
 use crate::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
@@ -84,6 +85,27 @@ impl Hasher for IdHasher {
 struct RuleExtras {
     header_name: String,
     counters: RuleCounters,
+    /// This replica's share of the limit, enforced locally while the shared store is away.
+    fallback_limit: Limit,
+}
+
+/// Where `onStoreFailure: localFallback` rules are decided while the shared store fails.
+struct LocalFallback {
+    store: Arc<MemoryStore>,
+    replicas: u32,
+}
+
+/// The limit one of `replicas` replicas enforces alone: `requests` and `burst` divided among
+/// them (rounded down, at least 1), the same period. Falls back to the whole limit if the share
+/// cannot be represented.
+fn replica_share(limit: &Limit, replicas: u32) -> Limit {
+    if replicas <= 1 {
+        return limit.clone();
+    }
+    let share = |n: u64| (n / u64::from(replicas)).max(1);
+    let burst = limit.algorithm().uses_burst().then(|| share(limit.burst()));
+    Limit::new(limit.algorithm(), share(limit.requests()), limit.per(), burst, limit.max_delay())
+        .unwrap_or_else(|_| limit.clone())
 }
 
 /// A snapshot with what the engine derives from it.
@@ -107,6 +129,7 @@ pub struct Engine<S> {
     loaded: std::sync::atomic::AtomicBool,
     last_error: Mutex<Option<ReloadError>>,
     store: S,
+    fallback: Option<LocalFallback>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -119,9 +142,17 @@ impl<S: Store> Engine<S> {
             loaded: std::sync::atomic::AtomicBool::new(false),
             last_error: Mutex::new(None),
             store,
+            fallback: None,
             clock,
             metrics,
         }
+    }
+
+    /// Rules with `onStoreFailure: localFallback` are decided in `store` while the shared store
+    /// fails, each at 1/`replicas` of its limit. Without this they fail open.
+    pub fn with_local_fallback(mut self, store: Arc<MemoryStore>, replicas: u32) -> Engine<S> {
+        self.fallback = Some(LocalFallback { store, replicas: replicas.max(1) });
+        self
     }
 
     pub fn store(&self) -> &S {
@@ -145,6 +176,7 @@ impl<S: Store> Engine<S> {
                 RuleExtras {
                     header_name: header_name(rule.policy(), rule.name()),
                     counters: self.metrics.rule_counters(rule.policy(), rule.name()),
+                    fallback_limit: replica_share(rule.limit(), self.fallback.as_ref().map_or(1, |f| f.replicas)),
                 },
             );
         }
@@ -192,19 +224,19 @@ impl<S: Store> Engine<S> {
                 snapshot: live.snapshot.version().to_string(),
             }
         } else {
-            self.decide(&live, &matched).await
+            self.decide(&live, &request.namespace, &matched).await
         };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         response
     }
 
-    async fn decide(&self, live: &Live, matched: &[Matched<'_>]) -> CheckResponse {
+    async fn decide(&self, live: &Live, namespace: &str, matched: &[Matched<'_>]) -> CheckResponse {
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
-        let outcome = self.store.check(None, &checks).await;
+        let outcome = self.store.check_tagged(namespace, None, &checks).await;
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
             Ok(verdict) => (verdict, false),
-            Err(error) => (self.on_store_failure(&checks, &error), true),
+            Err(error) => (self.on_store_failure(live, &checks, &error, now), true),
         };
 
         let mut header_inputs = Vec::with_capacity(matched.len());
@@ -227,8 +259,8 @@ impl<S: Store> Engine<S> {
             header_inputs.push(RuleHeaderInput {
                 name: extras.map_or("", |e| e.header_name.as_str()),
                 shadow,
-                requests: m.rule.limit().requests(),
-                per: m.rule.limit().per(),
+                requests: m.rule.limit().capacity(),
+                per: quota_window(m.rule.limit()),
                 decision,
             });
             rules.push(RuleResult {
@@ -236,7 +268,7 @@ impl<S: Store> Engine<S> {
                 rule: m.rule.name().to_string(),
                 allowed: decision.allowed,
                 shadow,
-                limit: m.rule.limit().requests(),
+                limit: m.rule.limit().capacity(),
                 remaining: decision.remaining,
                 reset_ms: ceil_ms(decision.reset_after),
                 retry_after_ms: decision.retry_after.map(ceil_ms),
@@ -255,33 +287,64 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// Each rule decides by its `onStoreFailure` when the store could not.
-    fn on_store_failure(&self, checks: &[RuleCheck<'_>], error: &StoreError) -> Verdict {
+    /// Each rule decides by its `onStoreFailure` when the store could not: `allow` admits,
+    /// `deny` refuses, `localFallback` asks this replica's memory with its share of the limit.
+    /// The request is still all-or-nothing: if an enforcing `deny` rule refuses, the local
+    /// rules consume nothing.
+    fn on_store_failure(&self, live: &Live, checks: &[RuleCheck<'_>], error: &StoreError, now: Micros) -> Verdict {
         self.metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
-        let decisions = checks
+        let fail_open = |c: &RuleCheck<'_>| Decision {
+            allowed: true,
+            remaining: c.limit.capacity(),
+            reset_after: 0,
+            retry_after: None,
+            delay: 0,
+        };
+        let mut decisions: Vec<Decision> = checks
             .iter()
             .map(|c| {
                 self.metrics.store_fallbacks.get_or_create(&ModeLabels { mode: c.on_store_failure.name() }).inc();
                 match c.on_store_failure {
+                    // Retry once the breaker's probe may have found the store again.
                     FailureMode::Deny => Decision {
                         allowed: false,
                         remaining: 0,
                         reset_after: 0,
-                        retry_after: Some(MICROS_PER_MS * 1000),
+                        retry_after: Some(crate::duration::MICROS_PER_SECOND),
                         delay: 0,
                     },
-                    FailureMode::Allow | FailureMode::LocalFallback => Decision {
-                        allowed: true,
-                        remaining: c.limit.capacity(),
-                        reset_after: 0,
-                        retry_after: None,
-                        delay: 0,
-                    },
+                    FailureMode::Allow | FailureMode::LocalFallback => fail_open(c),
                 }
             })
             .collect();
+        let denied_outright =
+            checks.iter().zip(&decisions).any(|(c, d)| c.enforce && !d.allowed);
+        if let (Some(fallback), false) = (&self.fallback, denied_outright) {
+            let local: Vec<usize> =
+                (0..checks.len()).filter(|&i| checks[i].on_store_failure == FailureMode::LocalFallback).collect();
+            if !local.is_empty() {
+                let local_checks: Vec<RuleCheck<'_>> = local
+                    .iter()
+                    .map(|&i| {
+                        let limit = live.extras.get(&checks[i].rule).map_or(checks[i].limit, |e| &e.fallback_limit);
+                        RuleCheck { limit, ..checks[i] }
+                    })
+                    .collect();
+                let local_verdict = fallback.store.check_at(now, &local_checks);
+                for (&i, decision) in local.iter().zip(local_verdict.decisions) {
+                    decisions[i] = decision;
+                }
+            }
+        }
         Verdict::from_decisions(checks, decisions)
     }
+}
+
+/// The window a quota is stated over in `RateLimit-Policy`: `per` for window algorithms; for
+/// buckets, the time to refill the whole capacity (`burst` at `requests` per `per`), so that the
+/// quota `q` is the capacity and `remaining` never exceeds it.
+fn quota_window(limit: &Limit) -> Micros {
+    if limit.algorithm().uses_burst() { limit.burst() * limit.interval() } else { limit.per() }
 }
 
 /// The quota name clients see in `RateLimit-Policy`: `policy/rule`, without the namespace the
@@ -289,4 +352,33 @@ impl<S: Store> Engine<S> {
 fn header_name(policy: &str, rule: &str) -> String {
     let policy_name = policy.rsplit_once('/').map_or(policy, |(_, name)| name);
     format!("{policy_name}/{rule}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Algorithm;
+
+    #[test]
+    fn bucket_quotas_are_their_capacity_over_the_refill_time() {
+        let bucket = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(20), None).unwrap();
+        assert_eq!((bucket.capacity(), quota_window(&bucket)), (20, 2_000_000));
+        let window = Limit::new(Algorithm::FixedWindow, 100, 60_000_000, None, None).unwrap();
+        assert_eq!((window.capacity(), quota_window(&window)), (100, 60_000_000));
+    }
+
+    #[test]
+    fn each_replica_enforces_its_share() {
+        let limit = Limit::new(Algorithm::Gcra, 100, 1_000_000, Some(30), None).unwrap();
+        let share = replica_share(&limit, 4);
+        assert_eq!((share.requests(), share.burst(), share.per()), (25, 7, 1_000_000));
+        let tiny = Limit::new(Algorithm::FixedWindow, 2, 1_000_000, None, None).unwrap();
+        assert_eq!(replica_share(&tiny, 8).requests(), 1, "never zero");
+        assert_eq!(replica_share(&limit, 1), limit);
+    }
+
+    #[test]
+    fn header_names_leave_out_the_namespace() {
+        assert_eq!(header_name("tenant-acme/orders-api", "per-key"), "orders-api/per-key");
+    }
 }

@@ -177,6 +177,11 @@ async fn readyz<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
 }
 
 async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
+    let status = engine.store().status();
+    let metrics = engine.metrics();
+    metrics.store_circuit_open.set(i64::from(status.breaker == Some("open")));
+    metrics.live_keys.set(status.live_keys as i64);
+    metrics.evicted_keys.set(status.evicted_keys as i64);
     (
         [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
         engine.metrics().encode(),
@@ -195,6 +200,7 @@ struct SnapshotBody<'a> {
     /// The policies in force, as documents a sidecar can compile into the same snapshot.
     sources: &'a [crate::policy::RateLimitPolicy],
     last_reload_error: Option<super::engine::ReloadError>,
+    store: crate::store::StoreStatus,
 }
 
 async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_headers: HeaderMap) -> Response {
@@ -211,6 +217,7 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
         view: live.snapshot.view(),
         sources: live.snapshot.sources(),
         last_reload_error: engine.last_error(),
+        store: engine.store().status(),
     };
     ([(header::ETAG, etag)], axum::Json(body)).into_response()
 }

@@ -5,3 +5,4 @@ pub mod headers;
 pub mod request;
 pub mod http;
 pub mod serve;
+pub mod backend;

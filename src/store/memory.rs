@@ -1,20 +1,21 @@
 //! The in-process store: sharded hash maps of compact per-key state.
 //!
-//! Keys are 128-bit SipHash-1-3 digests of (rule identity, key) under a per-process random seed,
-//! so a key costs the same few bytes however long the header value it came from, and nobody can
-//! aim collisions at a seed they do not know. Each entry remembers when its state becomes
+//! Keys are 128-bit digests of (rule identity, key): two aHash hashers under independent
+//! per-process random keys. A key costs the same few bytes however long the header value it came
+//! from, and without the keys nobody can aim collisions at another client's counter (aHash is
+//! keyed for HashDoS resistance; 128 bits make accidental collisions negligible). It replaced
+//! SipHash-1-3-128, which took about 45% of a single-rule decision's instructions. Each entry remembers when its state becomes
 //! pristine again (full bucket, empty window); past that moment it is dropped, because a missing
 //! key means exactly that state. A cap on live keys bounds memory under a flood of distinct keys:
 //! a full shard first drops what has expired, then evicts the eighth of its entries closest to
 //! pristine (counted in [`MemoryStats::evicted`], since an evicted key starts over).
 
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 use parking_lot::{Mutex, MutexGuard};
-use siphasher::sip128::{Hasher128, SipHasher13};
 
 use super::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::algorithm::{self, Decision, Micros, State};
@@ -57,6 +58,18 @@ impl Hasher for SlotHasher {
 
 type Slots = HashMap<u128, Entry, BuildHasherDefault<SlotHasher>>;
 
+/// Removes consecutive duplicates from a sorted slice in place; returns the distinct count.
+fn dedup_sorted(values: &mut [usize]) -> usize {
+    let mut distinct = 0;
+    for i in 0..values.len() {
+        if distinct == 0 || values[i] != values[distinct - 1] {
+            values[distinct] = values[i];
+            distinct += 1;
+        }
+    }
+    distinct
+}
+
 #[derive(Default)]
 #[repr(align(128))]
 struct Shard {
@@ -77,7 +90,8 @@ pub struct MemoryStore {
     shards: Box<[Shard]>,
     shard_bits: u32,
     shard_capacity: usize,
-    seed: (u64, u64),
+    /// Two independently keyed hashers give the 128-bit slot key.
+    seed: (ahash::RandomState, ahash::RandomState),
     clock: Arc<dyn Clock>,
     expired: AtomicU64,
     evicted: AtomicU64,
@@ -106,7 +120,10 @@ impl MemoryStore {
             shards,
             shard_bits: shard_count.trailing_zeros(),
             shard_capacity: max_keys.div_ceil(shard_count),
-            seed: (rand::random(), rand::random()),
+            seed: (
+                ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
+                ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
+            ),
             clock,
             expired: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
@@ -119,10 +136,13 @@ impl MemoryStore {
     }
 
     fn slot_key(&self, rule: RuleId, key: &[u8]) -> u128 {
-        let mut hasher = SipHasher13::new_with_keys(self.seed.0, self.seed.1);
-        hasher.write(&rule.to_le_bytes());
-        hasher.write(key);
-        hasher.finish128().as_u128()
+        let half = |state: &ahash::RandomState| {
+            let mut hasher = state.build_hasher();
+            hasher.write_u64(rule);
+            hasher.write(key);
+            hasher.finish()
+        };
+        (u128::from(half(&self.seed.0)) << 64) | u128::from(half(&self.seed.1))
     }
 
     fn shard_of(&self, slot: u128) -> usize {
@@ -136,37 +156,75 @@ impl MemoryStore {
         if let [only] = checks {
             let slot = self.slot_key(only.rule, only.key);
             let mut slots = self.shards[self.shard_of(slot)].slots.lock();
-            let decision = algorithm::check(only.limit, slots.get(&slot).map(|e| &e.state), now, only.cost);
-            if decision.allowed {
-                self.consume(&mut slots, slot, only, now);
-            }
+            // One table lookup: decide and consume on the entry found, instead of `get` here and
+            // `get_mut` again in `consume`.
+            let decision = if let Some(entry) = slots.get_mut(&slot) {
+                let decision = algorithm::check(only.limit, Some(&entry.state), now, only.cost);
+                if decision.allowed {
+                    Self::consume_entry(entry, only, now);
+                }
+                decision
+            } else {
+                let decision = algorithm::check(only.limit, None, now, only.cost);
+                if decision.allowed {
+                    self.consume(&mut slots, slot, only, now);
+                }
+                decision
+            };
             decisions.push(decision);
             return decision.allowed || !only.enforce;
         }
+        // Requests rarely match more than a handful of rules: keep their bookkeeping on the stack.
+        const INLINE: usize = 8;
+        if checks.len() <= INLINE {
+            let mut slots = [(0u128, 0usize); INLINE];
+            let mut shard_ids = [0usize; INLINE];
+            let mut guards: [Option<MutexGuard<'_, Slots>>; INLINE] = Default::default();
+            self.check_many(now, checks, decisions, &mut slots[..checks.len()], &mut shard_ids[..checks.len()], &mut guards)
+        } else {
+            let mut slots = vec![(0u128, 0usize); checks.len()];
+            let mut shard_ids = vec![0usize; checks.len()];
+            let mut guards: Vec<Option<MutexGuard<'_, Slots>>> = (0..checks.len()).map(|_| None).collect();
+            self.check_many(now, checks, decisions, &mut slots, &mut shard_ids, &mut guards)
+        }
+    }
 
-        let slots: Vec<(u128, usize)> = checks
-            .iter()
-            .map(|c| {
-                let slot = self.slot_key(c.rule, c.key);
-                (slot, self.shard_of(slot))
-            })
-            .collect();
+    /// The several-rules case of [`Self::check_into`], on caller-provided scratch space
+    /// (`slots` and `shard_ids` as long as `checks`, `guards` at least as long, all `None`).
+    fn check_many<'s>(
+        &'s self,
+        now: Micros,
+        checks: &[RuleCheck<'_>],
+        decisions: &mut Vec<Decision>,
+        slots: &mut [(u128, usize)],
+        shard_ids: &mut [usize],
+        guards: &mut [Option<MutexGuard<'s, Slots>>],
+    ) -> bool {
+        for ((check, slot), shard_id) in checks.iter().zip(slots.iter_mut()).zip(shard_ids.iter_mut()) {
+            let key = self.slot_key(check.rule, check.key);
+            *slot = (key, self.shard_of(key));
+            *shard_id = slot.1;
+        }
         // Locks are always taken in shard order, so concurrent requests cannot deadlock.
-        let mut shard_ids: Vec<usize> = slots.iter().map(|&(_, shard)| shard).collect();
         shard_ids.sort_unstable();
-        shard_ids.dedup();
-        let mut guards: Vec<MutexGuard<'_, Slots>> = shard_ids.iter().map(|&s| self.shards[s].slots.lock()).collect();
+        let distinct = dedup_sorted(shard_ids);
+        let shard_ids = &shard_ids[..distinct];
+        for (guard, &s) in guards.iter_mut().zip(shard_ids) {
+            *guard = Some(self.shards[s].slots.lock());
+        }
         let guard_of = |shard: usize| shard_ids.binary_search(&shard).unwrap_or(0);
 
-        for (check, &(slot, shard)) in checks.iter().zip(&slots) {
-            let state = guards[guard_of(shard)].get(&slot).map(|e| &e.state);
+        for (check, &(slot, shard)) in checks.iter().zip(slots.iter()) {
+            let state = guards[guard_of(shard)].as_ref().and_then(|g| g.get(&slot)).map(|e| &e.state);
             decisions.push(algorithm::check(check.limit, state, now, check.cost));
         }
         let allowed = checks.iter().zip(decisions.iter()).all(|(c, d)| d.allowed || !c.enforce);
         if allowed {
-            for ((check, &(slot, shard)), decision) in checks.iter().zip(&slots).zip(decisions.iter()) {
-                if decision.allowed {
-                    self.consume(&mut guards[guard_of(shard)], slot, check, now);
+            for ((check, &(slot, shard)), decision) in checks.iter().zip(slots.iter()).zip(decisions.iter()) {
+                if decision.allowed
+                    && let Some(guard) = guards[guard_of(shard)].as_mut()
+                {
+                    self.consume(guard, slot, check, now);
                 }
             }
         }
@@ -180,13 +238,17 @@ impl MemoryStore {
         Verdict { allowed, decisions }
     }
 
+    fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) {
+        let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
+        entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
+        if let Some(state) = state {
+            entry.state = state;
+        }
+    }
+
     fn consume(&self, slots: &mut Slots, slot: u128, check: &RuleCheck<'_>, now: Micros) {
         if let Some(entry) = slots.get_mut(&slot) {
-            let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
-            entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
-            if let Some(state) = state {
-                entry.state = state;
-            }
+            Self::consume_entry(entry, check, now);
             return;
         }
         let mut state = None;
@@ -263,6 +325,16 @@ impl Store for MemoryStore {
     async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
         let now = now.unwrap_or_else(|| self.clock.now());
         Ok(self.check_at(now, checks))
+    }
+
+    fn status(&self) -> super::StoreStatus {
+        let stats = self.stats();
+        super::StoreStatus {
+            kind: "memory",
+            live_keys: stats.live_keys,
+            evicted_keys: stats.evicted,
+            ..Default::default()
+        }
     }
 }
 

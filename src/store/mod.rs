@@ -114,6 +114,32 @@ pub trait Store: Send + Sync + 'static {
         let _ = tag;
         self.check(now, checks)
     }
+
+    /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
+    fn status(&self) -> StoreStatus {
+        StoreStatus::default()
+    }
+}
+
+/// A store's self-description.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoreStatus {
+    /// `memory`, `redis` or `redisCluster`.
+    pub kind: &'static str,
+    /// Where the shared store is, password redacted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The shared store's circuit breaker: `closed` (calls go through), `open` (calls fail at
+    /// once and rules use their `onStoreFailure`) or `halfOpen` (one probe in flight).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Keys held in this process's memory (the store itself, or the local fallback).
+    pub live_keys: u64,
+    /// Live keys evicted by the key cap since start.
+    pub evicted_keys: u64,
 }
 
 impl<T: Store> Store for std::sync::Arc<T> {
@@ -123,5 +149,18 @@ impl<T: Store> Store for std::sync::Arc<T> {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
         (**self).check(now, checks)
+    }
+
+    fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        (**self).check_tagged(tag, now, checks)
+    }
+
+    fn status(&self) -> StoreStatus {
+        (**self).status()
     }
 }

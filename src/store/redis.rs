@@ -278,6 +278,16 @@ impl Store for RedisStore {
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
         RedisStore::check_tagged(self, tag, now, checks)
     }
+
+    fn status(&self) -> super::StoreStatus {
+        super::StoreStatus {
+            kind: if matches!(self.connection, Connection::Cluster(_)) { "redisCluster" } else { "redis" },
+            endpoint: Some(self.endpoint().to_string()),
+            breaker: Some(self.breaker_state().name()),
+            timeout_ms: Some(self.timeout.as_millis() as u64),
+            ..Default::default()
+        }
+    }
 }
 
 /// The script's algorithm codes (lua/check.lua).

@@ -1,0 +1,182 @@
+//! Choosing the store from the command line: the in-process memory store, or Redis (one server or
+//! a cluster) shared by every replica, with this process's memory as the local fallback.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::Micros;
+use crate::clock::Clock;
+use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
+use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore};
+use crate::store::breaker::BreakerConfig;
+use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
+
+/// Store flags shared by `sluice serve` and `sluice operator`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct StoreArgs {
+    /// Most keys held in memory (the store itself, or the local fallback when Redis is used);
+    /// beyond it the keys closest to a full quota are evicted.
+    #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
+    pub max_keys: usize,
+    /// Share state through this Redis: redis://[user:password@]host:port[/db] or rediss:// (TLS).
+    #[arg(long, env = "SLUICE_REDIS", conflicts_with = "redis_cluster")]
+    pub redis: Option<String>,
+    /// Share state through a Redis Cluster: seed node URLs, comma-separated.
+    #[arg(long, env = "SLUICE_REDIS_CLUSTER", value_delimiter = ',')]
+    pub redis_cluster: Vec<String>,
+    /// File holding the Redis password (a mounted Secret), used when the URL has none. The
+    /// SLUICE_REDIS_PASSWORD environment variable does the same.
+    #[arg(long, env = "SLUICE_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
+    /// PEM file of the CA that signed the Redis server's certificate (rediss://).
+    #[arg(long, env = "SLUICE_REDIS_CA_FILE")]
+    pub redis_ca_file: Option<PathBuf>,
+    /// Deadline of one Redis decision; past it each rule's onStoreFailure decides.
+    #[arg(long, env = "SLUICE_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_duration_arg)]
+    pub redis_timeout: Duration,
+    /// Consecutive Redis failures that open the circuit breaker (decisions then skip Redis).
+    #[arg(long, env = "SLUICE_REDIS_BREAKER_FAILURES", default_value_t = 5)]
+    pub redis_breaker_failures: u32,
+    /// How long the open breaker waits before letting one probe through to Redis.
+    #[arg(long, env = "SLUICE_REDIS_BREAKER_COOLDOWN", default_value = "1s", value_parser = parse_duration_arg)]
+    pub redis_breaker_cooldown: Duration,
+    /// Replicas sharing each limit; under onStoreFailure: localFallback each replica enforces
+    /// 1/N of every limit in its own memory until Redis is back.
+    #[arg(long, env = "SLUICE_FALLBACK_REPLICAS", default_value_t = 1)]
+    pub fallback_replicas: u32,
+}
+
+pub fn parse_duration_arg(text: &str) -> Result<Duration, String> {
+    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
+    if micros == 0 {
+        return Err("must be above zero".into());
+    }
+    Ok(Duration::from_micros(micros))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Redis(#[from] RedisConfigError),
+    #[error("cannot read {path}: {error}")]
+    File { path: PathBuf, error: std::io::Error },
+    #[error("--fallback-replicas must be at least 1")]
+    NoReplicas,
+}
+
+/// The store a process decides with.
+pub enum Backend {
+    Memory(Arc<MemoryStore>),
+    Redis(RedisStore),
+}
+
+/// A backend and the memory store that holds local fallback state (the same store when the
+/// backend is memory).
+pub struct BuiltBackend {
+    pub backend: Backend,
+    pub memory: Arc<MemoryStore>,
+}
+
+impl StoreArgs {
+    pub fn uses_redis(&self) -> bool {
+        self.redis.is_some() || !self.redis_cluster.is_empty()
+    }
+
+    /// Builds the store; Redis need not be up (connections are lazy and retried).
+    pub async fn build(&self, clock: Arc<dyn Clock>) -> Result<BuiltBackend, BackendError> {
+        if self.fallback_replicas == 0 {
+            return Err(BackendError::NoReplicas);
+        }
+        let memory = Arc::new(MemoryStore::with_clock(self.max_keys, clock));
+        let password = self.password()?;
+        let endpoint = match (&self.redis, self.redis_cluster.is_empty()) {
+            (Some(url), _) => RedisEndpoint::Single(with_password(url, password.as_deref())),
+            (None, false) => RedisEndpoint::Cluster(
+                self.redis_cluster.iter().map(|u| with_password(u, password.as_deref())).collect(),
+            ),
+            (None, true) => return Ok(BuiltBackend { backend: Backend::Memory(memory.clone()), memory }),
+        };
+        let mut config = RedisConfig::new(endpoint);
+        config.timeout = self.redis_timeout;
+        config.breaker = BreakerConfig {
+            failure_threshold: self.redis_breaker_failures.max(1),
+            cool_down: self.redis_breaker_cooldown,
+        };
+        if let Some(path) = &self.redis_ca_file {
+            config.tls_root_ca =
+                Some(std::fs::read(path).map_err(|error| BackendError::File { path: path.clone(), error })?);
+        }
+        let redis = RedisStore::connect(config).await?;
+        Ok(BuiltBackend { backend: Backend::Redis(redis), memory })
+    }
+
+    fn password(&self) -> Result<Option<String>, BackendError> {
+        if let Some(path) = &self.redis_password_file {
+            let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
+            return Ok(Some(text.trim_end_matches(['\n', '\r']).to_string()));
+        }
+        Ok(std::env::var("SLUICE_REDIS_PASSWORD").ok().filter(|p| !p.is_empty()))
+    }
+}
+
+/// Puts `password` into `url` unless the URL already carries credentials.
+fn with_password(url: &str, password: Option<&str>) -> String {
+    let Some(password) = password else { return url.to_string() };
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    if rest[..authority_end].contains('@') {
+        return url.to_string();
+    }
+    let encoded: String = password
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    format!("{scheme}://:{encoded}@{rest}")
+}
+
+impl Store for Backend {
+    async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
+        match self {
+            Backend::Memory(store) => store.check(now, checks).await,
+            Backend::Redis(store) => Store::check(store, now, checks).await,
+        }
+    }
+
+    async fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Backend::Memory(store) => store.check(now, checks).await,
+            Backend::Redis(store) => store.check_tagged(tag, now, checks).await,
+        }
+    }
+
+    fn status(&self) -> StoreStatus {
+        match self {
+            Backend::Memory(store) => store.status(),
+            Backend::Redis(store) => Store::status(store),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn password_goes_into_the_url_unless_it_has_credentials() {
+        assert_eq!(with_password("redis://h:6379/0", Some("p@ss w")), "redis://:p%40ss%20w@h:6379/0");
+        assert_eq!(with_password("redis://u:x@h:6379", Some("p")), "redis://u:x@h:6379");
+        assert_eq!(with_password("rediss://h", None), "rediss://h");
+    }
+}

@@ -1,0 +1,208 @@
+//! Several `sluice serve --redis` processes sharing state through real Redis servers: exact
+//! bounds under concurrency, per-rule failure modes when Redis dies, recovery when it returns.
+
+#[allow(dead_code)]
+mod support;
+#[path = "support/sluice_process.rs"]
+mod sluice_process;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sluice_process::SluiceProcess;
+use support::redis_server::{RedisCluster, RedisServer};
+
+const POLICIES: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: exact, namespace: tenant-a}
+spec:
+  rules:
+    - name: window
+      match: {paths: [{prefix: /window}]}
+      algorithm: fixedWindow
+      limit: {requests: 50, per: 1h}
+    - name: bucket
+      match: {paths: [{prefix: /bucket}]}
+      algorithm: tokenBucket
+      limit: {requests: 40, per: 24h}
+    - name: log
+      match: {paths: [{prefix: /log}]}
+      algorithm: slidingWindowLog
+      limit: {requests: 30, per: 1h}
+    - name: counter
+      match: {paths: [{prefix: /counter}]}
+      algorithm: slidingWindowCounter
+      limit: {requests: 20, per: 1h}
+    - name: fail-open
+      match: {paths: [{prefix: /open}]}
+      algorithm: gcra
+      limit: {requests: 2, per: 1h}
+      onStoreFailure: allow
+    - name: fail-closed
+      match: {paths: [{prefix: /closed}]}
+      algorithm: gcra
+      limit: {requests: 1000, per: 1h}
+      onStoreFailure: deny
+    - name: fallback
+      match: {paths: [{prefix: /local}]}
+      algorithm: fixedWindow
+      limit: {requests: 9, per: 1h}
+      onStoreFailure: localFallback
+"#;
+
+fn policy_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
+    dir
+}
+
+fn replicas(dir: &std::path::Path, store_args: &[String], n: usize) -> Vec<SluiceProcess> {
+    (0..n)
+        .map(|_| {
+            let mut args = vec!["serve", "--policies", dir.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+            args.extend(store_args.iter().map(String::as_str));
+            SluiceProcess::start(&args)
+        })
+        .collect()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(64).build().unwrap()
+}
+
+async fn check(c: &reqwest::Client, s: &SluiceProcess, path: &str) -> Value {
+    let r = c.post(s.url("/v1/check")).json(&json!({"namespace": "tenant-a", "path": path})).send().await.unwrap();
+    assert_eq!(r.status(), 200, "never anything but 200 from the check API");
+    r.json().await.unwrap()
+}
+
+/// `clients` concurrent clients spread over the replicas send `total` requests to `path`;
+/// returns how many were admitted.
+async fn hammer(servers: &Arc<Vec<SluiceProcess>>, path: &'static str, clients: usize, total: usize) -> u64 {
+    let admitted = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let (servers, admitted, sent) = (servers.clone(), admitted.clone(), sent.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            let mut n = i;
+            while sent.fetch_add(1, Ordering::SeqCst) < total as u64 {
+                let s = &servers[n % servers.len()];
+                n += 1;
+                let decision = check(&c, s, path).await;
+                // The exact bound holds for decisions Redis made; a fallback would hide it.
+                assert!(decision["rules"][0].get("storeFailure").is_none(), "Redis failed: {decision}");
+                if decision["allowed"] == true {
+                    admitted.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    admitted.load(Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
+    let redis = RedisServer::start();
+    let dir = policy_dir();
+    // A generous deadline: this test is about exactness, not about a loaded machine's latency.
+    let servers = Arc::new(replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3));
+    for (path, bound) in [("/window", 50), ("/bucket", 40), ("/log", 30), ("/counter", 20)] {
+        let admitted = hammer(&servers, path, 48, bound as usize * 4).await;
+        assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");
+    }
+    // One round trip per decision: every decision is one EVALSHA. A fresh Redis has no script
+    // cached, so the very first calls of each replica fail with NOSCRIPT, load it and retry.
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    let field = |cmd: &str, name: &str| -> u64 {
+        stats
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+            .and_then(|l| l.split(&format!("{name}=")).nth(1))
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let answered = field("evalsha", "calls") - field("evalsha", "failed_calls");
+    assert_eq!(answered, 4 * (50 + 40 + 30 + 20), "one script call per decision: {stats}");
+    assert_eq!(field("eval", "calls"), 0, "{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_applies_each_rules_failure_mode_and_recovers() {
+    let mut redis = RedisServer::start();
+    let dir = policy_dir();
+    let servers = replicas(
+        dir.path(),
+        &["--redis".into(), redis.url(), "--redis-timeout".into(), "50ms".into(), "--redis-breaker-cooldown".into(), "300ms".into()],
+        1,
+    );
+    let s = &servers[0];
+    let c = client();
+    // Shared counting works: the fail-open rule allows 2 per hour.
+    assert_eq!(check(&c, s, "/open").await["allowed"], true);
+    assert_eq!(check(&c, s, "/open").await["allowed"], true);
+    assert_eq!(check(&c, s, "/open").await["allowed"], false);
+
+    redis.kill();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    let mut local_admitted = 0;
+    for i in 0..30 {
+        let t = Instant::now();
+        let open = check(&c, s, "/open").await;
+        let closed = check(&c, s, "/closed").await;
+        let local = check(&c, s, "/local").await;
+        slowest = slowest.max(t.elapsed() / 3);
+        assert_eq!(open["allowed"], true, "allow: fail open ({i})");
+        assert_eq!(open["rules"][0]["storeFailure"], "allow");
+        assert_eq!(closed["allowed"], false, "deny: fail closed ({i})");
+        assert_eq!(closed["status"], 429);
+        assert!(closed["headers"]["Retry-After"].is_string());
+        local_admitted += (local["allowed"] == true) as u32;
+    }
+    assert_eq!(local_admitted, 9, "localFallback enforces the rule in memory (9 per hour, one replica)");
+    eprintln!("Redis down: slowest decision {slowest:?}; 90 decisions in {:?}", started.elapsed());
+    assert!(slowest < Duration::from_secs(2), "each decision bounded by the deadline, got {slowest:?}");
+    let snapshot: Value = c.get(s.url("/v1/snapshot")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(snapshot["store"]["kind"], "redis");
+    assert_eq!(snapshot["store"]["breaker"], "open", "{}", snapshot["store"]);
+    let metrics = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("sluice_store_circuit_open 1"), "{metrics}");
+    assert!(metrics.contains(r#"sluice_store_failure_decisions_total{mode="localFallback"}"#));
+
+    // Redis returns (empty): shared counting resumes by itself.
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let open = check(&c, s, "/open").await;
+        if open["rules"][0].get("storeFailure").is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "store did not recover: {open}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let closed = check(&c, s, "/closed").await;
+    assert_eq!(closed["allowed"], true, "deny rule admits again once Redis answers");
+    assert!(redis.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap() > 0, "state is back in Redis");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_on_a_redis_cluster_admit_exactly_the_bound() {
+    let cluster = RedisCluster::shared();
+    let dir = policy_dir();
+    let servers = Arc::new(replicas(
+        dir.path(),
+        &["--redis-cluster".into(), cluster.urls().join(","), "--redis-timeout".into(), "5s".into()],
+        3,
+    ));
+    assert_eq!(hammer(&servers, "/window", 48, 200).await, 50);
+    assert_eq!(hammer(&servers, "/log", 48, 120).await, 30);
+}
