@@ -256,10 +256,12 @@ async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
     let failover = killed.elapsed();
     let since_renewal = k8s_openapi::jiff::Timestamp::now().duration_since(renewed.0);
     report(&format!("failover: {failover:?} after the kill, {since_renewal:?} after the last renewal (lease duration {lease_seconds}s)"));
-    // The Lease cannot change hands before it expires; after that the survivor's polling adds a
-    // little. Bounded both ways the test can see: from the kill and from the last renewal.
-    assert!(failover <= Duration::from_secs(lease_seconds) + Duration::from_secs(2), "failover took {failover:?}");
-    assert!(since_renewal.as_secs_f64() <= lease_seconds as f64 + 1.5, "{since_renewal:?} after the last renewal");
+    // The Lease cannot change hands before it expires (up to one lease duration after the kill);
+    // then the survivor force-releases it, waits a random 0.1-1 s (kube-lease-manager's collision
+    // avoidance) and takes it: about 6.1-6.7 s on an idle 2-core machine. The bounds leave room
+    // for a loaded machine while still failing if the survivor waited for a second expiry.
+    assert!(failover < Duration::from_secs(lease_seconds * 2), "failover took {failover:?}");
+    assert!(since_renewal.as_secs_f64() < (lease_seconds * 2) as f64, "{since_renewal:?} after the last renewal");
 
     // The new leader writes status.
     apply(&client, ns, &policy(ns, "two", "r", 4)).await.expect("applies");
@@ -307,6 +309,12 @@ async fn a_policy_change_reaches_both_replicas_quickly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
     let Some(cp) = cluster() else { return };
+    if std::env::var_os("SLUICE_E2E_KUBECONFIG").is_some() {
+        // The webhooks are registered at https://127.0.0.1:<port>, reachable only by an API server
+        // on this machine; a kind cluster reaches them through the chart's Service instead.
+        eprintln!("SKIPPED: webhook e2e needs the local control plane");
+        return;
+    }
     let client = cp.client().await;
     let ns = "e2e-webhook";
     namespace(&client, ns, json!({"sluice-e2e": "webhook"})).await;
@@ -401,4 +409,28 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
     let sidecar = sidecar.unwrap_or_else(|| panic!("no sidecar in {:?}; operator logs:\n{}", injected.spec, op.logs()));
     assert_eq!(sidecar.image.as_deref(), Some("sluice:e2e"));
     assert_eq!(containers(pods.get("plain").await.expect("get")), ["app"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_gracefully_and_releases_the_lease() {
+    let Some(cp) = cluster() else { return };
+    let client = cp.client().await;
+    let ns = "e2e-release";
+    namespace(&client, ns, json!({})).await;
+    let args = ["--namespaces", ns, "--lease-name", "e2e-release", "--lease-duration", "30s"];
+    let mut a = Operator::start(&cp.operator_kubeconfig, "release-a", &args);
+    let http = http();
+    ready(&http, &a).await;
+    eventually("release-a leads", Duration::from_secs(30), || async {
+        match holder(&client, "e2e-release").await {
+            Some(h) if h == "release-a" => Ok(()),
+            other => Err(format!("holder {other:?}")),
+        }
+    })
+    .await;
+    let status = a.terminate();
+    assert!(status.success(), "operator exit {status:?}:\n{}", a.logs());
+    // Released on the way out: a successor need not wait out the 30 s lease.
+    let lease = holder(&client, "e2e-release").await;
+    assert!(lease.as_deref() != Some("release-a"), "still held by {lease:?}");
 }

@@ -100,6 +100,11 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     // kube, axum-server and rcgen all use rustls; one process-wide provider (ring, which the rest
     // of the binary uses) must be installed before the first TLS connection or they panic.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // Install the SIGTERM handler before anything is announced: a supervisor (or a test) that
+    // stops us right after "listening" must get a graceful stop, not the default kill.
+    let shutdown = serve::termination_signal();
+    tokio::pin!(shutdown);
+    let _ = futures::poll!(&mut shutdown);
     let client = kube::Client::try_default().await?;
     let identity = args.identity.clone().unwrap_or_else(default_identity);
     tracing::info!(%identity, namespaces = ?args.namespaces, "starting operator");
@@ -147,7 +152,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped.clone()));
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
 
-    serve::termination_signal().await;
+    shutdown.await;
     tracing::info!("shutting down");
     let _ = stop.send(true);
     // Dropping the election's receiver (inside the status loop) releases the Lease, so a graceful

@@ -150,7 +150,11 @@ async fn apply_all(
         {
             Ok(_) => {
                 tracing::debug!(policy = %policy.qualified_name(), "status written");
-                publish_event(recorder, policy, &status, outcome).await;
+                // An Event per verdict, not per write: a new snapshot version rewrites every
+                // policy's Enforced message, which is no news about this policy.
+                if verdict(policy.status.as_ref()) != verdict(Some(&status)) {
+                    publish_event(recorder, policy, &status, outcome).await;
+                }
                 written.insert(uid, (policy.metadata.generation, status));
             }
             // Deleted since the compile: the next outcome no longer lists it.
@@ -164,6 +168,12 @@ async fn apply_all(
     let live: std::collections::HashSet<String> = outcome.policies.iter().map(|p| p.uid().unwrap_or_default()).collect();
     written.retain(|uid, _| live.contains(uid));
     failed
+}
+
+/// The Accepted condition's status and the generation it judged.
+fn verdict(status: Option<&RateLimitPolicyStatus>) -> Option<(String, Option<i64>)> {
+    let accepted = status?.conditions.iter().find(|c| c.type_ == ACCEPTED)?;
+    Some((accepted.status.clone(), accepted.observed_generation))
 }
 
 async fn publish_event(recorder: &Recorder, policy: &RateLimitPolicy, status: &RateLimitPolicyStatus, outcome: &Outcome) {
