@@ -392,6 +392,34 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
     let data = secret.data.unwrap_or_default();
     assert!(["ca.crt", "tls.crt", "tls.key"].iter().all(|k| data.contains_key(*k)), "{:?}", data.keys());
 
+    // A second replica reuses the Secret's keypair: with the webhook pointed at it (caBundle
+    // unchanged), the API server still trusts it and it refuses the same policy.
+    let port2 = free_port();
+    let second_replica = Operator::start(
+        &cp.operator_kubeconfig,
+        "webhook-2",
+        &[
+            "--namespaces", ns, "--lease-name", "e2e-webhook",
+            "--webhook-listen", &format!("127.0.0.1:{port2}"), "--webhook-host", "127.0.0.1",
+        ],
+    );
+    ready(&http, &second_replica).await;
+    let configs: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let mut config = configs.get("sluice").await.expect("config");
+    let hook = &mut config.webhooks.as_mut().expect("webhooks")[0];
+    assert_eq!(hook.client_config.ca_bundle.as_ref().map(|b| &b.0), Some(&data["ca.crt"].0), "caBundle is the Secret's CA");
+    hook.client_config.url = Some(format!("https://127.0.0.1:{port2}/validate-policy"));
+    configs.replace("sluice", &PostParams::default(), &config).await.expect("repoint the webhook");
+    let err = eventually("the second replica refuses", Duration::from_secs(20), || async {
+        match apply(&client, ns, &bad).await {
+            Err(e) if e.to_string().contains("spec.rules[0].match.paths[0].regex") => Ok(e.to_string()),
+            Err(e) => Err(e.to_string()),
+            Ok(_) => Err("admitted".into()),
+        }
+    })
+    .await;
+    assert!(err.contains("denied the request"), "{err}");
+
     // Pods: only the labelled one gets the sidecar (no nodes: they stay Pending, but the stored
     // spec shows what admission did).
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
