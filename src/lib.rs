@@ -3,9 +3,11 @@
 //! The pure core (`duration`, `algorithm`) takes time as an argument; `store` keeps per-key
 //! state; `clock` is the one place time is read.
 
+pub mod admission;
 pub mod algorithm;
 pub mod clock;
 pub mod duration;
+pub mod operator;
 pub mod policy;
 pub mod server;
 pub mod sidecar;

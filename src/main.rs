@@ -22,10 +22,14 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Standalone enforcement endpoint on RateLimitPolicy YAML files, hot-reloaded.
     Serve(ServeArgs),
+    /// In-cluster: controller, embedded enforcement endpoint, status writer (leader), webhooks.
+    Operator(sluice::operator::OperatorArgs),
     /// Print the RateLimitPolicy CustomResourceDefinition (what crds/ holds).
     Crd,
     /// Per-pod reverse proxy in front of the application: asks the endpoint, answers 429 or forwards.
@@ -86,6 +90,11 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             Ok(runtime.block_on(sluice::sidecar::run(args))?)
         }
+        Command::Operator(args) => {
+            init_logging(&cli.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            Ok(runtime.block_on(sluice::operator::run(args))?)
+        }
     }
 }
 
@@ -108,6 +117,10 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
     engine.install(Arc::new(snapshot));
 
+    // Register for SIGTERM before announcing the address: a signal future only installs its
+    // handler when first polled, and a supervisor may signal as soon as it sees the address.
+    let mut terminated = std::pin::pin!(serve::termination_signal());
+    let _ = futures::poll!(&mut terminated);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -118,7 +131,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped.clone()));
     let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped));
 
-    serve::termination_signal().await;
+    terminated.await;
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     server.await?.context("HTTP server failed")?;

@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane (etcd + kube-apiserver, no nodes) as local processes, the way
+# controller-runtime's envtest runs one: the e2e tests need the real API server's CRD schema and CEL,
+# webhooks called over TLS, watches, server-side apply, Leases and RBAC, and this machine has no
+# Docker for kind.
+#
+#   e2e/control-plane.sh build            build (or reuse) kube-apiserver, kubectl and etcd; print the bin dir
+#   e2e/control-plane.sh start DIR [PID]  start etcd + kube-apiserver with state in DIR, wait for /readyz,
+#                                         write DIR/kubeconfig (admin) and DIR/operator.kubeconfig
+#                                         (user "sluice-operator", no groups: only what RBAC grants it);
+#                                         with PID, tear down by itself once that process is gone
+#   e2e/control-plane.sh stop DIR         stop what `start DIR` started
+#
+# Binaries are built from the Go module proxy and cached OUTSIDE the checkout, keyed by version, in
+# ${SLUICE_CACHE:-$HOME/.cache/sluice}/k8s-<version>/bin (GOMODCACHE and GOCACHE are Go's own, so a
+# second build of the same version is a no-op and a rebuild after a version bump reuses most objects).
+set -euo pipefail
+
+K8S_VERSION="${SLUICE_K8S_VERSION:-v1.36.3}"   # k8s-openapi 0.29 supports 1.33–1.37
+ETCD_VERSION="${SLUICE_ETCD_VERSION:-v3.6.16}"
+CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
+OUT="$CACHE/k8s-$K8S_VERSION"
+BIN="$OUT/bin"
+
+log() { echo "control-plane: $*" >&2; }
+
+build_kubernetes() {
+  # k8s.io/kubernetes's go.mod replaces every staging module (k8s.io/api, k8s.io/apiserver, …) with
+  # ./staging/src/… and requires them at v0.0.0, which the proxy does not serve (golang/go#35878).
+  # A throwaway module maps each of them to the published v0.X.Y of the same release.
+  local src="$OUT/src-kubernetes" staging="v0.${K8S_VERSION#v1.}"
+  rm -rf "$src" && mkdir -p "$src" && cd "$src"
+  go mod init sluice.dev/k8s-build >/dev/null 2>&1
+  local gomod
+  gomod="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | jq -r .GoMod)"
+  local args=(-require="k8s.io/kubernetes@$K8S_VERSION")
+  while read -r mod; do
+    args+=(-replace="$mod=$mod@$staging")
+  done < <(go mod edit -json "$gomod" | jq -r '.Replace[] | select(.New.Path | startswith("./staging/")) | .Old.Path')
+  go mod edit "${args[@]}"
+  # The tools-file idiom: importing the main packages lets `go mod tidy` resolve their whole graph.
+  cat > tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+EOF
+  go mod tidy >/dev/null
+  local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
+  local v=k8s.io/component-base/version
+  # /version must be real: clients and the apiserver's own compatibility-version checks read it.
+  local ldflags="-s -w -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=$minor \
+-X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z -X $v.gitCommit=0000000000000000000000000000000000000000"
+  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver
+  mv "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
+  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN/kubectl.tmp" k8s.io/kubernetes/cmd/kubectl
+  mv "$BIN/kubectl.tmp" "$BIN/kubectl"
+}
+
+build_etcd() {
+  # go install of etcd/server fails (its go.mod has replace lines); building it from a module that
+  # merely requires it works, and server/v3's main.go is package main.
+  local src="$OUT/src-etcd"
+  rm -rf "$src" && mkdir -p "$src" && cd "$src"
+  go mod init sluice.dev/etcd-build >/dev/null 2>&1
+  cat > tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import _ "go.etcd.io/etcd/server/v3"
+EOF
+  go mod edit -require="go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  go mod tidy >/dev/null
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3
+  mv "$BIN/etcd.tmp" "$BIN/etcd"
+}
+
+cmd_build() {
+  command -v go >/dev/null || { log "Go is required to build the control plane"; exit 1; }
+  command -v jq >/dev/null || { log "jq is required (Debian package jq)"; exit 1; }
+  mkdir -p "$BIN"
+  local start=$SECONDS
+  # The etcd version is part of the cache key too: a marker file names it.
+  if [ ! -x "$BIN/etcd" ] || [ "$(cat "$BIN/etcd.version" 2>/dev/null)" != "$ETCD_VERSION" ]; then
+    log "building etcd $ETCD_VERSION"; (build_etcd); echo "$ETCD_VERSION" > "$BIN/etcd.version"
+  fi
+  if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kubectl" ]; then
+    log "building kube-apiserver and kubectl $K8S_VERSION (cold: 10-20 min on 2 cores)"; (build_kubernetes)
+  fi
+  log "binaries ready in $BIN ($((SECONDS - start)) s)"
+  echo "$BIN"
+}
+
+# A port nothing answers on, from 20000-31999: below Linux's ephemeral range (32768+), so outgoing
+# connections do not take it between this probe and the server's bind. bash's /dev/tcp probes.
+free_port() {
+  local p
+  for _ in $(seq 100); do
+    p=$((20000 + RANDOM % 12000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
+  done
+  log "no free port found"; exit 1
+}
+
+cmd_start() {
+  local dir="$1" owner="${2:-}"
+  [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/etcd" ] || cmd_build >/dev/null
+  mkdir -p "$dir" && dir="$(cd "$dir" && pwd)"
+  local pki="$dir/pki"; mkdir -p "$pki"
+  # One CA signs the serving certificate (with 127.0.0.1 as an IP SAN so rustls can verify it).
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3 -subj /CN=sluice-e2e-ca \
+    -keyout "$pki/ca.key" -out "$pki/ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver \
+    -keyout "$pki/apiserver.key" -out "$pki/apiserver.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n' > "$pki/ext.cnf"
+  openssl x509 -req -in "$pki/apiserver.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+    -days 3 -extfile "$pki/ext.cnf" -out "$pki/apiserver.crt" 2>/dev/null
+  openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
+  # Static tokens: an admin in system:masters, and the operator's user with no groups at all, so the
+  # RBAC test proves the repo's ClusterRole alone is enough.
+  local admin_token operator_token
+  admin_token="$(openssl rand -hex 16)"; operator_token="$(openssl rand -hex 16)"
+  printf '%s,admin,admin,"system:masters"\n%s,sluice-operator,sluice-operator\n' \
+    "$admin_token" "$operator_token" > "$pki/tokens.csv"
+
+  local etcd_port peer_port api_port
+  etcd_port="$(free_port)"; peer_port="$(free_port)"; api_port="$(free_port)"
+  "$BIN/etcd" --data-dir="$dir/etcd" --name=e2e \
+    --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
+    --initial-cluster="e2e=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true \
+    >"$dir/etcd.log" 2>&1 &
+  echo $! > "$dir/etcd.pid"
+  "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_port" --cert-dir="$pki" \
+    --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+    --secure-port="$api_port" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
+    --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+    --disable-admission-plugins=ServiceAccount --authorization-mode=RBAC \
+    --service-account-issuer="https://127.0.0.1:$api_port/" --service-account-key-file="$pki/sa.pub" \
+    --service-account-signing-key-file="$pki/sa.key" --token-auth-file="$pki/tokens.csv" \
+    >"$dir/kube-apiserver.log" 2>&1 &
+  echo $! > "$dir/kube-apiserver.pid"
+
+  local ca; ca="$(base64 -w0 < "$pki/ca.crt")"
+  for who in admin operator; do
+    local token="$admin_token" file="$dir/kubeconfig"
+    [ "$who" = operator ] && token="$operator_token" && file="$dir/operator.kubeconfig"
+    cat > "$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: "https://127.0.0.1:$api_port", certificate-authority-data: "$ca"}
+users:
+- name: $who
+  user: {token: "$token"}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: $who}
+current-context: e2e
+EOF
+  done
+
+  # Ready means /readyz answers ok (etcd reachable, post-start hooks such as RBAC bootstrap done).
+  local deadline=$((SECONDS + 120))
+  until curl -fsS --cacert "$pki/ca.crt" -H "Authorization: Bearer $admin_token" \
+      "https://127.0.0.1:$api_port/readyz" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)) || ! kill -0 "$(cat "$dir/kube-apiserver.pid")" 2>/dev/null; then
+      log "kube-apiserver did not become ready; last log lines:"; tail -20 "$dir/kube-apiserver.log" >&2
+      cmd_stop "$dir"; exit 1
+    fi
+    sleep 0.2
+  done
+  if [ -n "$owner" ]; then
+    # Watchdog: a test binary that dies (or forgets to stop us) must not leave servers behind.
+    ( while kill -0 "$owner" 2>/dev/null; do sleep 1; done; cmd_stop "$dir" ) >/dev/null 2>&1 &
+    disown
+  fi
+  log "ready at https://127.0.0.1:$api_port (kubeconfig $dir/kubeconfig)"
+  echo "$dir/kubeconfig"
+}
+
+cmd_stop() {
+  local dir="$1"
+  for p in kube-apiserver etcd; do
+    if [ -f "$dir/$p.pid" ]; then
+      local pid; pid="$(cat "$dir/$p.pid")"
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -9 "$pid" 2>/dev/null || true
+      rm -f "$dir/$p.pid"
+    fi
+  done
+}
+
+case "${1:-}" in
+  build) cmd_build ;;
+  start) shift; cmd_start "$@" ;;
+  stop) shift; cmd_stop "$@" ;;
+  bin-dir) echo "$BIN" ;;
+  *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir" >&2; exit 2 ;;
+esac

@@ -1,0 +1,222 @@
+//! Admission webhooks served by `sluice operator`:
+//!
+//! - [`validate`]: RateLimitPolicy validation with the same [`crate::policy::validate`] compile
+//!   uses, plus what CEL cannot see (cross-policy conflicts), and [`crate::policy::warnings`] as
+//!   admission warnings.
+//! - [`inject`]: the sidecar for pods labelled `sluice.dev/inject: "true"`.
+//! - [`certs`]: the serving certificate, generated at startup, shared by replicas through a
+//!   Secret, and its CA patched into the webhook configurations' caBundle.
+//!
+//! The handlers are thin: parse the AdmissionReview, call a pure function, answer.
+
+pub mod certs;
+pub mod inject;
+pub mod validate;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use axum_server::tls_rustls::RustlsConfig;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use kube::runtime::reflector::Store;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::policy::RateLimitPolicy;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("certificate generation: {0}")]
+    Certificate(#[from] rcgen::Error),
+    #[error("secret {0} lacks {1}")]
+    IncompleteSecret(String, &'static str),
+    #[error("TLS configuration: {0}")]
+    Tls(std::io::Error),
+}
+
+/// Webhook flags of `sluice operator`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WebhookArgs {
+    /// Address of the HTTPS admission webhooks (`/validate-policy`, `/mutate-pod`); unset disables them.
+    #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN")]
+    pub webhook_listen: Option<SocketAddr>,
+    /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names.
+    #[arg(long = "webhook-host", env = "SLUICE_WEBHOOK_HOSTS", value_delimiter = ',', default_value = "sluice-webhook.sluice-system.svc")]
+    pub hosts: Vec<String>,
+    /// Secret (in the operator namespace) holding the shared CA and serving keypair.
+    #[arg(long = "webhook-secret", env = "SLUICE_WEBHOOK_SECRET", default_value = "sluice-webhook-tls")]
+    pub secret: String,
+    /// ValidatingWebhookConfiguration whose caBundle is patched; empty to skip (cert-manager).
+    #[arg(long = "validating-webhook", env = "SLUICE_VALIDATING_WEBHOOK", default_value = "sluice")]
+    pub validating_config: String,
+    /// MutatingWebhookConfiguration whose caBundle is patched; empty to skip (cert-manager).
+    #[arg(long = "mutating-webhook", env = "SLUICE_MUTATING_WEBHOOK", default_value = "sluice")]
+    pub mutating_config: String,
+    /// Image of the injected sidecar container.
+    #[arg(long = "sidecar-image", env = "SLUICE_SIDECAR_IMAGE", default_value = "sluice:latest")]
+    pub sidecar_image: String,
+    /// Enforcement endpoint the injected sidecar asks (the operator's check API Service).
+    #[arg(long = "sidecar-endpoint", env = "SLUICE_SIDECAR_ENDPOINT", default_value = "http://sluice.sluice-system.svc:8080")]
+    pub sidecar_endpoint: String,
+    /// Port the sidecar listens on unless the pod's `sluice.dev/listen-port` annotation says otherwise.
+    #[arg(long = "sidecar-listen-port", env = "SLUICE_SIDECAR_LISTEN_PORT", default_value_t = 15080)]
+    pub sidecar_listen_port: u16,
+    /// Application port the sidecar forwards to unless the pod's `sluice.dev/upstream-port` annotation says otherwise.
+    #[arg(long = "sidecar-upstream-port", env = "SLUICE_SIDECAR_UPSTREAM_PORT", default_value_t = 8080)]
+    pub sidecar_upstream_port: u16,
+}
+
+struct AppState {
+    policies: Vec<Store<RateLimitPolicy>>,
+    client: Client,
+    inject: inject::InjectConfig,
+}
+
+/// Sets up certificates and serves the webhooks until `stop` flips.
+pub async fn start(
+    client: Client,
+    args: &WebhookArgs,
+    operator_namespace: &str,
+    policies: Vec<Store<RateLimitPolicy>>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<JoinHandle<()>, Error> {
+    let keypair = certs::shared_keypair(&client, operator_namespace, &args.secret, &args.hosts).await?;
+    certs::patch_ca_bundles(&client, &args.validating_config, &args.mutating_config, keypair.ca_pem.as_bytes()).await?;
+    let tls = RustlsConfig::from_pem(keypair.cert_pem.clone().into_bytes(), keypair.key_pem.clone().into_bytes())
+        .await
+        .map_err(Error::Tls)?;
+    let state = Arc::new(AppState {
+        policies,
+        client: client.clone(),
+        inject: inject::InjectConfig {
+            image: args.sidecar_image.clone(),
+            endpoint: args.sidecar_endpoint.clone(),
+            listen_port: args.sidecar_listen_port,
+            upstream_port: args.sidecar_upstream_port,
+            operator_namespace: operator_namespace.to_string(),
+        },
+    });
+    let app = Router::new()
+        .route("/validate-policy", post(validate_policy))
+        .route("/mutate-pod", post(mutate_pod))
+        .with_state(state);
+    let handle = axum_server::Handle::new();
+    let addr = args.webhook_listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 9443)));
+    let server = axum_server::bind_rustls(addr, tls.clone()).handle(handle.clone());
+    let listening = handle.clone();
+    let task = tokio::spawn(async move {
+        let serving = server.serve(app.into_make_service());
+        tokio::pin!(serving);
+        tokio::select! {
+            result = &mut serving => if let Err(error) = result { tracing::error!(%error, "webhook server failed") },
+            // The guard wait_for returns is not Send: drop it inside its own future.
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => {
+                handle.graceful_shutdown(Some(Duration::from_secs(5)));
+                let _ = serving.await;
+            }
+        }
+    });
+    if let Some(bound) = listening.listening().await {
+        tracing::info!(address = %bound, "webhooks listening");
+    }
+    // Another replica may rotate the Secret: follow it so every replica serves the current pair.
+    let (client2, ns, name, reload) = (client, operator_namespace.to_string(), args.secret.clone(), tls);
+    tokio::spawn(certs::follow_secret(client2, ns, name, keypair, reload));
+    Ok(task)
+}
+
+fn review_of<T: kube::Resource + serde::de::DeserializeOwned>(
+    review: AdmissionReview<T>,
+) -> Result<AdmissionRequest<T>, Box<AdmissionResponse>> {
+    review.try_into().map_err(|e: kube::core::admission::ConvertAdmissionReviewError| {
+        Box::new(AdmissionResponse::invalid(format!("malformed AdmissionReview: {e}")))
+    })
+}
+
+async fn validate_policy(
+    State(state): State<Arc<AppState>>,
+    Json(review): Json<AdmissionReview<RateLimitPolicy>>,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let request = match review_of(review) {
+        Ok(r) => r,
+        Err(response) => return Json(response.into_review()),
+    };
+    let response = AdmissionResponse::from(&request);
+    let Some(policy) = request.object.as_ref() else {
+        // DELETE carries no object; nothing to check.
+        return Json(response.into_review());
+    };
+    let namespace = request.namespace.clone().or_else(|| policy.metadata.namespace.clone()).unwrap_or_default();
+    let others = state.namespace_policies(&namespace).await;
+    let verdict = validate::review(policy, &namespace, &others);
+    let mut response = match verdict.denial {
+        Some(message) => response.deny(message),
+        None => response,
+    };
+    if !verdict.warnings.is_empty() {
+        response.warnings = Some(verdict.warnings);
+    }
+    Json(response.into_review())
+}
+
+impl AppState {
+    /// The other policies of `namespace`: from the reflector when it watches that namespace, else
+    /// listed from the API server (an operator limited to some namespaces still validates all).
+    async fn namespace_policies(&self, namespace: &str) -> Vec<RateLimitPolicy> {
+        let cached: Vec<RateLimitPolicy> = self
+            .policies
+            .iter()
+            .flat_map(|s| s.state())
+            .filter(|p| p.metadata.namespace.as_deref() == Some(namespace))
+            .map(|p| (*p).clone())
+            .collect();
+        if !cached.is_empty() {
+            return cached;
+        }
+        let api: kube::Api<RateLimitPolicy> = kube::Api::namespaced(self.client.clone(), namespace);
+        match api.list(&Default::default()).await {
+            Ok(list) => list.items,
+            Err(error) => {
+                // Conflicts are a second line of defence (compile keeps both rules apart anyway);
+                // an API hiccup must not block every apply.
+                tracing::warn!(%error, "cannot list policies for the conflict check");
+                Vec::new()
+            }
+        }
+    }
+}
+
+async fn mutate_pod(
+    State(state): State<Arc<AppState>>,
+    Json(review): Json<AdmissionReview<Pod>>,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let request = match review_of(review) {
+        Ok(r) => r,
+        Err(response) => return Json(response.into_review()),
+    };
+    let response = AdmissionResponse::from(&request);
+    let Some(pod) = request.object.as_ref() else {
+        return Json(response.into_review());
+    };
+    let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
+    match inject::patch(pod, &namespace, &state.inject) {
+        None => Json(response.into_review()),
+        Some(patch) => match response.clone().with_patch(patch) {
+            Ok(patched) => Json(patched.into_review()),
+            Err(error) => {
+                // failurePolicy is Ignore, but answering "allowed, unchanged" is clearer than an error.
+                tracing::error!(%error, "cannot serialize the injection patch");
+                Json(response.into_review())
+            }
+        },
+    }
+}

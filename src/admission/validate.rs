@@ -1,0 +1,93 @@
+//! The admission decision for a RateLimitPolicy: the one shared validation, then the checks that
+//! need the other policies of the namespace, which neither CEL nor compile of one object can see.
+
+use crate::policy::{RateLimitPolicy, validate, warnings};
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    /// Why the policy is refused (every problem, each naming its field); None admits it.
+    pub denial: Option<String>,
+    /// Admission warnings: risky but valid choices.
+    pub warnings: Vec<String>,
+}
+
+/// Judges `policy` (being created or updated in `namespace`) against the namespace's `others`.
+pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPolicy]) -> Verdict {
+    let mut problems: Vec<String> = Vec::new();
+    // The API server fills in metadata.namespace from the request; validate the object as stored.
+    let mut stored = policy.clone();
+    if stored.metadata.namespace.is_none() {
+        stored.metadata.namespace = Some(namespace.to_string());
+    }
+    if let Err(errors) = validate(&stored) {
+        problems.extend(errors.iter().map(ToString::to_string));
+    }
+    problems.extend(conflicts(&stored, others));
+    Verdict {
+        denial: (!problems.is_empty()).then(|| problems.join("; ")),
+        warnings: warnings(&stored),
+    }
+}
+
+/// Two policies of one namespace that select the same workloads (equal selectors; an absent
+/// selector is the empty one) and both have a rule of the same name: their rule headers and
+/// metrics would collide and users could not tell which limit answered.
+fn conflicts(policy: &RateLimitPolicy, others: &[RateLimitPolicy]) -> Vec<String> {
+    let name = policy.metadata.name.as_deref().unwrap_or_default();
+    let selector = policy.spec.selector.clone().unwrap_or_default();
+    let mut out = Vec::new();
+    for other in others {
+        if other.metadata.name.as_deref() == Some(name) || other.metadata.namespace != policy.metadata.namespace {
+            continue;
+        }
+        if other.spec.selector.clone().unwrap_or_default() != selector {
+            continue;
+        }
+        for (i, rule) in policy.spec.rules.iter().enumerate() {
+            if other.spec.rules.iter().any(|r| r.name == rule.name) {
+                out.push(format!(
+                    "spec.rules[{i}].name: rule {:?} conflicts with policy {} that selects the same workloads and has a rule of the same name",
+                    rule.name,
+                    other.metadata.name.as_deref().unwrap_or_default()
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(name: &str, app: &str, rule: &str, per: &str) -> RateLimitPolicy {
+        serde_yaml::from_str(&format!(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  selector: {{matchLabels: {{app: {app}}}}}\n  rules:\n    - name: {rule}\n      algorithm: fixedWindow\n      limit: {{requests: 1, per: {per}}}\n"
+        ))
+        .expect("policy parses")
+    }
+
+    #[test]
+    fn valid_policy_is_admitted() {
+        let verdict = review(&policy("a", "x", "r", "1s"), "ns", &[]);
+        assert_eq!(verdict.denial, None);
+    }
+
+    #[test]
+    fn invalid_policy_names_the_field() {
+        let verdict = review(&policy("a", "x", "r", "0s"), "ns", &[]);
+        let denial = verdict.denial.expect("denied");
+        assert!(denial.contains("spec.rules[0].limit"), "{denial}");
+    }
+
+    #[test]
+    fn same_selector_and_rule_name_conflict() {
+        let others = [policy("b", "x", "r", "1s")];
+        let denial = review(&policy("a", "x", "r", "1s"), "ns", &others).denial.expect("denied");
+        assert!(denial.contains("spec.rules[0].name") && denial.contains("policy b"), "{denial}");
+        // Another selector, another rule name, or the policy's own older version: no conflict.
+        assert_eq!(review(&policy("a", "y", "r", "1s"), "ns", &others).denial, None);
+        assert_eq!(review(&policy("a", "x", "s", "1s"), "ns", &others).denial, None);
+        assert_eq!(review(&policy("b", "x", "r", "1s"), "ns", &others).denial, None);
+    }
+}

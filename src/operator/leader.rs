@@ -1,0 +1,35 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease (kube-lease-manager: kube has none built in,
+//! kube-rs/kube#485). Every replica enforces; only the leader writes status.
+
+use std::time::Duration;
+
+use kube::Client;
+use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::Result;
+
+/// Joins the election; the receiver says whether this replica leads now. Dropping every receiver
+/// ends the election task, which releases the Lease if held.
+pub async fn elect(
+    client: Client,
+    namespace: &str,
+    name: &str,
+    identity: &str,
+    duration: Duration,
+) -> Result<(watch::Receiver<bool>, JoinHandle<kube_lease_manager::Result<LeaseManager>>)> {
+    let seconds = duration.as_secs().max(2);
+    // Renew a third of the duration before expiry: one missed renewal (a slow API server) does
+    // not lose leadership, and a dead leader is replaced within `duration`.
+    let grace = (seconds / 3).max(1);
+    let manager = LeaseManagerBuilder::new(client, name)
+        .with_namespace(namespace)
+        .with_identity(identity)
+        .with_duration(seconds)
+        .with_grace(grace)
+        .with_field_manager(format!("{}-lease", super::FIELD_MANAGER))
+        .build()
+        .await?;
+    Ok(manager.watch().await)
+}

@@ -1,0 +1,176 @@
+//! `sluice operator`: the in-cluster role.
+//!
+//! - [`controller`]: reflectors over RateLimitPolicy (all namespaces or the given ones), compiling
+//!   the whole store into one snapshot after every change and swapping it into the embedded
+//!   enforcement endpoint (the same `router(engine)` `sluice serve` has). Every replica does this.
+//! - [`status`]: what each policy's status should say; written by the leader only, with
+//!   server-side apply under one field manager, plus Kubernetes Events.
+//! - [`leader`]: a `coordination.k8s.io/v1` Lease decides the leader.
+//! - The admission webhooks live in [`crate::admission`] and are started from here.
+
+pub mod controller;
+pub mod leader;
+pub mod status;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::admission::{self, WebhookArgs};
+use crate::clock::SystemClock;
+use crate::server::engine::Engine;
+use crate::server::{http, serve};
+use crate::server::backend::{BackendError, StoreArgs};
+use crate::telemetry::Metrics;
+
+/// The field manager of every status write; one name so server-side apply sees one owner whichever
+/// replica leads.
+pub const FIELD_MANAGER: &str = "sluice-operator";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes client: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("kubeconfig: {0}")]
+    Config(String),
+    #[error("leader election: {0}")]
+    Lease(#[from] kube_lease_manager::LeaseManagerError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("HTTP server: {0}")]
+    Serve(std::io::Error),
+    #[error("webhook: {0}")]
+    Admission(#[from] admission::Error),
+    #[error("store: {0}")]
+    Store(#[from] BackendError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Flags of `sluice operator`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OperatorArgs {
+    /// Address of the check API (and /readyz, /metrics, /v1/snapshot).
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Namespaces whose RateLimitPolicies are enforced; empty means all namespaces.
+    #[arg(long, env = "SLUICE_NAMESPACES", value_delimiter = ',')]
+    pub namespaces: Vec<String>,
+    /// The store (memory, or Redis shared by every replica): the same flags as `sluice serve`.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// The operator's own namespace: holds the Lease and the webhook Secret, and is never injected.
+    #[arg(long = "operator-namespace", env = "POD_NAMESPACE", default_value = "sluice-system")]
+    pub operator_namespace: String,
+    /// This replica's identity in the Lease (the pod name in a cluster).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Name of the coordination.k8s.io/v1 Lease that elects the status writer.
+    #[arg(long, env = "SLUICE_LEASE_NAME", default_value = "sluice-operator")]
+    pub lease_name: String,
+    /// How long a leader's Lease lasts without renewal (whole seconds); a killed leader is replaced
+    /// within this time.
+    #[arg(long, env = "SLUICE_LEASE_DURATION", default_value = "15s", value_parser = parse_seconds)]
+    pub lease_duration: Duration,
+    /// Quiet period after a policy change before compiling, so a `kubectl apply -f dir/` of many
+    /// policies compiles once.
+    #[arg(long, env = "SLUICE_DEBOUNCE", default_value = "20ms", value_parser = parse_interval)]
+    pub debounce: Duration,
+    #[command(flatten)]
+    pub webhook: WebhookArgs,
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
+    Ok(Duration::from_micros(micros))
+}
+
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let d = parse_interval(text)?;
+    if d.as_secs() < 2 || d.subsec_nanos() != 0 {
+        return Err("must be whole seconds, at least 2s (Lease durations are in seconds)".into());
+    }
+    Ok(d)
+}
+
+/// Runs the operator until SIGTERM or Ctrl-C.
+pub async fn run(args: OperatorArgs) -> Result<()> {
+    // kube, axum-server and rcgen all use rustls; one process-wide provider (ring, which the rest
+    // of the binary uses) must be installed before the first TLS connection or they panic.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // Install the SIGTERM handler before anything is announced: a supervisor (or a test) that
+    // stops us right after "listening" must get a graceful stop, not the default kill.
+    let shutdown = serve::termination_signal();
+    tokio::pin!(shutdown);
+    let _ = futures::poll!(&mut shutdown);
+    let client = kube::Client::try_default().await?;
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    tracing::info!(%identity, namespaces = ?args.namespaces, "starting operator");
+
+    // The same store selection as `sluice serve`: memory, or Redis with this replica's memory as
+    // the local fallback.
+    let metrics = Arc::new(Metrics::new());
+    let clock = Arc::new(SystemClock);
+    let built = args.store.build(clock.clone()).await?;
+    let memory = built.memory.clone();
+    let mut engine = Engine::new(built.backend, clock, metrics);
+    if args.store.uses_redis() {
+        engine = engine.with_local_fallback(memory.clone(), args.store.fallback_replicas);
+    }
+    let engine = Arc::new(engine);
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| Error::Listen { addr: args.listen, source })?;
+    let local = listener.local_addr().map_err(Error::Serve)?;
+    tracing::info!(address = %local, "check API listening");
+
+    let (stop, stopped) = watch::channel(false);
+    let reflectors = controller::Reflectors::start(client.clone(), &args.namespaces, stopped.clone());
+    let (outcomes_tx, outcomes) = watch::channel(None);
+    let compiler = tokio::spawn(controller::compile_loop(
+        engine.clone(),
+        reflectors.readers.clone(),
+        reflectors.changed.clone(),
+        args.debounce,
+        outcomes_tx,
+        stopped.clone(),
+    ));
+    let (leading, lease_task) =
+        leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration).await?;
+    let writer = tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
+
+    let webhook = match args.webhook.webhook_listen {
+        Some(_) => Some(
+            admission::start(client.clone(), &args.webhook, &args.operator_namespace, reflectors.readers.clone(), stopped.clone())
+                .await?,
+        ),
+        None => None,
+    };
+    let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped.clone()));
+    let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
+
+    shutdown.await;
+    tracing::info!("shutting down");
+    let _ = stop.send(true);
+    // Dropping the election's receiver (inside the status loop) releases the Lease, so a graceful
+    // stop hands leadership over at once instead of after the lease duration.
+    let _ = writer.await;
+    let _ = lease_task.await;
+    let served = server.await;
+    let _ = tokio::join!(compiler, sweeper, reflectors.task);
+    if let Some(webhook) = webhook {
+        let _ = webhook.await;
+    }
+    match served {
+        Ok(result) => result.map_err(Error::Serve),
+        Err(_) => Ok(()),
+    }
+}
+
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}-{}-{:08x}", host.trim(), std::process::id(), rand::random::<u32>())
+}
