@@ -158,14 +158,17 @@ med() { # name conns column
 {
     echo "### Closed loop (wrk -t1, ${DURATION}s after ${WARMUP}s warm-up, median of $RUNS rounds)"
     echo
-    echo "| target | connections | requests/s | p50 | p99 | server CPU | vs minimal |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "| target | connections | requests/s | p50 | p99 | server CPU | vs minimal (medians) | vs minimal (median of per-round ratios) |"
+    echo "|---|---|---|---|---|---|---|---|"
     for conns in $CONNS; do
         base=$(med minimal-axum "$conns" 4)
         for name in sluice-1rule sluice-3rules minimal-axum; do
             rps=$(med "$name" "$conns" 4); p50=$(med "$name" "$conns" 5); p99=$(med "$name" "$conns" 6); cpu=$(med "$name" "$conns" 7)
-            awk -v n="$name" -v c="$conns" -v r="$rps" -v a="$p50" -v b="$p99" -v u="$cpu" -v m="$base" \
-                'BEGIN { printf "| %s | %s | %.0f | %.0f µs | %.0f µs | %.0f%% | %.1f%% |\n", n, c, r, a, b, u, 100 * r / m }'
+            # Rounds interleave the targets, so a ratio within one round is least affected by drift.
+            paired=$(awk -v n="$name" -v c="$conns" '$3 == c && $2 == "minimal-axum" { m[$1] = $4 } $3 == c && $2 == n { r[$1] = $4 }
+                END { for (k in r) if (m[k] > 0) print 100 * r[k] / m[k] }' "$RESULTS" | median)
+            awk -v n="$name" -v c="$conns" -v r="$rps" -v a="$p50" -v b="$p99" -v u="$cpu" -v m="$base" -v p="$paired" \
+                'BEGIN { printf "| %s | %s | %.0f | %.0f µs | %.0f µs | %.0f%% | %.1f%% | %.1f%% |\n", n, c, r, a, b, u, 100 * r / m, p }'
         done
     done
     echo
