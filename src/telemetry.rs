@@ -53,6 +53,9 @@ pub struct Metrics {
     pub registry: Registry,
     pub decisions: Family<RuleLabels, Counter>,
     pub responses: Family<StatusLabels, Counter>,
+    /// `responses` for status 200, resolved once: the check API's hot path skips the family's
+    /// lock and label hashing.
+    pub responses_ok: Counter,
     pub check_seconds: Histogram,
     pub reloads: Family<ResultLabels, Counter>,
     pub snapshot_rules: Gauge,
@@ -112,10 +115,12 @@ impl Metrics {
             "Live keys evicted by the key cap since start (their counters started over)",
             evicted_keys.clone(),
         );
+        let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
             decisions,
             responses,
+            responses_ok,
             check_seconds,
             reloads,
             snapshot_rules,

@@ -4,6 +4,8 @@
 //!
 //! Shadow rules are left out: they must not change what clients do.
 
+use std::fmt::Write as _;
+
 use crate::algorithm::{Decision, Micros};
 use crate::duration::MICROS_PER_SECOND;
 
@@ -23,8 +25,15 @@ pub fn ceil_seconds(micros: Micros) -> u64 {
 }
 
 /// An sf-string (RFC 8941): printable ASCII with `"` and `\` escaped; anything else becomes `?`.
+#[cfg(test)]
 fn sf_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
+    push_sf_string(&mut out, text);
+    out
+}
+
+/// Appends `text` to `out` as an sf-string.
+fn push_sf_string(out: &mut String, text: &str) {
     out.push('"');
     for c in text.chars() {
         match c {
@@ -37,7 +46,6 @@ fn sf_string(text: &str) -> String {
         }
     }
     out.push('"');
-    out
 }
 
 /// The rule whose figures the `X-RateLimit-*` headers show: on a denial the denying rule that
@@ -62,16 +70,19 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
     if enforcing.is_empty() {
         return headers;
     }
-    let policy = enforcing
-        .iter()
-        .map(|r| format!("{};q={};w={}", sf_string(r.name), r.requests, ceil_seconds(r.per).max(1)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let state = enforcing
-        .iter()
-        .map(|r| format!("{};r={};t={}", sf_string(r.name), r.decision.remaining, ceil_seconds(r.decision.reset_after)))
-        .collect::<Vec<_>>()
-        .join(", ");
+    // Written straight into one string per header (this runs on every check).
+    let mut policy = String::with_capacity(48 * enforcing.len());
+    let mut state = String::with_capacity(48 * enforcing.len());
+    for (i, r) in enforcing.iter().enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        push_sf_string(&mut policy, r.name);
+        let _ = write!(policy, ";q={};w={}", r.requests, ceil_seconds(r.per).max(1));
+        push_sf_string(&mut state, r.name);
+        let _ = write!(state, ";r={};t={}", r.decision.remaining, ceil_seconds(r.decision.reset_after));
+    }
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));
     if let Some(top) = most_restrictive(&enforcing, allowed) {
