@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need (Debian packages,
-# the Go-built control plane once that lands), then runs every Rust test. CI runs exactly this.
+# the Go-built control plane), then runs every Rust test. CI (.ci/run) runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages the tests start or drive: Redis (shared store), openssl (TLS test
-# certificates), nginx (examples/nginx against the ext_authz mode, tests/nginx_authz.rs).
-packages=(redis-server redis-tools openssl nginx)
+# certificates and the control plane's), nginx (examples/nginx against the ext_authz mode),
+# jq and curl (the control-plane build and start script).
+packages=(redis-server redis-tools openssl nginx jq curl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,5 +21,13 @@ fi
 # Tests start their own servers; a packaged Redis listening on 6379 would only get in the way.
 if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server nginx >/dev/null 2>&1 || true; fi
 
+# etcd, kube-apiserver and kubectl for the operator's e2e tests, built from the Go module proxy
+# once and cached outside the checkout by version (about 20 minutes the first time on 2 cores).
+echo "==> control plane (cached in ${SLUICE_CACHE:-$HOME/.cache/sluice})"
+PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh build
+
+echo "==> benchmarks compile"
+cargo check --locked --benches --examples --quiet
+
 echo "==> cargo test"
-cargo test --locked --all-features -- --test-threads="${SLUICE_TEST_THREADS:-4}"
+cargo test --locked -- --test-threads="${SLUICE_TEST_THREADS:-4}"
