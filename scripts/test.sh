@@ -26,6 +26,11 @@ if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server nginx 
 echo "==> control plane (cached in ${SLUICE_CACHE:-$HOME/.cache/sluice})"
 PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh build
 
+echo "==> generated files"
+# The chart ships a copy of the CRD; `sluice crd` output itself is checked by tests/crd_generated.rs.
+cmp crds/ratelimitpolicy.yaml charts/sluice/crds/ratelimitpolicy.yaml \
+  || { echo "charts/sluice/crds/ratelimitpolicy.yaml differs from crds/: copy it over"; exit 1; }
+
 echo "==> benchmarks compile"
 cargo check --locked --benches --examples --quiet
 
