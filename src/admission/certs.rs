@@ -81,18 +81,21 @@ pub async fn shared_keypair(client: &Client, namespace: &str, name: &str, hosts:
 
 /// Sets the caBundle of every webhook in the named configurations (an empty name skips one, for
 /// clusters where cert-manager injects it). A missing configuration is only logged: the chart may
-/// install it after the operator starts, and the next restart patches it.
+/// install it after the operator starts, and [`follow_secret`] patches it when it appears.
+/// Configurations that already carry the bundle are not written again.
 pub async fn patch_ca_bundles(client: &Client, validating: &str, mutating: &str, ca: &[u8]) -> Result<(), Error> {
     let bundle = ByteString(ca.to_vec());
     if !validating.is_empty() {
         let api: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
         match api.get_opt(validating).await? {
             Some(mut config) => {
-                for hook in config.webhooks.iter_mut().flatten() {
-                    hook.client_config.ca_bundle = Some(bundle.clone());
+                if config.webhooks.iter().flatten().any(|h| h.client_config.ca_bundle.as_ref() != Some(&bundle)) {
+                    for hook in config.webhooks.iter_mut().flatten() {
+                        hook.client_config.ca_bundle = Some(bundle.clone());
+                    }
+                    let patch = serde_json::json!({"webhooks": config.webhooks});
+                    api.patch(validating, &PatchParams::default(), &Patch::Merge(&patch)).await?;
                 }
-                let patch = serde_json::json!({"webhooks": config.webhooks});
-                api.patch(validating, &PatchParams::default(), &Patch::Merge(&patch)).await?;
             }
             None => tracing::warn!(name = validating, "ValidatingWebhookConfiguration not found; caBundle not set"),
         }
@@ -101,11 +104,13 @@ pub async fn patch_ca_bundles(client: &Client, validating: &str, mutating: &str,
         let api: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
         match api.get_opt(mutating).await? {
             Some(mut config) => {
-                for hook in config.webhooks.iter_mut().flatten() {
-                    hook.client_config.ca_bundle = Some(bundle.clone());
+                if config.webhooks.iter().flatten().any(|h| h.client_config.ca_bundle.as_ref() != Some(&bundle)) {
+                    for hook in config.webhooks.iter_mut().flatten() {
+                        hook.client_config.ca_bundle = Some(bundle.clone());
+                    }
+                    let patch = serde_json::json!({"webhooks": config.webhooks});
+                    api.patch(mutating, &PatchParams::default(), &Patch::Merge(&patch)).await?;
                 }
-                let patch = serde_json::json!({"webhooks": config.webhooks});
-                api.patch(mutating, &PatchParams::default(), &Patch::Merge(&patch)).await?;
             }
             None => tracing::warn!(name = mutating, "MutatingWebhookConfiguration not found; caBundle not set"),
         }
@@ -114,14 +119,26 @@ pub async fn patch_ca_bundles(client: &Client, validating: &str, mutating: &str,
 }
 
 /// Follows the Secret and hot-swaps the served certificate when someone replaces it (rotation by
-/// deleting the Secret and restarting one replica, or by cert tooling writing it).
-pub async fn follow_secret(client: Client, namespace: String, name: String, mut current: Keypair, tls: RustlsConfig) {
-    let api: Api<Secret> = Api::namespaced(client, &namespace);
-    // Rotation is rare and not latency-sensitive; a slow poll costs one GET a minute.
-    let mut ticker = tokio::time::interval(Duration::from_secs(60));
+/// deleting the Secret and restarting one replica, or by cert tooling writing it), and keeps the
+/// webhook configurations' caBundle in step (they may be created after the operator starts, as
+/// Helm does; `ca_bundles` holds the validating and mutating configuration names, empty to skip).
+pub async fn follow_secret(
+    client: Client,
+    namespace: String,
+    name: String,
+    mut current: Keypair,
+    tls: RustlsConfig,
+    ca_bundles: (String, String),
+) {
+    let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    // Rotation is rare and not latency-sensitive; a slow poll costs a few GETs per interval.
+    let mut ticker = tokio::time::interval(Duration::from_secs(15));
     ticker.tick().await;
     loop {
         ticker.tick().await;
+        if let Err(error) = patch_ca_bundles(&client, &ca_bundles.0, &ca_bundles.1, current.ca_pem.as_bytes()).await {
+            tracing::warn!(%error, "cannot keep the webhook configurations' caBundle current");
+        }
         let Ok(Some(secret)) = api.get_opt(&name).await else { continue };
         let Ok(pair) = from_secret(&secret) else { continue };
         if pair != current {

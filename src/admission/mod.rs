@@ -130,7 +130,8 @@ pub async fn start(
     }
     // Another replica may rotate the Secret: follow it so every replica serves the current pair.
     let (client2, ns, name, reload) = (client, operator_namespace.to_string(), args.secret.clone(), tls);
-    tokio::spawn(certs::follow_secret(client2, ns, name, keypair, reload));
+    let ca_bundles = (args.validating_config.clone(), args.mutating_config.clone());
+    tokio::spawn(certs::follow_secret(client2, ns, name, keypair, reload, ca_bundles));
     Ok(task)
 }
 
