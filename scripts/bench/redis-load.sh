@@ -11,7 +11,9 @@
 # machine cannot give each process a core of its own: sluice and wrk share one, which the
 # redis-benchmark side does not need to do, so the ratio is a lower bound).
 # Env: DURATION (s, 10), CONNS ("16 64"), KEYS (100000), REDIS_CPU (0), OTHER_CPU (1),
-#      SKIP_BUILD (1 to reuse the release binary), OUT (markdown results file).
+#      SKIP_BUILD (1 to reuse the release binary), OUT (markdown results file), POLICIES
+#      (policies-1rule; policies-3rules checks that 3 matching rules still cost one EVALSHA —
+#      the redis-benchmark ceiling stays the one-rule script).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -61,7 +63,7 @@ cat "$ROOT"/lua/{common,token_bucket,gcra,fixed_window,sliding_window_log,slidin
 SHA=$(cli -x SCRIPT LOAD < "$SCRIPT_FILE" | tr -d '\r')
 log "script $SHA"
 
-RUST_LOG=warn taskset -c "$OTHER_CPU" "$SLUICE" serve --policies "$BENCH/policies-1rule" \
+RUST_LOG=warn taskset -c "$OTHER_CPU" "$SLUICE" serve --policies "$BENCH/${POLICIES:-policies-1rule}" \
     --listen "127.0.0.1:$SLUICE_PORT" --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s 2>/dev/null & PIDS+=($!)
 for _ in $(seq 100); do curl -sf -o /dev/null -d '{"path":"/"}' "http://127.0.0.1:$SLUICE_PORT/v1/check" && break; sleep 0.1; done
 sample='{"namespace":"bench","path":"/orders/1","headers":{"x-api-key":"key-1"}}'
