@@ -37,7 +37,9 @@ cargo check --locked --benches --examples --quiet
 echo "==> cargo test"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-cargo test --locked -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log"
+status=0
+cargo test --locked --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
 # One closing line for the whole run (cargo's last line is the doc-tests', which has none).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
      END { printf "sluice: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"
+exit "$status"

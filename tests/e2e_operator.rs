@@ -266,8 +266,13 @@ async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
     // The new leader writes status.
     apply(&client, ns, &policy(ns, "two", "r", 4)).await.expect("applies");
     settled(&client, ns, "two", "True").await;
-    let seen = reporters(&client, ns, "two").await;
-    assert!(!seen.is_empty() && seen.iter().all(|r| r == survivor), "events from {seen:?}");
+    // Events are recorded after the status write; wait for them rather than racing it.
+    let seen = eventually("the new leader's Accepted event", Duration::from_secs(10), || async {
+        let r = reporters(&client, ns, "two").await;
+        if r.is_empty() { Err("no events".into()) } else { Ok(r) }
+    })
+    .await;
+    assert!(seen.iter().all(|r| r == survivor), "events from {seen:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
