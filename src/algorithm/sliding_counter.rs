@@ -55,15 +55,7 @@ pub(super) fn check(limit: &Limit, counts: Option<Counts>, now: Micros, cost: u6
     let start = c.start;
     let elapsed_ms = now.saturating_sub(start) / MICROS_PER_MS;
     let estimate = weighted_previous(c.previous, per_ms, elapsed_ms) + c.current;
-    let pristine_at = |current: u64| {
-        if current > 0 {
-            start + 2 * limit.per
-        } else if c.previous > 0 {
-            start + limit.per
-        } else {
-            now
-        }
-    };
+    let pristine_at = |current: u64| pristine_at(limit, Counts { current, ..c }, now);
     if estimate + cost <= limit.requests {
         return Decision {
             allowed: true,
@@ -103,11 +95,16 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost:
         previous: c.previous as u32,
         current: current.min(u32::MAX as u64) as u32,
     });
-    let start = c.start;
-    if current > 0 {
-        start + 2 * limit.per
+    pristine_at(limit, Counts { current, ..c }, now)
+}
+
+/// When the counts no longer weigh on any estimate: the current count still counts (as the
+/// previous one) until the end of the next window.
+fn pristine_at(limit: &Limit, c: Counts, now: Micros) -> Micros {
+    if c.current > 0 {
+        c.start + 2 * limit.per
     } else if c.previous > 0 {
-        start + limit.per
+        c.start + limit.per
     } else {
         now
     }
