@@ -252,8 +252,10 @@ async fn denial_writes_nothing_anywhere() {
     let store = store(server).await;
     let mut con = raw(server).await;
     let tag = "all-or-nothing";
-    let wide = limit(Algorithm::Gcra, 100, SEC, None, None);
-    let log = limit(Algorithm::SlidingWindowLog, 100, SEC, None, None);
+    // Hour-long limits: keys expire in real time (PEXPIRE) even though the decisions use a
+    // passed-in `now`, so short ones could vanish between two dumps on a slow machine.
+    let wide = limit(Algorithm::Gcra, 100, 3600 * SEC, None, None);
+    let log = limit(Algorithm::SlidingWindowLog, 100, 3600 * SEC, None, None);
     let narrow = limit(Algorithm::FixedWindow, 1, 60 * SEC, None, None);
     let checks = [check(1, &wide, b"ip", 1, true), check(2, &log, b"ip", 1, true), check(3, &narrow, b"tenant", 1, true)];
     let keys: Vec<Vec<u8>> = checks.iter().map(|c| state_key(tag, c.rule, c.key)).collect();
@@ -410,7 +412,8 @@ async fn outage_fails_fast_and_recovers() {
     let started = Instant::now();
     let fast = store.check_tagged("outage", None, &c).await;
     assert!(matches!(&fast, Err(StoreError::Unavailable(m)) if m.contains("breaker")), "{fast:?}");
-    assert!(started.elapsed() < Duration::from_millis(10), "open breaker must not wait");
+    // Well under the 50 ms deadline: the open breaker answers without touching the network.
+    assert!(started.elapsed() < Duration::from_millis(40), "open breaker must not wait");
 
     server.restart();
     let deadline = Instant::now() + Duration::from_secs(10);
