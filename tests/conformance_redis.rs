@@ -1,4 +1,5 @@
-//! The Redis store (the Lua script) passes every conformance vector, as the memory store does.
+//! The Redis store (the Lua script) passes every conformance vector, as the memory store does,
+//! on one Redis and on a 3-master Redis Cluster.
 
 #[path = "common/conformance.rs"]
 mod conformance;
@@ -14,6 +15,16 @@ async fn redis_store_passes_every_vector() {
     let server = RedisServer::start();
     let mut config = RedisConfig::single(server.url());
     // Generous for debug builds on a loaded machine; deadlines are tested in redis_store.rs.
+    config.timeout = Duration::from_secs(5);
+    let store = RedisStore::connect(config).await.expect("store");
+    let failures = conformance::run(&store).await;
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[tokio::test]
+async fn redis_cluster_store_passes_every_vector() {
+    let cluster = support::redis_server::RedisCluster::start();
+    let mut config = RedisConfig::cluster(cluster.urls());
     config.timeout = Duration::from_secs(5);
     let store = RedisStore::connect(config).await.expect("store");
     let failures = conformance::run(&store).await;
