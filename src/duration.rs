@@ -82,6 +82,20 @@ pub fn parse_duration(text: &str) -> Result<Micros, DurationError> {
     u64::try_from(total).map_err(|_| overflow())
 }
 
+/// A command-line duration (`250ms`, `1s`): the policy syntax, as a `std::time::Duration`.
+pub fn parse_std_duration(text: &str) -> Result<std::time::Duration, String> {
+    parse_duration(text).map(std::time::Duration::from_micros).map_err(|e| e.to_string())
+}
+
+/// [`parse_std_duration`] for flags where zero makes no sense (intervals, deadlines).
+pub fn parse_positive_std_duration(text: &str) -> Result<std::time::Duration, String> {
+    let duration = parse_std_duration(text)?;
+    if duration.is_zero() {
+        return Err("must be above zero".into());
+    }
+    Ok(duration)
+}
+
 /// Formats microseconds the way policies write durations (`1s`, `250ms`, `1m30s`).
 pub struct HumanDuration(pub Micros);
 
@@ -131,6 +145,14 @@ mod tests {
         assert!(matches!(parse_duration("s"), Err(DurationError::Syntax(_))));
         assert!(matches!(parse_duration("1.2.3s"), Err(DurationError::Syntax(_))));
         assert!(matches!(parse_duration("99999999999999999999d"), Err(DurationError::Overflow(_))));
+    }
+
+    #[test]
+    fn command_line_durations() {
+        assert_eq!(parse_std_duration("0"), Ok(std::time::Duration::ZERO));
+        assert_eq!(parse_positive_std_duration("250ms"), Ok(std::time::Duration::from_millis(250)));
+        assert_eq!(parse_positive_std_duration("0"), Err("must be above zero".to_string()));
+        assert!(parse_positive_std_duration("1x").unwrap_err().contains("unknown unit"));
     }
 
     #[test]

@@ -47,16 +47,8 @@ struct ServeArgs {
     #[command(flatten)]
     store: StoreArgs,
     /// How often policy files are checked for changes.
-    #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = parse_interval)]
+    #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
     reload_interval: Duration,
-}
-
-fn parse_interval(text: &str) -> Result<Duration, String> {
-    let micros = sluice::duration::parse_duration(text).map_err(|e| e.to_string())?;
-    if micros == 0 {
-        return Err("must be above zero".into());
-    }
-    Ok(Duration::from_micros(micros))
 }
 
 fn init_logging(format: &str) {
@@ -73,6 +65,12 @@ fn init_logging(format: &str) {
     }
 }
 
+/// Every long-running role: logging, then a multi-threaded runtime driving the role to its end.
+fn run_async(log_format: &str, role: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    init_logging(log_format);
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(role)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
@@ -80,21 +78,9 @@ fn main() -> anyhow::Result<()> {
             print!("{}", sluice::policy::crd_yaml());
             Ok(())
         }
-        Command::Serve(args) => {
-            init_logging(&cli.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            runtime.block_on(run_serve(args))
-        }
-        Command::Sidecar(args) => {
-            init_logging(&cli.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            Ok(runtime.block_on(sluice::sidecar::run(args))?)
-        }
-        Command::Operator(args) => {
-            init_logging(&cli.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            Ok(runtime.block_on(sluice::operator::run(args))?)
-        }
+        Command::Serve(args) => run_async(&cli.log_format, run_serve(args)),
+        Command::Sidecar(args) => run_async(&cli.log_format, async { Ok(sluice::sidecar::run(args).await?) }),
+        Command::Operator(args) => run_async(&cli.log_format, async { Ok(sluice::operator::run(args).await?) }),
     }
 }
 

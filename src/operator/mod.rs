@@ -76,19 +76,14 @@ pub struct OperatorArgs {
     pub lease_duration: Duration,
     /// Quiet period after a policy change before compiling, so a `kubectl apply -f dir/` of many
     /// policies compiles once.
-    #[arg(long, env = "SLUICE_DEBOUNCE", default_value = "20ms", value_parser = parse_interval)]
+    #[arg(long, env = "SLUICE_DEBOUNCE", default_value = "20ms", value_parser = crate::duration::parse_std_duration)]
     pub debounce: Duration,
     #[command(flatten)]
     pub webhook: WebhookArgs,
 }
 
-fn parse_interval(text: &str) -> Result<Duration, String> {
-    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
-    Ok(Duration::from_micros(micros))
-}
-
 fn parse_seconds(text: &str) -> Result<Duration, String> {
-    let d = parse_interval(text)?;
+    let d = crate::duration::parse_std_duration(text)?;
     if d.as_secs() < 2 || d.subsec_nanos() != 0 {
         return Err("must be whole seconds, at least 2s (Lease durations are in seconds)".into());
     }

@@ -33,26 +33,18 @@ pub struct StoreArgs {
     #[arg(long, env = "SLUICE_REDIS_CA_FILE")]
     pub redis_ca_file: Option<PathBuf>,
     /// Deadline of one Redis decision; past it each rule's onStoreFailure decides.
-    #[arg(long, env = "SLUICE_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_duration_arg)]
+    #[arg(long, env = "SLUICE_REDIS_TIMEOUT", default_value = "50ms", value_parser = crate::duration::parse_positive_std_duration)]
     pub redis_timeout: Duration,
     /// Consecutive Redis failures that open the circuit breaker (decisions then skip Redis).
     #[arg(long, env = "SLUICE_REDIS_BREAKER_FAILURES", default_value_t = 5)]
     pub redis_breaker_failures: u32,
     /// How long the open breaker waits before letting one probe through to Redis.
-    #[arg(long, env = "SLUICE_REDIS_BREAKER_COOLDOWN", default_value = "1s", value_parser = parse_duration_arg)]
+    #[arg(long, env = "SLUICE_REDIS_BREAKER_COOLDOWN", default_value = "1s", value_parser = crate::duration::parse_positive_std_duration)]
     pub redis_breaker_cooldown: Duration,
     /// Replicas sharing each limit; under onStoreFailure: localFallback each replica enforces
     /// 1/N of every limit in its own memory until Redis is back.
     #[arg(long, env = "SLUICE_FALLBACK_REPLICAS", default_value_t = 1)]
     pub fallback_replicas: u32,
-}
-
-pub fn parse_duration_arg(text: &str) -> Result<Duration, String> {
-    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
-    if micros == 0 {
-        return Err("must be above zero".into());
-    }
-    Ok(Duration::from_micros(micros))
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -96,8 +96,7 @@ async fn authz<S: Store>(State(engine): State<Arc<Engine<S>>>, request: axum::ex
     let decision = engine.check(&request).await;
     let status = if decision.allowed { StatusCode::OK } else { deny_status };
     engine.metrics().responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
-    let extra = decision.headers.clone();
-    json_response(status, &decision, Some(&extra))
+    json_response(status, &decision, Some(&decision.headers))
 }
 
 /// 429 unless the caller asked for 401 or 403 (the only denials nginx `auth_request` passes on).

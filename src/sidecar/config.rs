@@ -50,7 +50,7 @@ pub struct SidecarArgs {
     #[arg(long, env = "SLUICE_ON_ENDPOINT_FAILURE", value_enum, default_value = "allow")]
     pub on_endpoint_failure: OnFailure,
     /// How long one check may take before the failure mode decides.
-    #[arg(long, env = "SLUICE_ENDPOINT_TIMEOUT", default_value = "100ms", value_parser = parse_positive_duration)]
+    #[arg(long, env = "SLUICE_ENDPOINT_TIMEOUT", default_value = "100ms", value_parser = crate::duration::parse_positive_std_duration)]
     pub endpoint_timeout: Duration,
     /// Address of /healthz and /metrics.
     #[arg(long, env = "SLUICE_ADMIN_LISTEN", default_value = "0.0.0.0:9091")]
@@ -59,16 +59,8 @@ pub struct SidecarArgs {
     #[arg(long, env = "SLUICE_TRUSTED_HOPS", default_value_t = 0)]
     pub trusted_hops: usize,
     /// How often the endpoint's snapshot is polled (a 304 when unchanged).
-    #[arg(long, env = "SLUICE_SNAPSHOT_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
+    #[arg(long, env = "SLUICE_SNAPSHOT_INTERVAL", default_value = "1s", value_parser = crate::duration::parse_positive_std_duration)]
     pub snapshot_interval: Duration,
-}
-
-fn parse_positive_duration(text: &str) -> Result<Duration, String> {
-    let micros = crate::duration::parse_duration(text).map_err(|e| e.to_string())?;
-    if micros == 0 {
-        return Err("must be above zero".into());
-    }
-    Ok(Duration::from_micros(micros))
 }
 
 /// The checked configuration.

@@ -403,7 +403,7 @@ fn from_engine(response: CheckResponse) -> Decision {
 }
 
 /// hyper-util's errors put the useful part (connection refused…) in the source chain.
-fn error_chain(error: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -21,7 +21,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
-use super::decide::{CheckInput, Decider, Decision, HeaderList};
+use super::decide::{CheckInput, Decider, Decision, HeaderList, error_chain};
 use super::forwarded;
 use super::metrics::SidecarMetrics;
 
@@ -244,17 +244,6 @@ fn problem(status: StatusCode, title: &str, detail: &str, headers: HeaderList) -
     add_headers(map, headers);
     map.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
     response
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Accepts connections until `shutdown`, then lets each finish its in-flight requests (up to

@@ -218,7 +218,7 @@ impl MemoryStore {
             let state = guards[guard_of(shard)].as_ref().and_then(|g| g.get(&slot)).map(|e| &e.state);
             decisions.push(algorithm::check(check.limit, state, now, check.cost));
         }
-        let allowed = checks.iter().zip(decisions.iter()).all(|(c, d)| d.allowed || !c.enforce);
+        let allowed = super::admits(checks, decisions);
         if allowed {
             for ((check, &(slot, shard)), decision) in checks.iter().zip(slots.iter()).zip(decisions.iter()) {
                 if decision.allowed

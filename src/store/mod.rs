@@ -66,9 +66,14 @@ pub struct Verdict {
 impl Verdict {
     /// Combines per-rule decisions the way every store must.
     pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
-        let allowed = checks.iter().zip(&decisions).all(|(c, d)| d.allowed || !c.enforce);
+        let allowed = admits(checks, &decisions);
         Verdict { allowed, decisions }
     }
+}
+
+/// A request is admitted when every enforcing rule admits it; shadow rules never deny.
+pub fn admits(checks: &[RuleCheck<'_>], decisions: &[Decision]) -> bool {
+    checks.iter().zip(decisions).all(|(c, d)| d.allowed || !c.enforce)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
