@@ -354,9 +354,7 @@ fn limitador_fixed(c: &mut Criterion, all_keys: &[String]) {
         let limiter = make(STORE_CAP as u64);
         let key = all_keys[0].as_str();
         report_admitted("limitador/fixedWindow/hot", 100_000, |_| {
-            limiter
-                .check_rate_limited_and_update(&ns, &limitador_ctx(&[("key", key)]), 1)
-                .is_ok_and(|r| !r.limited)
+            limiter.check_rate_limited_and_update(&ns, &limitador_ctx(&[("key", key)]), 1).is_ok_and(|r| !r.limited)
         });
         group.bench_function("fixedWindow/hot", |b| {
             b.iter(|| {
@@ -366,7 +364,9 @@ fn limitador_fixed(c: &mut Criterion, all_keys: &[String]) {
         });
         let ctx = limitador_ctx(&[("key", key)]);
         group.bench_function("fixedWindow/hot-prebuilt-ctx", |b| {
-            b.iter(|| black_box(limiter.check_rate_limited_and_update(&ns, black_box(&ctx), 1).is_ok_and(|r| !r.limited)))
+            b.iter(|| {
+                black_box(limiter.check_rate_limited_and_update(&ns, black_box(&ctx), 1).is_ok_and(|r| !r.limited))
+            })
         });
     }
     {

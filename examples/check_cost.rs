@@ -54,7 +54,8 @@ async fn run(name: &str, router: Router, bodies: &[Bytes], iterations: usize) {
         x ^= x >> 7;
         x ^= x << 17;
         let body = bodies[(x % bodies.len() as u64) as usize].clone();
-        let request = Request::post("/v1/check").header("content-type", "application/json").body(Body::from(body)).unwrap();
+        let request =
+            Request::post("/v1/check").header("content-type", "application/json").body(Body::from(body)).unwrap();
         let response = router.clone().oneshot(request).await.unwrap();
         bytes += response.into_body().collect().await.unwrap().to_bytes().len();
     }

@@ -44,7 +44,9 @@ struct RuleAnswer {
 async fn check(body: Bytes) -> Response {
     let value: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(value) => value,
-        Err(e) => return (StatusCode::BAD_REQUEST, axum::Json(serde_json::json!({ "error": e.to_string() }))).into_response(),
+        Err(e) => {
+            return (StatusCode::BAD_REQUEST, axum::Json(serde_json::json!({ "error": e.to_string() }))).into_response();
+        }
     };
     let namespace = value.get("namespace").and_then(|v| v.as_str()).unwrap_or("default");
     let mut headers = BTreeMap::new();

@@ -6,9 +6,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
+use sluice::server::backend::StoreArgs;
 use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
-use sluice::server::backend::StoreArgs;
 use sluice::telemetry::Metrics;
 use tokio::sync::watch;
 
@@ -113,7 +113,8 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(address = %listener.local_addr()?, "check API listening");
 
     let (stop, stopped) = watch::channel(false);
-    let watcher = tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
+    let watcher =
+        tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped.clone()));
     let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped));
 

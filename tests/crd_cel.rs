@@ -34,14 +34,35 @@ fn each_cel_rule_catches_its_mistake() {
         format!("  rules:\n  - name: r\n    algorithm: gcra\n    limit: {{requests: 10, per: 1s}}\n{extra}")
     };
     let cases: &[(&str, String)] = &[
-        ("rule names must be unique", format!("{}  - {{name: r, algorithm: gcra, limit: {{requests: 1, per: 1s}}}}\n", rule(""))),
-        ("limit.requests must be at least 1", "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 0, per: 1s}}\n".into()),
-        ("limit.burst is only used", "  rules:\n  - {name: r, algorithm: fixedWindow, limit: {requests: 5, per: 1s, burst: 5}}\n".into()),
-        ("limit.maxDelay is only used", "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s, maxDelay: 1s}}\n".into()),
-        ("cost must not exceed", "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s, burst: 2}, cost: 3}\n".into()),
-        ("cost must not exceed", "  rules:\n  - {name: r, algorithm: fixedWindow, limit: {requests: 5, per: 1s}, cost: 6}\n".into()),
+        (
+            "rule names must be unique",
+            format!("{}  - {{name: r, algorithm: gcra, limit: {{requests: 1, per: 1s}}}}\n", rule("")),
+        ),
+        (
+            "limit.requests must be at least 1",
+            "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 0, per: 1s}}\n".into(),
+        ),
+        (
+            "limit.burst is only used",
+            "  rules:\n  - {name: r, algorithm: fixedWindow, limit: {requests: 5, per: 1s, burst: 5}}\n".into(),
+        ),
+        (
+            "limit.maxDelay is only used",
+            "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s, maxDelay: 1s}}\n".into(),
+        ),
+        (
+            "cost must not exceed",
+            "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s, burst: 2}, cost: 3}\n".into(),
+        ),
+        (
+            "cost must not exceed",
+            "  rules:\n  - {name: r, algorithm: fixedWindow, limit: {requests: 5, per: 1s}, cost: 6}\n".into(),
+        ),
         ("per must be a duration", "  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1x}}\n".into()),
-        ("maxDelay must be a duration", "  rules:\n  - {name: r, algorithm: leakyBucket, limit: {requests: 5, per: 1s, maxDelay: soon}}\n".into()),
+        (
+            "maxDelay must be a duration",
+            "  rules:\n  - {name: r, algorithm: leakyBucket, limit: {requests: 5, per: 1s, maxDelay: soon}}\n".into(),
+        ),
         ("a path match needs exactly one", rule("    match: {paths: [{exact: /a, prefix: /b}]}\n")),
         ("a path match needs exactly one", rule("    match: {paths: [{}]}\n")),
         ("a header match needs exactly one", rule("    match: {headers: [{name: x}]}\n")),

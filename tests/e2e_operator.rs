@@ -64,7 +64,10 @@ async fn apply(client: &Client, ns: &str, body: &Value) -> Result<RateLimitPolic
     api.patch(name, &PatchParams::apply("e2e-test").force(), &Patch::Apply(body)).await
 }
 
-fn condition<'a>(p: &'a RateLimitPolicy, type_: &str) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+fn condition<'a>(
+    p: &'a RateLimitPolicy,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
     p.status.as_ref()?.conditions.iter().find(|c| c.type_ == type_)
 }
 
@@ -157,7 +160,10 @@ async fn cel_refuses_invalid_policies_with_messages() {
     let mut burst = policy(ns, "burst", "r", 1);
     burst["spec"]["rules"][0]["limit"]["burst"] = json!(5);
     let err = apply(&client, ns, &burst).await.expect_err("burst on fixedWindow refused").to_string();
-    assert!(err.contains("spec.rules[0]") && err.contains("limit.burst is only used by tokenBucket, gcra and leakyBucket"), "{err}");
+    assert!(
+        err.contains("spec.rules[0]") && err.contains("limit.burst is only used by tokenBucket, gcra and leakyBucket"),
+        "{err}"
+    );
 
     let mut per = policy(ns, "per", "r", 1);
     per["spec"]["rules"][0]["limit"]["per"] = json!("10 seconds");
@@ -172,7 +178,10 @@ async fn cel_refuses_invalid_policies_with_messages() {
     let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
     let typed: RateLimitPolicy = serde_json::from_value(dup).expect("typed");
     let err = api.create(&PostParams::default(), &typed).await.expect_err("duplicate rule names refused").to_string();
-    assert!(err.contains("spec.rules[1]") && (err.contains("Duplicate value") || err.contains("rule names must be unique")), "{err}");
+    assert!(
+        err.contains("spec.rules[1]") && (err.contains("Duplicate value") || err.contains("rule names must be unique")),
+        "{err}"
+    );
 }
 
 async fn holder(client: &Client, lease: &str) -> Option<String> {
@@ -255,7 +264,9 @@ async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
     .await;
     let failover = killed.elapsed();
     let since_renewal = k8s_openapi::jiff::Timestamp::now().duration_since(renewed.0);
-    report(&format!("failover: {failover:?} after the kill, {since_renewal:?} after the last renewal (lease duration {lease_seconds}s)"));
+    report(&format!(
+        "failover: {failover:?} after the kill, {since_renewal:?} after the last renewal (lease duration {lease_seconds}s)"
+    ));
     // The Lease cannot change hands before it expires (up to one lease duration after the kill);
     // then the survivor force-releases it, waits a random 0.1-1 s (kube-lease-manager's collision
     // avoidance) and takes it: about 6.1-6.7 s on an idle 2-core machine. The bounds leave room
@@ -307,7 +318,10 @@ async fn a_policy_change_reaches_both_replicas_quickly() {
     delays.sort();
     let median = delays[delays.len() / 2];
     let p99 = delays[(delays.len() * 99).div_ceil(100) - 1];
-    report(&format!("apply-to-enforced on both replicas over {} changes: median {median:?}, p99 {p99:?}", delays.len()));
+    report(&format!(
+        "apply-to-enforced on both replicas over {} changes: median {median:?}, p99 {p99:?}",
+        delays.len()
+    ));
     assert!(median < Duration::from_secs(1), "median {median:?}");
 }
 
@@ -354,9 +368,18 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         &cp.operator_kubeconfig,
         "webhook-1",
         &[
-            "--namespaces", ns, "--lease-name", "e2e-webhook",
-            "--webhook-listen", &format!("127.0.0.1:{port}"), "--webhook-host", "127.0.0.1",
-            "--sidecar-image", "sluice:e2e", "--sidecar-endpoint", "http://sluice.sluice-system.svc:8080",
+            "--namespaces",
+            ns,
+            "--lease-name",
+            "e2e-webhook",
+            "--webhook-listen",
+            &format!("127.0.0.1:{port}"),
+            "--webhook-host",
+            "127.0.0.1",
+            "--sidecar-image",
+            "sluice:e2e",
+            "--sidecar-endpoint",
+            "http://sluice.sluice-system.svc:8080",
         ],
     );
     let http = http();
@@ -404,15 +427,26 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         &cp.operator_kubeconfig,
         "webhook-2",
         &[
-            "--namespaces", ns, "--lease-name", "e2e-webhook",
-            "--webhook-listen", &format!("127.0.0.1:{port2}"), "--webhook-host", "127.0.0.1",
+            "--namespaces",
+            ns,
+            "--lease-name",
+            "e2e-webhook",
+            "--webhook-listen",
+            &format!("127.0.0.1:{port2}"),
+            "--webhook-host",
+            "127.0.0.1",
         ],
     );
     ready(&http, &second_replica).await;
-    let configs: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let configs: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(client.clone());
     let mut config = configs.get("sluice").await.expect("config");
     let hook = &mut config.webhooks.as_mut().expect("webhooks")[0];
-    assert_eq!(hook.client_config.ca_bundle.as_ref().map(|b| &b.0), Some(&data["ca.crt"].0), "caBundle is the Secret's CA");
+    assert_eq!(
+        hook.client_config.ca_bundle.as_ref().map(|b| &b.0),
+        Some(&data["ca.crt"].0),
+        "caBundle is the Secret's CA"
+    );
     hook.client_config.url = Some(format!("https://127.0.0.1:{port2}/validate-policy"));
     configs.replace("sluice", &PostParams::default(), &config).await.expect("repoint the webhook");
     let err = eventually("the second replica refuses", Duration::from_secs(20), || async {
@@ -428,7 +462,9 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
     // Pods: only the labelled one gets the sidecar (no nodes: they stay Pending, but the stored
     // spec shows what admission did).
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    for (name, labels) in [("injected", json!({"app": "a", "sluice.dev/inject": "true"})), ("plain", json!({"app": "a"}))] {
+    for (name, labels) in
+        [("injected", json!({"app": "a", "sluice.dev/inject": "true"})), ("plain", json!({"app": "a"}))]
+    {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "labels": labels},
             "spec": {"containers": [{"name": "app", "image": "app:1"}]}
@@ -436,9 +472,12 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         .expect("pod");
         pods.create(&PostParams::default(), &pod).await.expect("pod created");
     }
-    let containers = |p: Pod| -> Vec<String> { p.spec.map(|s| s.containers.into_iter().map(|c| c.name).collect()).unwrap_or_default() };
+    let containers = |p: Pod| -> Vec<String> {
+        p.spec.map(|s| s.containers.into_iter().map(|c| c.name).collect()).unwrap_or_default()
+    };
     let injected = pods.get("injected").await.expect("get");
-    let sidecar = injected.spec.as_ref().and_then(|s| s.containers.iter().find(|c| c.name == "sluice-sidecar").cloned());
+    let sidecar =
+        injected.spec.as_ref().and_then(|s| s.containers.iter().find(|c| c.name == "sluice-sidecar").cloned());
     let sidecar = sidecar.unwrap_or_else(|| panic!("no sidecar in {:?}; operator logs:\n{}", injected.spec, op.logs()));
     assert_eq!(sidecar.image.as_deref(), Some("sluice:e2e"));
     assert_eq!(containers(pods.get("plain").await.expect("get")), ["app"]);

@@ -10,7 +10,6 @@ fn every_example_compiles() {
     assert!(files.len() >= 7, "expected one example per algorithm plus layered.yaml");
     let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
     assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
-    let algorithms: std::collections::BTreeSet<_> =
-        compiled.snapshot.rules().map(|r| r.algorithm().name()).collect();
+    let algorithms: std::collections::BTreeSet<_> = compiled.snapshot.rules().map(|r| r.algorithm().name()).collect();
     assert_eq!(algorithms.len(), 6, "{algorithms:?}");
 }

@@ -101,7 +101,8 @@ async fn concurrent_clients_never_over_admit_on_a_cluster() {
         tasks.push(tokio::spawn(async move {
             let mut admitted = 0u64;
             for _ in 0..10 {
-                admitted += store.check_tagged("race", Some(T0), &[check(9, &l, b"k", true)]).await.unwrap().allowed as u64;
+                admitted +=
+                    store.check_tagged("race", Some(T0), &[check(9, &l, b"k", true)]).await.unwrap().allowed as u64;
             }
             admitted
         }));

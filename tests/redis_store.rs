@@ -80,10 +80,8 @@ impl Model {
     /// Returns the verdict and, for each key written, the TTL (ms) the script must have set
     /// (`None`: the key must not exist).
     fn decide(&mut self, now: Micros, checks: &[(Vec<u8>, RuleCheck<'_>)]) -> (Verdict, Written) {
-        let decisions: Vec<Decision> = checks
-            .iter()
-            .map(|(k, c)| algorithm::check(c.limit, self.states.get(k), now, c.cost))
-            .collect();
+        let decisions: Vec<Decision> =
+            checks.iter().map(|(k, c)| algorithm::check(c.limit, self.states.get(k), now, c.cost)).collect();
         let plain: Vec<RuleCheck<'_>> = checks.iter().map(|(_, c)| *c).collect();
         let verdict = Verdict::from_decisions(&plain, decisions);
         let mut written = Vec::new();
@@ -147,7 +145,8 @@ async fn lua_decisions_equal_rust_algorithms() {
             for i in 0..count {
                 rules.swap(i, rng.random_range(i..4));
             }
-            let key_values: Vec<Vec<u8>> = (0..count).map(|_| format!("k{}", rng.random_range(0..2)).into_bytes()).collect();
+            let key_values: Vec<Vec<u8>> =
+                (0..count).map(|_| format!("k{}", rng.random_range(0..2)).into_bytes()).collect();
             let cost = match rng.random_range(0..10) {
                 0 => 0,
                 1..=5 => 1,
@@ -168,7 +167,10 @@ async fn lua_decisions_equal_rust_algorithms() {
             let context = || {
                 format!(
                     "seed {seed} step {step} now {now} cost {cost} rules {:?}",
-                    checks.iter().map(|(k, c)| (String::from_utf8_lossy(k).into_owned(), c.limit.clone(), c.enforce)).collect::<Vec<_>>()
+                    checks
+                        .iter()
+                        .map(|(k, c)| (String::from_utf8_lossy(k).into_owned(), c.limit.clone(), c.enforce))
+                        .collect::<Vec<_>>()
                 )
             };
             if got.as_ref() != Ok(&expected) {
@@ -176,7 +178,11 @@ async fn lua_decisions_equal_rust_algorithms() {
                 for (key, _) in &checks {
                     let kind: String = redis::cmd("TYPE").arg(key).query_async(&mut con).await.unwrap();
                     let pttl: i64 = con.pttl(key).await.unwrap();
-                    states += &format!("\n  {} model {:?} redis {kind} pttl {pttl}", String::from_utf8_lossy(key), model_before.get(key));
+                    states += &format!(
+                        "\n  {} model {:?} redis {kind} pttl {pttl}",
+                        String::from_utf8_lossy(key),
+                        model_before.get(key)
+                    );
                 }
                 panic!("{}\n  redis {got:?}\n  rust  {expected:?}{states}", context());
             }
@@ -220,14 +226,18 @@ async fn seed_examples_through_redis() {
         }
         let mut later = 0;
         for _ in 0..20 {
-            later += store.check_tagged("seed", Some(T0 + 300_000), &[check(1, &l, key, 1, true)]).await.unwrap().allowed as u32;
+            later +=
+                store.check_tagged("seed", Some(T0 + 300_000), &[check(1, &l, key, 1, true)]).await.unwrap().allowed
+                    as u32;
         }
         assert_eq!((first, later), (5, 3), "{algorithm}");
     }
     let l = limit(Algorithm::SlidingWindowCounter, 7, 60 * SEC, None, None);
     let minute = 28_333_333 * 60 * SEC;
     for _ in 0..5 {
-        assert!(store.check_tagged("seed", Some(minute + SEC), &[check(2, &l, b"swc", 1, true)]).await.unwrap().allowed);
+        assert!(
+            store.check_tagged("seed", Some(minute + SEC), &[check(2, &l, b"swc", 1, true)]).await.unwrap().allowed
+        );
     }
     let now = minute + 60 * SEC; // next window
     for _ in 0..3 {
@@ -257,7 +267,8 @@ async fn denial_writes_nothing_anywhere() {
     let wide = limit(Algorithm::Gcra, 100, 3600 * SEC, None, None);
     let log = limit(Algorithm::SlidingWindowLog, 100, 3600 * SEC, None, None);
     let narrow = limit(Algorithm::FixedWindow, 1, 60 * SEC, None, None);
-    let checks = [check(1, &wide, b"ip", 1, true), check(2, &log, b"ip", 1, true), check(3, &narrow, b"tenant", 1, true)];
+    let checks =
+        [check(1, &wide, b"ip", 1, true), check(2, &log, b"ip", 1, true), check(3, &narrow, b"tenant", 1, true)];
     let keys: Vec<Vec<u8>> = checks.iter().map(|c| state_key(tag, c.rule, c.key)).collect();
 
     let first = store.check_tagged(tag, Some(T0), &checks).await.unwrap();
@@ -343,7 +354,9 @@ async fn concurrent_clients_never_over_admit() {
             tasks.push(tokio::spawn(async move {
                 let mut admitted = 0u64;
                 for _ in 0..20 {
-                    let v = store.check_tagged("race", Some(T0), &[check(7, &l, algorithm.name().as_bytes(), 1, true)]).await;
+                    let v = store
+                        .check_tagged("race", Some(T0), &[check(7, &l, algorithm.name().as_bytes(), 1, true)])
+                        .await;
                     admitted += v.expect("decision").allowed as u64;
                 }
                 admitted
@@ -457,11 +470,11 @@ async fn ttl_rounds_up_to_whole_milliseconds() {
     let window = limit(Algorithm::FixedWindow, 5, SEC, None, None);
     let second = 1_700_000_000 * SEC;
     let cases: [(&Limit, Micros, u64, i64); 5] = [
-        (&gcra, T0, 1, 2),               // 1429 µs → 2 ms
-        (&gcra, T0 + 10 * SEC, 2, 3),    // 2858 µs → 3 ms
+        (&gcra, T0, 1, 2),                 // 1429 µs → 2 ms
+        (&gcra, T0 + 10 * SEC, 2, 3),      // 2858 µs → 3 ms
         (&window, second + 999_500, 1, 1), // 500 µs → 1 ms
-        (&window, second + 1, 1, 1_000), // 999 999 µs → 1000 ms
-        (&window, second, 1, 1_000),     // exactly 1 s
+        (&window, second + 1, 1, 1_000),   // 999 999 µs → 1000 ms
+        (&window, second, 1, 1_000),       // exactly 1 s
     ];
     for (i, (l, now, cost, expected)) in cases.into_iter().enumerate() {
         let key = state_key("ttl-exact", i as u64, b"k");

@@ -137,7 +137,12 @@ async fn check_api_contract_limits_and_headers() {
 
     // Metrics count decisions by policy, rule and outcome, and would-have-limited shadows.
     let metrics = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains(r#"sluice_decisions_total{policy="tenant-acme/orders-api",rule="per-api-key",outcome="limited"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(
+            r#"sluice_decisions_total{policy="tenant-acme/orders-api",rule="per-api-key",outcome="limited"} 1"#
+        ),
+        "{metrics}"
+    );
     assert!(metrics.contains(r#"outcome="would_limit""#), "{metrics}");
     assert!(metrics.contains("sluice_check_duration_seconds_bucket"));
     assert!(!metrics.contains("203.0.113.7") && !metrics.contains("k1"), "no label from keys or clients");
@@ -174,7 +179,11 @@ async fn bad_input_gets_400_with_a_reason_never_5xx() {
         ("bad IP", br#"{"path": "/", "clientIp": "1.2.3"}"#.to_vec(), "clientIp: "),
         ("non-string header", br#"{"path": "/", "headers": {"a": ["x"]}}"#.to_vec(), "headers.a: "),
         ("unknown field", br#"{"path": "/", "clientIP": "1.2.3.4"}"#.to_vec(), "unknown field"),
-        ("deep nesting", format!(r#"{{"path": "/", "labels": {}{}}}"#, "[".repeat(50_000), "]".repeat(50_000)).into_bytes(), ""),
+        (
+            "deep nesting",
+            format!(r#"{{"path": "/", "labels": {}{}}}"#, "[".repeat(50_000), "]".repeat(50_000)).into_bytes(),
+            "",
+        ),
     ];
     for (name, body, needle) in cases {
         let r = c.post(s.url("/v1/check")).body(body).send().await.unwrap();
@@ -318,7 +327,8 @@ async fn sigterm_drains_and_exits_zero() {
 #[test]
 fn a_bad_file_at_startup_exits_non_zero_naming_file_and_field() {
     let dir = policy_dir(&POLICY.replace("requests: 3, per: 1h", "requests: 0, per: 1h"));
-    let (code, stderr) = run_to_end(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"], dir.path());
+    let (code, stderr) =
+        run_to_end(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"], dir.path());
     assert_ne!(code, Some(0));
     assert!(stderr.contains("policies.yaml"), "{stderr}");
     assert!(stderr.contains("spec.rules[0].limit.requests"), "{stderr}");

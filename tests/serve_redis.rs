@@ -1,10 +1,10 @@
 //! Several `sluice serve --redis` processes sharing state through real Redis servers: exact
 //! bounds under concurrency, per-rule failure modes when Redis dies, recovery when it returns.
 
-#[allow(dead_code)]
-mod support;
 #[path = "support/sluice_process.rs"]
 mod sluice_process;
+#[allow(dead_code)]
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,7 +113,8 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
     let redis = RedisServer::start();
     let dir = policy_dir();
     // A generous deadline: this test is about exactness, not about a loaded machine's latency.
-    let servers = Arc::new(replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3));
+    let servers =
+        Arc::new(replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3));
     for (path, bound) in [("/window", 50), ("/bucket", 40), ("/log", 30), ("/counter", 20)] {
         let admitted = hammer(&servers, path, 48, bound as usize * 4).await;
         assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");
@@ -141,7 +142,14 @@ async fn redis_down_applies_each_rules_failure_mode_and_recovers() {
     let dir = policy_dir();
     let servers = replicas(
         dir.path(),
-        &["--redis".into(), redis.url(), "--redis-timeout".into(), "50ms".into(), "--redis-breaker-cooldown".into(), "300ms".into()],
+        &[
+            "--redis".into(),
+            redis.url(),
+            "--redis-timeout".into(),
+            "50ms".into(),
+            "--redis-breaker-cooldown".into(),
+            "300ms".into(),
+        ],
         1,
     );
     let s = &servers[0];

@@ -72,46 +72,58 @@ fn pattern(len: usize) -> Vec<u8> {
 async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
     let state = Arc::new(Upstream::default());
     let app = Router::new()
-        .route("/echo", post(|State(s): State<Arc<Upstream>>, request: Request| async move {
-            s.hits.fetch_add(1, Ordering::SeqCst);
-            // The request body goes straight back: streaming in both directions.
-            Response::new(Body::new(request.into_body()))
-        }))
-        .route("/big/{mb}", get(|State(s): State<Arc<Upstream>>, axum::extract::Path(mb): axum::extract::Path<usize>| async move {
-            s.hits.fetch_add(1, Ordering::SeqCst);
-            pattern(mb << 20)
-        }))
-        .route("/stream", get(|State(s): State<Arc<Upstream>>| async move {
-            s.hits.fetch_add(1, Ordering::SeqCst);
-            let (tx, rx) = mpsc::channel(2);
-            tokio::spawn(async move {
-                let _ = tx.send(Bytes::from_static(b"first\n")).await;
-                s.release.notified().await;
-                let _ = tx.send(Bytes::from_static(b"last\n")).await;
-            });
-            Response::new(Body::new(ChannelBody(rx)))
-        }))
-        .route("/ws", get(|State(s): State<Arc<Upstream>>, mut request: Request| async move {
-            s.hits.fetch_add(1, Ordering::SeqCst);
-            let upgrade = hyper::upgrade::on(&mut request);
-            tokio::spawn(async move {
-                if let Ok(upgraded) = upgrade.await {
-                    let mut io = hyper_util::rt::TokioIo::new(upgraded);
-                    let mut buf = [0u8; 1024];
-                    while let Ok(n) = io.read(&mut buf).await {
-                        if n == 0 || io.write_all(&buf[..n]).await.is_err() {
-                            break;
+        .route(
+            "/echo",
+            post(|State(s): State<Arc<Upstream>>, request: Request| async move {
+                s.hits.fetch_add(1, Ordering::SeqCst);
+                // The request body goes straight back: streaming in both directions.
+                Response::new(Body::new(request.into_body()))
+            }),
+        )
+        .route(
+            "/big/{mb}",
+            get(|State(s): State<Arc<Upstream>>, axum::extract::Path(mb): axum::extract::Path<usize>| async move {
+                s.hits.fetch_add(1, Ordering::SeqCst);
+                pattern(mb << 20)
+            }),
+        )
+        .route(
+            "/stream",
+            get(|State(s): State<Arc<Upstream>>| async move {
+                s.hits.fetch_add(1, Ordering::SeqCst);
+                let (tx, rx) = mpsc::channel(2);
+                tokio::spawn(async move {
+                    let _ = tx.send(Bytes::from_static(b"first\n")).await;
+                    s.release.notified().await;
+                    let _ = tx.send(Bytes::from_static(b"last\n")).await;
+                });
+                Response::new(Body::new(ChannelBody(rx)))
+            }),
+        )
+        .route(
+            "/ws",
+            get(|State(s): State<Arc<Upstream>>, mut request: Request| async move {
+                s.hits.fetch_add(1, Ordering::SeqCst);
+                let upgrade = hyper::upgrade::on(&mut request);
+                tokio::spawn(async move {
+                    if let Ok(upgraded) = upgrade.await {
+                        let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                        let mut buf = [0u8; 1024];
+                        while let Ok(n) = io.read(&mut buf).await {
+                            if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
                         }
                     }
-                }
-            });
-            Response::builder()
-                .status(StatusCode::SWITCHING_PROTOCOLS)
-                .header("connection", "upgrade")
-                .header("upgrade", "websocket")
-                .body(Body::empty())
-                .unwrap()
-        }))
+                });
+                Response::builder()
+                    .status(StatusCode::SWITCHING_PROTOCOLS)
+                    .header("connection", "upgrade")
+                    .header("upgrade", "websocket")
+                    .body(Body::empty())
+                    .unwrap()
+            }),
+        )
         .fallback(any(|State(s): State<Arc<Upstream>>, headers: HeaderMap| async move {
             s.hits.fetch_add(1, Ordering::SeqCst);
             let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
@@ -511,19 +523,31 @@ async fn cached_snapshot_enforces_while_the_endpoint_is_away_and_the_endpoint_ta
 async fn start_fake_endpoint() -> (SocketAddr, Arc<std::sync::Mutex<Vec<serde_json::Value>>>) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let app = Router::new()
-        .route("/v1/snapshot", get(|| async {
-            ([("etag", "\"v1\"")], axum::Json(serde_json::json!({
-                "version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": [],
-            })))
-        }))
-        .route("/v1/check", post(|State(seen): State<Arc<std::sync::Mutex<Vec<serde_json::Value>>>>, axum::Json(body): axum::Json<serde_json::Value>| async move {
-            let delay = if body["path"] == "/slow" { 300 } else { 0 };
-            seen.lock().unwrap().push(body);
-            axum::Json(serde_json::json!({
-                "allowed": true, "status": 200, "retryAfterMs": null, "delayMs": delay,
-                "headers": {"X-RateLimit-Limit": "10"}, "rules": [],
-            }))
-        }))
+        .route(
+            "/v1/snapshot",
+            get(|| async {
+                (
+                    [("etag", "\"v1\"")],
+                    axum::Json(serde_json::json!({
+                        "version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": [],
+                    })),
+                )
+            }),
+        )
+        .route(
+            "/v1/check",
+            post(
+                |State(seen): State<Arc<std::sync::Mutex<Vec<serde_json::Value>>>>,
+                 axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let delay = if body["path"] == "/slow" { 300 } else { 0 };
+                    seen.lock().unwrap().push(body);
+                    axum::Json(serde_json::json!({
+                        "allowed": true, "status": 200, "retryAfterMs": null, "delayMs": delay,
+                        "headers": {"X-RateLimit-Limit": "10"}, "rules": [],
+                    }))
+                },
+            ),
+        )
         .with_state(seen.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -1,8 +1,8 @@
 //! Sidecar injection for pods labelled `sluice.dev/inject: "true"`, as a pure function from the
 //! pod to a JSON patch.
 
-use json_patch::{AddOperation, Patch, PatchOperation};
 use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EnvVar, EnvVarSource,
     ObjectFieldSelector, Pod, Volume, VolumeMount,
@@ -64,7 +64,10 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
             EnvVar {
                 name: "SLUICE_NAMESPACE".into(),
                 value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector { field_path: "metadata.namespace".into(), ..Default::default() }),
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.namespace".into(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -164,7 +167,8 @@ mod tests {
     fn existing_volumes_are_kept() {
         let original = pod(true, serde_json::json!({"spec": {"volumes": [{"name": "data", "emptyDir": {}}]}}));
         let injected = apply(&original, &patch(&original, "tenant", &config()).expect("injected"));
-        let names: Vec<_> = injected.spec.expect("spec").volumes.expect("volumes").into_iter().map(|v| v.name).collect();
+        let names: Vec<_> =
+            injected.spec.expect("spec").volumes.expect("volumes").into_iter().map(|v| v.name).collect();
         assert_eq!(names, ["data", PODINFO_VOLUME]);
     }
 }

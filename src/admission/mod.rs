@@ -50,7 +50,12 @@ pub struct WebhookArgs {
     #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN")]
     pub webhook_listen: Option<SocketAddr>,
     /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names.
-    #[arg(long = "webhook-host", env = "SLUICE_WEBHOOK_HOSTS", value_delimiter = ',', default_value = "sluice-webhook.sluice-system.svc")]
+    #[arg(
+        long = "webhook-host",
+        env = "SLUICE_WEBHOOK_HOSTS",
+        value_delimiter = ',',
+        default_value = "sluice-webhook.sluice-system.svc"
+    )]
     pub hosts: Vec<String>,
     /// Secret (in the operator namespace) holding the shared CA and serving keypair.
     #[arg(long = "webhook-secret", env = "SLUICE_WEBHOOK_SECRET", default_value = "sluice-webhook-tls")]
@@ -65,7 +70,11 @@ pub struct WebhookArgs {
     #[arg(long = "sidecar-image", env = "SLUICE_SIDECAR_IMAGE", default_value = "sluice:latest")]
     pub sidecar_image: String,
     /// Enforcement endpoint the injected sidecar asks (the operator's check API Service).
-    #[arg(long = "sidecar-endpoint", env = "SLUICE_SIDECAR_ENDPOINT", default_value = "http://sluice.sluice-system.svc:8080")]
+    #[arg(
+        long = "sidecar-endpoint",
+        env = "SLUICE_SIDECAR_ENDPOINT",
+        default_value = "http://sluice.sluice-system.svc:8080"
+    )]
     pub sidecar_endpoint: String,
     /// Port the sidecar listens on unless the pod's `sluice.dev/listen-port` annotation says otherwise.
     #[arg(long = "sidecar-listen-port", env = "SLUICE_SIDECAR_LISTEN_PORT", default_value_t = 15080)]

@@ -23,10 +23,7 @@ pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPoli
         problems.extend(errors.iter().map(ToString::to_string));
     }
     problems.extend(conflicts(&stored, others));
-    Verdict {
-        denial: (!problems.is_empty()).then(|| problems.join("; ")),
-        warnings: warnings(&stored),
-    }
+    Verdict { denial: (!problems.is_empty()).then(|| problems.join("; ")), warnings: warnings(&stored) }
 }
 
 /// Two policies of one namespace that select the same workloads (equal selectors; an absent

@@ -27,13 +27,7 @@ pub(super) fn check(limit: &Limit, window: Option<(Micros, u64)>, now: Micros, c
     let (start, count) = current(limit, window, now);
     let reset_after = (start + limit.per).saturating_sub(now);
     if count + cost <= limit.requests {
-        Decision {
-            allowed: true,
-            remaining: limit.requests - count - cost,
-            reset_after,
-            retry_after: None,
-            delay: 0,
-        }
+        Decision { allowed: true, remaining: limit.requests - count - cost, reset_after, retry_after: None, delay: 0 }
     } else {
         Decision {
             allowed: false,

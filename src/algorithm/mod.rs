@@ -85,10 +85,7 @@ impl std::str::FromStr for Algorithm {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Algorithm::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
-            format!(
-                "unknown algorithm {s:?}; expected one of {}",
-                Algorithm::ALL.map(Algorithm::name).join(", ")
-            )
+            format!("unknown algorithm {s:?}; expected one of {}", Algorithm::ALL.map(Algorithm::name).join(", "))
         })
     }
 }
@@ -258,9 +255,7 @@ pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> De
         Algorithm::Gcra | Algorithm::LeakyBucket => gcra::check(limit, gcra::view(state), now, cost),
         Algorithm::FixedWindow => fixed_window::check(limit, fixed_window::view(state), now, cost),
         Algorithm::SlidingWindowLog => sliding_log::check(limit, sliding_log::view(state), now, cost),
-        Algorithm::SlidingWindowCounter => {
-            sliding_counter::check(limit, sliding_counter::view(state), now, cost)
-        }
+        Algorithm::SlidingWindowCounter => sliding_counter::check(limit, sliding_counter::view(state), now, cost),
     }
 }
 
@@ -313,10 +308,7 @@ mod tests {
             Limit::new(Algorithm::Gcra, 1, s, None, Some(5)),
             Err(LimitError::MaxDelayNotApplicable(Algorithm::Gcra))
         );
-        assert!(matches!(
-            Limit::new(Algorithm::Gcra, 2_000_000, s, None, None),
-            Err(LimitError::RateTooHigh { .. })
-        ));
+        assert!(matches!(Limit::new(Algorithm::Gcra, 2_000_000, s, None, None), Err(LimitError::RateTooHigh { .. })));
         assert_eq!(Limit::new(Algorithm::Gcra, 1, s, Some(0), None), Err(LimitError::ZeroBurst));
     }
 

@@ -30,7 +30,9 @@ fn roll(limit: &Limit, counts: Option<Counts>, now: Micros) -> Counts {
     let start = now - now % limit.per;
     let capped = |n: u64| n.min(limit.requests);
     match counts {
-        Some(c) if c.start >= start => Counts { start: c.start, previous: capped(c.previous), current: capped(c.current) },
+        Some(c) if c.start >= start => {
+            Counts { start: c.start, previous: capped(c.previous), current: capped(c.current) }
+        }
         Some(c) if c.start + limit.per == start => Counts { start, previous: capped(c.current), current: 0 },
         _ => Counts { start, previous: 0, current: 0 },
     }

@@ -41,7 +41,13 @@ pub(super) fn check(limit: &Limit, bucket: Option<Bucket>, now: Micros, cost: u6
     let needed = cost * interval;
     if level >= needed {
         let left = level - needed;
-        Decision { allowed: true, remaining: left / interval, reset_after: capacity - left, retry_after: None, delay: 0 }
+        Decision {
+            allowed: true,
+            remaining: left / interval,
+            reset_after: capacity - left,
+            retry_after: None,
+            delay: 0,
+        }
     } else {
         Decision {
             allowed: false,

@@ -20,9 +20,9 @@ use tokio::sync::watch;
 
 use crate::admission::{self, WebhookArgs};
 use crate::clock::SystemClock;
+use crate::server::backend::{BackendError, StoreArgs};
 use crate::server::engine::Engine;
 use crate::server::{http, serve};
-use crate::server::backend::{BackendError, StoreArgs};
 use crate::telemetry::Metrics;
 
 /// The field manager of every status write; one name so server-side apply sees one owner whichever
@@ -134,13 +134,21 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         stopped.clone(),
     ));
     let (leading, lease_task) =
-        leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration).await?;
-    let writer = tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
+        leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration)
+            .await?;
+    let writer =
+        tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
 
     let webhook = match args.webhook.webhook_listen {
         Some(_) => Some(
-            admission::start(client.clone(), &args.webhook, &args.operator_namespace, reflectors.readers.clone(), stopped.clone())
-                .await?,
+            admission::start(
+                client.clone(),
+                &args.webhook,
+                &args.operator_namespace,
+                reflectors.readers.clone(),
+                stopped.clone(),
+            )
+            .await?,
         ),
         None => None,
     };

@@ -146,7 +146,9 @@ async fn apply_all(
             "kind": RateLimitPolicy::kind(&()),
             "status": status,
         });
-        match api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body)).await
+        match api
+            .patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
+            .await
         {
             Ok(_) => {
                 tracing::debug!(policy = %policy.qualified_name(), "status written");
@@ -165,7 +167,8 @@ async fn apply_all(
             }
         }
     }
-    let live: std::collections::HashSet<String> = outcome.policies.iter().map(|p| p.uid().unwrap_or_default()).collect();
+    let live: std::collections::HashSet<String> =
+        outcome.policies.iter().map(|p| p.uid().unwrap_or_default()).collect();
     written.retain(|uid, _| live.contains(uid));
     failed
 }
@@ -176,7 +179,12 @@ fn verdict(status: Option<&RateLimitPolicyStatus>) -> Option<(String, Option<i64
     Some((accepted.status.clone(), accepted.observed_generation))
 }
 
-async fn publish_event(recorder: &Recorder, policy: &RateLimitPolicy, status: &RateLimitPolicyStatus, outcome: &Outcome) {
+async fn publish_event(
+    recorder: &Recorder,
+    policy: &RateLimitPolicy,
+    status: &RateLimitPolicyStatus,
+    outcome: &Outcome,
+) {
     let accepted = status.conditions.iter().find(|c| c.type_ == ACCEPTED);
     let (type_, reason, note) = match accepted {
         Some(c) if c.status == "True" => {
@@ -185,7 +193,8 @@ async fn publish_event(recorder: &Recorder, policy: &RateLimitPolicy, status: &R
         Some(c) => (EventType::Warning, "Rejected", c.message.clone()),
         None => return,
     };
-    let event = Event { type_, reason: reason.to_string(), note: Some(note), action: "Compile".to_string(), secondary: None };
+    let event =
+        Event { type_, reason: reason.to_string(), note: Some(note), action: "Compile".to_string(), secondary: None };
     if let Err(error) = recorder.publish(&event, &policy.object_ref(&())).await {
         tracing::warn!(policy = %policy.qualified_name(), %error, "cannot publish event");
     }
@@ -225,7 +234,9 @@ mod tests {
         let mut outcome = Outcome { version: "abc".into(), ..Default::default() };
         outcome.rejected.insert(
             "ns/p".into(),
-            ValidationErrors { errors: vec![FieldError { path: "spec.rules[0].limit.per".into(), message: "bad".into() }] },
+            ValidationErrors {
+                errors: vec![FieldError { path: "spec.rules[0].limit.per".into(), message: "bad".into() }],
+            },
         );
         let status = desired(&policy(1), &outcome, at(10));
         let accepted = status.conditions.iter().find(|c| c.type_ == ACCEPTED).expect("Accepted");

@@ -9,7 +9,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
-use super::validate::{build_limit, compile_regex, validate, ValidationErrors};
+use super::validate::{ValidationErrors, build_limit, compile_regex, validate};
 use crate::algorithm::{Algorithm, Limit};
 use crate::store::{FailureMode, RuleCheck, RuleId};
 
@@ -336,7 +336,12 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     Ok(CompiledPolicy { namespace, name, qualified, selector, rules })
 }
 
-fn compile_rule(rule: &PolicyRule, namespace: &str, policy: &str, path: &str) -> Result<CompiledRule, ValidationErrors> {
+fn compile_rule(
+    rule: &PolicyRule,
+    namespace: &str,
+    policy: &str,
+    path: &str,
+) -> Result<CompiledRule, ValidationErrors> {
     let mut errs = ValidationErrors::default();
     // Validation already passed, so these only fail if validate and compile disagree; report
     // rather than panic.

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use super::crd::RateLimitPolicy;
-use super::validate::{validate, ValidationErrors};
+use super::validate::{ValidationErrors, validate};
 
 const API_VERSION: &str = "sluice.dev/v1alpha1";
 const KIND: &str = "RateLimitPolicy";

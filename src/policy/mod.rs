@@ -10,14 +10,16 @@ pub mod load;
 pub mod matching;
 pub mod validate;
 
-pub use compile::{compile, rule_id, CompiledPolicy, CompiledRule, Compiled, Rejected, RuleView, Snapshot, SnapshotView};
-pub use crd::{
-    crd_yaml, HeaderMatch, KeyPart, LimitSpec, Match, Missing, Mode, PathMatch, RateLimitPolicy, RateLimitPolicySpec,
-    PolicyRule, RateLimitPolicyStatus,
+pub use compile::{
+    Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotView, compile, rule_id,
 };
-pub use load::{policy_files, load_paths, load_str, LoadError, LoadErrors, LoadedPolicy};
-pub use matching::{encode_key, Matched, NoEntries, Pairs, RequestView, StrMap};
-pub use validate::{validate, warnings, FieldError, ValidationErrors};
+pub use crd::{
+    HeaderMatch, KeyPart, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule, RateLimitPolicy, RateLimitPolicySpec,
+    RateLimitPolicyStatus, crd_yaml,
+};
+pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, policy_files};
+pub use matching::{Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
+pub use validate::{FieldError, ValidationErrors, validate, warnings};
 
 #[cfg(test)]
 mod tests;

@@ -16,11 +16,7 @@ fn with_rules(ns: &str, name: &str, rules: &str) -> RateLimitPolicy {
 }
 
 fn simple(ns: &str, name: &str, requests: u64) -> RateLimitPolicy {
-    with_rules(
-        ns,
-        name,
-        &format!("  - {{name: r, algorithm: gcra, limit: {{requests: {requests}, per: 1s}}}}\n"),
-    )
+    with_rules(ns, name, &format!("  - {{name: r, algorithm: gcra, limit: {{requests: {requests}, per: 1s}}}}\n"))
 }
 
 fn paths(errs: &ValidationErrors) -> Vec<&str> {
@@ -164,7 +160,11 @@ fn load_names_file_document_and_field() {
         lines[0],
         r#"p.yaml: document 2: spec.rules[0].limit.requests: invalid type: string "ten", expected u64"#
     );
-    assert!(lines[1].starts_with("p.yaml: document 3: policy default/c: spec.rules[0].limit.per: invalid duration"), "{}", lines[1]);
+    assert!(
+        lines[1].starts_with("p.yaml: document 3: policy default/c: spec.rules[0].limit.per: invalid duration"),
+        "{}",
+        lines[1]
+    );
     assert_eq!(lines[2], "p.yaml: document 4: spec.rules[0].limit.brust: unknown field");
     assert_eq!(lines[3], r#"p.yaml: document 5: apiVersion: expected sluice.dev/v1alpha1, got "v1""#);
     assert_eq!(lines[4], r#"p.yaml: document 5: kind: expected RateLimitPolicy, got "ConfigMap""#);
@@ -270,7 +270,14 @@ impl Req {
         Req { labels: map(labels), headers: map(headers) }
     }
     fn view<'a>(&'a self, ns: &'a str, method: &'a str, path: &'a str) -> RequestView<'a> {
-        RequestView { namespace: ns, labels: &self.labels, method, path, headers: &self.headers, ..RequestView::new(path) }
+        RequestView {
+            namespace: ns,
+            labels: &self.labels,
+            method,
+            path,
+            headers: &self.headers,
+            ..RequestView::new(path)
+        }
     }
 }
 
@@ -281,7 +288,11 @@ fn matched_rules(s: &Snapshot, req: &RequestView) -> Vec<String> {
 }
 
 fn one_rule(m: &str) -> Snapshot {
-    let p = with_rules("ns", "p", &format!("  - {{name: r, match: {m}, algorithm: gcra, limit: {{requests: 5, per: 1s}}}}\n"));
+    let p = with_rules(
+        "ns",
+        "p",
+        &format!("  - {{name: r, match: {m}, algorithm: gcra, limit: {{requests: 5, per: 1s}}}}\n"),
+    );
     let c = compile(vec![p]);
     assert!(c.rejected.is_empty(), "{:?}", c.rejected);
     c.snapshot
@@ -339,7 +350,9 @@ fn exact_regex_methods_hosts() {
 
 #[test]
 fn header_matchers() {
-    let s = one_rule(r#"{headers: [{name: X-Tenant, prefix: acme}, {name: X-Debug, present: false}, {name: X-Plan, regex: "gold|silver"}]}"#);
+    let s = one_rule(
+        r#"{headers: [{name: X-Tenant, prefix: acme}, {name: X-Debug, present: false}, {name: X-Plan, regex: "gold|silver"}]}"#,
+    );
     let check = |h: &[(&str, &str)]| {
         let r = Req::new(&[], h);
         hits(&s, &r.view("ns", "GET", "/"))
@@ -374,8 +387,7 @@ spec:
     let s = compile(vec![p]).snapshot;
     let base = [("app", "orders"), ("tier", "web"), ("team", "x")];
     let check = |extra: &[(&str, &str)], remove: &str| {
-        let labels: Vec<(&str, &str)> =
-            base.iter().chain(extra).copied().filter(|(k, _)| *k != remove).collect();
+        let labels: Vec<(&str, &str)> = base.iter().chain(extra).copied().filter(|(k, _)| *k != remove).collect();
         let r = Req::new(&labels, &[]);
         hits(&s, &r.view("ns", "GET", "/"))
     };

@@ -8,11 +8,11 @@ use std::fmt;
 use regex::{Regex, RegexBuilder};
 
 use super::crd::{
-    HeaderMatch, KeyPart, LimitSpec, Match, Missing, PathMatch, PolicyRule, RateLimitPolicy, MAX_KEY_PARTS,
-    MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_RULES,
+    HeaderMatch, KeyPart, LimitSpec, MAX_KEY_PARTS, MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_RULES, Match,
+    Missing, PathMatch, PolicyRule, RateLimitPolicy,
 };
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
-use crate::duration::{parse_duration, Micros};
+use crate::duration::{Micros, parse_duration};
 
 const MAX_HEADER_NAME_LEN: usize = 256;
 const MAX_LITERAL_LEN: usize = 256;
@@ -185,12 +185,9 @@ pub(crate) fn build_limit(
 }
 
 fn validate_match(m: &Match, path: &str, errs: &mut ValidationErrors) {
-    for (field, len) in [
-        ("methods", m.methods.len()),
-        ("paths", m.paths.len()),
-        ("hosts", m.hosts.len()),
-        ("headers", m.headers.len()),
-    ] {
+    for (field, len) in
+        [("methods", m.methods.len()), ("paths", m.paths.len()), ("hosts", m.hosts.len()), ("headers", m.headers.len())]
+    {
         if len > MAX_MATCH_ITEMS {
             errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {len}"));
         }
@@ -246,10 +243,8 @@ fn validate_header_match(h: &HeaderMatch, path: &str, errs: &mut ValidationError
             errs.push(format!("{path}.{field}"), format!("at most {MAX_PATTERN_LEN} characters"));
         }
     }
-    let set = [h.exact.is_some(), h.prefix.is_some(), h.regex.is_some(), h.present.is_some()]
-        .iter()
-        .filter(|b| **b)
-        .count();
+    let set =
+        [h.exact.is_some(), h.prefix.is_some(), h.regex.is_some(), h.present.is_some()].iter().filter(|b| **b).count();
     if set != 1 {
         errs.push(path, format!("needs exactly one of exact, prefix, regex or present, got {set}"));
     }
@@ -274,9 +269,7 @@ fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
     if set != 1 {
         errs.push(
             path,
-            format!(
-                "needs exactly one of header, clientIP, namespace, path, method, host or literal, got {set}"
-            ),
+            format!("needs exactly one of header, clientIP, namespace, path, method, host or literal, got {set}"),
         );
     }
     for (field, value) in flags {
@@ -352,8 +345,7 @@ fn check_rule_name(name: &str) -> Result<(), String> {
 
 /// RFC 9110 `token`: what header names and methods are made of.
 pub(crate) fn is_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
+    !s.is_empty() && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
 }
 
 fn check_host_pattern(host: &str) -> Result<(), String> {
@@ -362,7 +354,9 @@ fn check_host_pattern(host: &str) -> Result<(), String> {
         return Err(format!("invalid host {host:?}"));
     }
     if name.contains('*') {
-        return Err(format!("invalid host {host:?}: a wildcard is only allowed as the whole first label, as in *.example.com"));
+        return Err(format!(
+            "invalid host {host:?}: a wildcard is only allowed as the whole first label, as in *.example.com"
+        ));
     }
     if name.contains(':') && !name.starts_with('[') {
         return Err(format!("invalid host {host:?}: write the name without a port (ports are ignored)"));
@@ -420,9 +414,7 @@ pub fn warnings(policy: &RateLimitPolicy) -> Vec<String> {
                 }
             }
             if part.client_ip.is_some() && part.missing == Some(Missing::Skip) {
-                out.push(format!(
-                    "{path}.key[{j}]: missing: skip exempts requests without a client IP from this rule"
-                ));
+                out.push(format!("{path}.key[{j}]: missing: skip exempts requests without a client IP from this rule"));
             }
         }
         if rule.algorithm == Algorithm::SlidingWindowLog && rule.limit.requests > 1000 {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use crate::algorithm::Micros;
 use crate::clock::Clock;
+use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
 use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore};
-use crate::store::breaker::BreakerConfig;
 use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
@@ -105,7 +105,8 @@ impl StoreArgs {
 
     fn password(&self) -> Result<Option<String>, BackendError> {
         if let Some(path) = &self.redis_password_file {
-            let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
+            let text =
+                std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
             return Ok(Some(text.trim_end_matches(['\n', '\r']).to_string()));
         }
         Ok(std::env::var("SLUICE_REDIS_PASSWORD").ok().filter(|p| !p.is_empty()))

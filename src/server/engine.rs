@@ -317,8 +317,7 @@ impl<S: Store> Engine<S> {
                 }
             })
             .collect();
-        let denied_outright =
-            checks.iter().zip(&decisions).any(|(c, d)| c.enforce && !d.allowed);
+        let denied_outright = checks.iter().zip(&decisions).any(|(c, d)| c.enforce && !d.allowed);
         if let (Some(fallback), false) = (&self.fallback, denied_outright) {
             let local: Vec<usize> =
                 (0..checks.len()).filter(|&i| checks[i].on_store_failure == FailureMode::LocalFallback).collect();

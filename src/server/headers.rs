@@ -114,13 +114,7 @@ mod tests {
     const NOW: Micros = 1_700_000_000_000_000;
 
     fn decision(allowed: bool, remaining: u64, reset_ms: u64, retry_ms: Option<u64>) -> Decision {
-        Decision {
-            allowed,
-            remaining,
-            reset_after: reset_ms * 1000,
-            retry_after: retry_ms.map(|m| m * 1000),
-            delay: 0,
-        }
+        Decision { allowed, remaining, reset_after: reset_ms * 1000, retry_after: retry_ms.map(|m| m * 1000), delay: 0 }
     }
 
     #[test]

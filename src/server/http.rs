@@ -170,7 +170,11 @@ fn authz_request(
     )
 }
 
-fn json_response(status: StatusCode, decision: &CheckResponse, headers: Option<&Vec<(&'static str, String)>>) -> Response {
+fn json_response(
+    status: StatusCode,
+    decision: &CheckResponse,
+    headers: Option<&Vec<(&'static str, String)>>,
+) -> Response {
     // Sized for a few rules up front, instead of growing from serde_json's 128 bytes.
     let mut body = Vec::with_capacity(512 + 384 * decision.rules.len());
     if let Err(e) = serde_json::to_writer(&mut body, decision) {
@@ -202,10 +206,7 @@ async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
     metrics.store_circuit_open.set(i64::from(status.breaker == Some("open")));
     metrics.live_keys.set(status.live_keys as i64);
     metrics.evicted_keys.set(status.evicted_keys as i64);
-    (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        engine.metrics().encode(),
-    )
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], engine.metrics().encode())
         .into_response()
 }
 

@@ -1,8 +1,8 @@
 //! The enforcement endpoint: the engine (snapshot + store → decision) and its HTTP API.
 
+pub mod backend;
 pub mod engine;
 pub mod headers;
-pub mod request;
 pub mod http;
+pub mod request;
 pub mod serve;
-pub mod backend;

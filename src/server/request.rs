@@ -47,8 +47,7 @@ pub struct CheckRequest {
 pub struct BadRequest(pub String);
 
 fn is_token(text: &str) -> bool {
-    !text.is_empty()
-        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 impl CheckRequest {
@@ -68,11 +67,8 @@ impl CheckRequest {
         let raw: RawCheckRequest = serde_path_to_error::deserialize(deserializer).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
-            let what = if inner.is_syntax() || inner.is_eof() {
-                format!("invalid JSON: {inner}")
-            } else {
-                inner.to_string()
-            };
+            let what =
+                if inner.is_syntax() || inner.is_eof() { format!("invalid JSON: {inner}") } else { inner.to_string() };
             if path == "." || path.is_empty() { BadRequest(what) } else { BadRequest(format!("{path}: {what}")) }
         })?;
         raw.validate()

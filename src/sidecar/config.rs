@@ -84,9 +84,8 @@ impl Config {
     pub fn from_args(args: SidecarArgs) -> Result<Config, SidecarError> {
         let bad = |what: String| SidecarError::Config(what);
         let upstream_text = args.upstream.strip_prefix("http://").unwrap_or(&args.upstream).trim_end_matches('/');
-        let upstream: Authority = upstream_text
-            .parse()
-            .map_err(|_| bad(format!("--upstream: {:?} is not HOST:PORT", args.upstream)))?;
+        let upstream: Authority =
+            upstream_text.parse().map_err(|_| bad(format!("--upstream: {:?} is not HOST:PORT", args.upstream)))?;
         if upstream.port_u16().is_none() {
             return Err(bad(format!("--upstream: {:?} has no port", args.upstream)));
         }

@@ -272,7 +272,8 @@ impl Decider {
         if !status.is_success() {
             return Err(EndpointError::Status(status));
         }
-        let answer: EndpointDecision = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
+        let answer: EndpointDecision =
+            serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
         let headers = answer
             .headers
             .iter()
@@ -371,7 +372,10 @@ impl Decider {
         let names = document.header_names.iter().filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok()).collect();
         let compiled = crate::policy::compile(document.sources);
         if !compiled.rejected.is_empty() {
-            tracing::warn!(rejected = compiled.rejected.len(), "some policies of the endpoint's snapshot did not compile here");
+            tracing::warn!(
+                rejected = compiled.rejected.len(),
+                "some policies of the endpoint's snapshot did not compile here"
+            );
         }
         if compiled.snapshot.version() != document.version {
             tracing::warn!(

@@ -44,7 +44,10 @@ pub fn admin_router(metrics: Arc<SidecarMetrics>) -> Router {
         get(move || {
             let metrics = metrics.clone();
             async move {
-                ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics.encode())
+                (
+                    [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                    metrics.encode(),
+                )
                     .into_response()
             }
         }),

@@ -131,11 +131,7 @@ impl Proxy {
         upgrade: bool,
     ) -> Result<(), http::Error> {
         let path = request.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let uri = Uri::builder()
-            .scheme(Scheme::HTTP)
-            .authority(self.upstream.clone())
-            .path_and_query(path)
-            .build()?;
+        let uri = Uri::builder().scheme(Scheme::HTTP).authority(self.upstream.clone()).path_and_query(path).build()?;
         *request.uri_mut() = uri;
         // The application speaks HTTP/1.1 on loopback whatever the client spoke to us.
         *request.version_mut() = Version::HTTP_11;

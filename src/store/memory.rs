@@ -180,7 +180,14 @@ impl MemoryStore {
             let mut slots = [(0u128, 0usize); INLINE];
             let mut shard_ids = [0usize; INLINE];
             let mut guards: [Option<MutexGuard<'_, Slots>>; INLINE] = Default::default();
-            self.check_many(now, checks, decisions, &mut slots[..checks.len()], &mut shard_ids[..checks.len()], &mut guards)
+            self.check_many(
+                now,
+                checks,
+                decisions,
+                &mut slots[..checks.len()],
+                &mut shard_ids[..checks.len()],
+                &mut guards,
+            )
         } else {
             let mut slots = vec![(0u128, 0usize); checks.len()];
             let mut shard_ids = vec![0usize; checks.len()];

@@ -32,7 +32,9 @@ pub struct RuleCheck<'a> {
 }
 
 /// What a rule decides when its shared store (Redis) is slow or unreachable.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum FailureMode {
     /// Admit the request (fail open).

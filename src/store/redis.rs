@@ -154,7 +154,8 @@ impl RedisStore {
     pub async fn connect(config: RedisConfig) -> Result<RedisStore, RedisConfigError> {
         let endpoint = config.endpoint.redacted();
         // Only the error's category: its detail may echo the URL, password included.
-        let invalid = |e: RedisError| RedisConfigError::Invalid { endpoint: endpoint.clone(), reason: e.category().to_string() };
+        let invalid =
+            |e: RedisError| RedisConfigError::Invalid { endpoint: endpoint.clone(), reason: e.category().to_string() };
         // redis's rustls needs a process-wide crypto provider; without one the first TLS
         // handshake panics. Keep one the embedding program installed.
         if rustls::crypto::CryptoProvider::get_default().is_none() {
@@ -458,12 +459,29 @@ mod tests {
         let shaper = Limit::new(Algorithm::LeakyBucket, 3, 1_000_000, Some(2), Some(400_000)).unwrap();
         let window = Limit::new(Algorithm::FixedWindow, 10, 60_000_000, None, None).unwrap();
         let checks = [
-            RuleCheck { rule: 1, limit: &shaper, key: b"a", cost: 1, enforce: true, on_store_failure: FailureMode::Allow },
-            RuleCheck { rule: 2, limit: &window, key: b"b", cost: 2, enforce: false, on_store_failure: FailureMode::Deny },
+            RuleCheck {
+                rule: 1,
+                limit: &shaper,
+                key: b"a",
+                cost: 1,
+                enforce: true,
+                on_store_failure: FailureMode::Allow,
+            },
+            RuleCheck {
+                rule: 2,
+                limit: &window,
+                key: b"b",
+                cost: 2,
+                enforce: false,
+                on_store_failure: FailureMode::Deny,
+            },
         ];
         assert_eq!(
             script_args(Some(42), &checks),
-            ["42", "3", "3", "1000000", "2", "333334", "400000", "1", "1", "4", "10", "60000000", "10", "6000000", "-1", "2", "0"]
+            [
+                "42", "3", "3", "1000000", "2", "333334", "400000", "1", "1", "4", "10", "60000000", "10", "6000000",
+                "-1", "2", "0"
+            ]
         );
         assert_eq!(script_args(None, &checks[..1])[0], "");
         assert_eq!(script_args(None, &checks).len(), 1 + ARGS_PER_RULE * 2);
@@ -471,7 +489,13 @@ mod tests {
 
     #[test]
     fn script_is_one_piece_with_every_algorithm() {
-        for name in ["sluice.token_bucket", "sluice.gcra", "sluice.fixed_window", "sluice.sliding_window_log", "sluice.sliding_window_counter"] {
+        for name in [
+            "sluice.token_bucket",
+            "sluice.gcra",
+            "sluice.fixed_window",
+            "sluice.sliding_window_log",
+            "sluice.sliding_window_counter",
+        ] {
             assert!(SCRIPT_SOURCE.contains(&format!("{name} = {{}}")), "{name}");
         }
         assert!(SCRIPT_SOURCE.starts_with("-- Shared prelude"));
@@ -495,15 +519,22 @@ mod tests {
         assert!(matches!(&err, RedisConfigError::Invalid { .. }), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
         let none: [&str; 0] = [];
-        assert_eq!(RedisStore::connect(RedisConfig::cluster(none)).await.unwrap_err(), RedisConfigError::NoClusterNodes);
-        assert!(RedisStore::connect(RedisConfig::single("redis://127.0.0.1:1")).await.is_ok(), "lazy: no connection yet");
+        assert_eq!(
+            RedisStore::connect(RedisConfig::cluster(none)).await.unwrap_err(),
+            RedisConfigError::NoClusterNodes
+        );
+        assert!(
+            RedisStore::connect(RedisConfig::single("redis://127.0.0.1:1")).await.is_ok(),
+            "lazy: no connection yet"
+        );
     }
 
     #[test]
     fn classifies_outages_apart_from_bad_answers() {
         let refused: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
         assert!(matches!(classify(&refused), (StoreError::Unavailable(_), true)));
-        let script_bug: RedisError = (ErrorKind::Server(ServerErrorKind::ResponseError), "ERR", "user_script:1: bad".to_string()).into();
+        let script_bug: RedisError =
+            (ErrorKind::Server(ServerErrorKind::ResponseError), "ERR", "user_script:1: bad".to_string()).into();
         assert!(matches!(classify(&script_bug), (StoreError::Protocol(_), false)));
         let loading: RedisError = (ErrorKind::Server(ServerErrorKind::BusyLoading), "loading").into();
         assert!(classify(&loading).1);

@@ -183,7 +183,9 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
                 None => rules.iter().collect(),
                 Some(names) => names
                     .iter()
-                    .map(|n| rules.iter().find(|r| &r.name == n).unwrap_or_else(|| panic!("{}: no rule {n}", vector.name)))
+                    .map(|n| {
+                        rules.iter().find(|r| &r.name == n).unwrap_or_else(|| panic!("{}: no rule {n}", vector.name))
+                    })
                     .collect(),
             };
             let checks: Vec<RuleCheck<'_>> = selected
@@ -235,7 +237,9 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
             }
             for (name, want) in &e.rules {
                 match selected.iter().position(|r| &r.name == name) {
-                    Some(i) => compare_rule(&mut failures, &format!("{context} rule {name}"), want, &verdict.decisions[i]),
+                    Some(i) => {
+                        compare_rule(&mut failures, &format!("{context} rule {name}"), want, &verdict.decisions[i])
+                    }
                     None => failures.push(format!("{context}: expectation for unchecked rule {name}")),
                 }
             }

@@ -45,7 +45,8 @@ fn start() -> Result<ControlPlane, String> {
     }
     let script = repo().join("e2e/control-plane.sh");
     let started = Instant::now();
-    let build = Command::new("bash").arg(&script).arg("build").stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
+    let build =
+        Command::new("bash").arg(&script).arg("build").stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
     if !build.status.success() {
         return Err(format!("control plane could not be built ({})", build.status));
     }

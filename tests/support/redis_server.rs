@@ -170,14 +170,53 @@ pub fn start_tls() -> (RedisServer, u16, Vec<u8>, tempfile::TempDir) {
             .expect("run openssl (apt-get install openssl)");
         assert!(status.success(), "openssl {args:?} failed");
     };
-    let (ca, ca_key, cert, key, csr) = (path("ca.pem"), path("ca.key"), path("cert.pem"), path("key.pem"), path("req.csr"));
-    openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=sluice test CA", "-keyout", &ca_key, "-out", &ca]);
+    let (ca, ca_key, cert, key, csr) =
+        (path("ca.pem"), path("ca.key"), path("cert.pem"), path("key.pem"), path("req.csr"));
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=sluice test CA",
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca,
+    ]);
     openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &csr]);
-    openssl(&["x509", "-req", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "1", "-extfile", &path("ext.cnf"), "-out", &cert]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        &path("ext.cnf"),
+        "-out",
+        &cert,
+    ]);
     let tls_port = free_port(false);
     let extra: Vec<String> = [
-        "--tls-port", &tls_port.to_string(), "--tls-cert-file", &cert, "--tls-key-file", &key,
-        "--tls-ca-cert-file", &ca, "--tls-auth-clients", "no",
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &cert,
+        "--tls-key-file",
+        &key,
+        "--tls-ca-cert-file",
+        &ca,
+        "--tls-auth-clients",
+        "no",
     ]
     .iter()
     .map(|s| s.to_string())
