@@ -45,7 +45,8 @@ async fn check(body: Bytes) -> Response {
     let value: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(value) => value,
         Err(e) => {
-            return (StatusCode::BAD_REQUEST, axum::Json(serde_json::json!({ "error": e.to_string() }))).into_response();
+            return (StatusCode::BAD_REQUEST, axum::Json(serde_json::json!({ "error": e.to_string() })))
+                .into_response();
         }
     };
     let namespace = value.get("namespace").and_then(|v| v.as_str()).unwrap_or("default");

@@ -9,6 +9,7 @@ pub mod clock;
 pub mod duration;
 pub mod operator;
 pub mod policy;
+pub mod request;
 pub mod server;
 pub mod sidecar;
 pub mod store;

@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
+use sluice::server::auth::{Auth, AuthArgs, Authenticator};
 use sluice::server::backend::StoreArgs;
 use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
@@ -46,7 +47,9 @@ struct ServeArgs {
     listen: SocketAddr,
     #[command(flatten)]
     store: StoreArgs,
-    /// How often policy files are checked for changes.
+    #[command(flatten)]
+    auth: AuthArgs,
+    /// How often policy and token files are checked for changes.
     #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
     reload_interval: Duration,
 }
@@ -90,6 +93,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Ok(snapshot) => snapshot,
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),
     };
+    let tokens = args.auth.static_tokens().context("cannot start")?;
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
     let built = args.store.build(clock.clone()).await.context("cannot set up the store")?;
@@ -110,18 +114,37 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    tracing::info!(address = %listener.local_addr()?, "check API listening");
+    let address = listener.local_addr()?;
+    tracing::info!(%address, "check API listening");
+    match &tokens {
+        Some(tokens) => {
+            tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")
+        }
+        None if !address.ip().is_loopback() => tracing::warn!(
+            %address,
+            "authentication is off on a non-loopback address: anyone who can connect may spend or block any \
+             namespace's limits; start with --tokens FILE (docs/security.md)"
+        ),
+        None => {}
+    }
 
     let (stop, stopped) = watch::channel(false);
     let watcher =
         tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
+    let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped.clone()));
-    let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped));
+    let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
+    let state =
+        http::ApiState { engine, auth: Auth::new(verifiers), gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let server = tokio::spawn(serve::serve_http(listener, http::router_with(state), stopped));
 
     terminated.await;
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     server.await?.context("HTTP server failed")?;
     let _ = tokio::join!(watcher, sweeper);
+    if let Some(token_watcher) = token_watcher {
+        let _ = token_watcher.await;
+    }
     Ok(())
 }

@@ -65,6 +65,17 @@ pub struct Metrics {
     pub store_circuit_open: Gauge<i64, AtomicI64>,
     pub live_keys: Gauge,
     pub evicted_keys: Gauge,
+    /// Requests refused before any decision because the caller could not be verified or asked
+    /// about what it may not, by reason.
+    pub auth_failures: Family<ReasonLabels, Counter>,
+    /// Calls to the Kubernetes TokenReview API, by result (cache hits make none).
+    pub token_reviews: Family<ResultLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// `missing`, `invalid`, `unavailable` or `forbidden`.
+    pub reason: &'static str,
 }
 
 impl Default for Metrics {
@@ -115,6 +126,18 @@ impl Metrics {
             "Live keys evicted by the key cap since start (their counters started over)",
             evicted_keys.clone(),
         );
+        let auth_failures = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "auth_failures",
+            "Requests refused because the caller was not verified or not allowed, by reason",
+            auth_failures.clone(),
+        );
+        let token_reviews = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "auth_token_reviews",
+            "TokenReview API calls by result (authenticated, rejected, error)",
+            token_reviews.clone(),
+        );
         let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
@@ -130,6 +153,8 @@ impl Metrics {
             store_circuit_open,
             live_keys,
             evicted_keys,
+            auth_failures,
+            token_reviews,
         }
     }
 

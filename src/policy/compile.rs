@@ -34,10 +34,19 @@ pub struct Snapshot {
     version: String,
     /// Sorted by (namespace, name), so each namespace is one contiguous range.
     policies: Vec<CompiledPolicy>,
-    by_namespace: HashMap<String, Range<usize>>,
+    by_namespace: HashMap<String, NamespaceIndex>,
     header_names: Vec<String>,
     /// The accepted policies themselves, sorted like `policies`.
     sources: Vec<RateLimitPolicy>,
+}
+
+/// One namespace's share of a snapshot.
+#[derive(Debug)]
+struct NamespaceIndex {
+    /// Its policies in [`Snapshot::policies`].
+    range: Range<usize>,
+    /// The headers its rules match or key on, sorted.
+    header_names: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -47,6 +56,8 @@ pub struct CompiledPolicy {
     pub(super) qualified: String,
     pub(super) selector: Selector,
     pub(super) rules: Vec<CompiledRule>,
+    /// The spec as JSON: what the version hashes.
+    pub(super) canonical: String,
 }
 
 /// One rule, ready to match and to check.
@@ -240,10 +251,10 @@ pub fn rule_id(identity: &str) -> RuleId {
 /// files) the first in input order is kept and the others are rejected.
 pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     let mut rejected = Vec::new();
-    let mut compiled: Vec<(CompiledPolicy, String, RateLimitPolicy)> = Vec::new();
+    let mut compiled: Vec<(CompiledPolicy, RateLimitPolicy)> = Vec::new();
     for policy in policies {
         let qualified = policy.qualified_name();
-        if compiled.iter().any(|(p, _, _)| p.qualified == qualified) {
+        if compiled.iter().any(|(p, _)| p.qualified == qualified) {
             rejected.push(Rejected {
                 policy: qualified.clone(),
                 errors: single_error("metadata.name", format!("duplicate policy {qualified}")),
@@ -251,35 +262,51 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
             continue;
         }
         match compile_policy(&policy) {
-            Ok(c) => {
-                // The hash covers what the policy says, not bookkeeping such as resourceVersion, so
-                // a re-list of unchanged objects yields the same version.
-                let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
-                compiled.push((c, canonical, source_of(&policy)));
-            }
+            Ok(c) => compiled.push((c, source_of(&policy))),
             Err(errors) => rejected.push(Rejected { policy: qualified, errors }),
         }
     }
-    compiled.sort_by(|(a, _, _), (b, _, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    compiled.sort_by(|(a, _), (b, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let version = version_of(compiled.iter().map(|(p, _)| p));
 
+    let (policies, sources): (Vec<CompiledPolicy>, Vec<RateLimitPolicy>) = compiled.into_iter().unzip();
+    let mut ranges: HashMap<String, Range<usize>> = HashMap::new();
+    for (i, p) in policies.iter().enumerate() {
+        ranges.entry(p.namespace.clone()).and_modify(|r| r.end = i + 1).or_insert(i..i + 1);
+    }
+    let by_namespace = ranges
+        .into_iter()
+        .map(|(ns, range)| {
+            let header_names = header_names_of(&policies[range.clone()]);
+            (ns, NamespaceIndex { range, header_names })
+        })
+        .collect();
+    let header_names = header_names_of(&policies);
+    rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
+
+    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources }, rejected }
+}
+
+/// Content hash of compiled policies in (namespace, name) order: 16 hex digits of SHA-256 over
+/// each policy's qualified name and spec. The same function names a whole snapshot and the part
+/// of it one caller may see, so a sidecar that compiles the sources it was given gets the
+/// version it was told.
+fn version_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> String {
     let mut hasher = Sha256::new();
-    for (p, canonical, _) in &compiled {
+    for p in policies {
         hasher.update(p.qualified.as_bytes());
         hasher.update([0]);
-        hasher.update(canonical.as_bytes());
+        hasher.update(p.canonical.as_bytes());
         hasher.update([0]);
     }
     let digest = hasher.finalize();
-    let version: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
 
-    let (policies, sources): (Vec<CompiledPolicy>, Vec<RateLimitPolicy>) =
-        compiled.into_iter().map(|(p, _, source)| (p, source)).unzip();
-    let mut by_namespace: HashMap<String, Range<usize>> = HashMap::new();
-    for (i, p) in policies.iter().enumerate() {
-        by_namespace.entry(p.namespace.clone()).and_modify(|r| r.end = i + 1).or_insert(i..i + 1);
-    }
-    let mut header_names: Vec<String> = policies
-        .iter()
+/// Lowercase names of every header the policies' rules match or key on, sorted, once each.
+fn header_names_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> Vec<String> {
+    let mut names: Vec<String> = policies
+        .into_iter()
         .flat_map(|p| &p.rules)
         .flat_map(|r| {
             let matched = r.matcher.headers.iter().map(|h| h.name.clone());
@@ -290,11 +317,9 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
             matched.chain(keyed).collect::<Vec<_>>()
         })
         .collect();
-    header_names.sort();
-    header_names.dedup();
-    rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
-
-    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources }, rejected }
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// The policy as compiled: name, namespace and spec, without status or server bookkeeping, so a
@@ -333,7 +358,10 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     for (i, rule) in policy.spec.rules.iter().enumerate() {
         rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"))?);
     }
-    Ok(CompiledPolicy { namespace, name, qualified, selector, rules })
+    // The hash covers what the policy says, not bookkeeping such as resourceVersion, so a re-list
+    // of unchanged objects yields the same version.
+    let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
+    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, canonical })
 }
 
 fn compile_rule(
@@ -458,9 +486,27 @@ impl Snapshot {
     /// The policies of one namespace, sorted by name.
     pub fn namespace_policies(&self, namespace: &str) -> &[CompiledPolicy] {
         match self.by_namespace.get(namespace) {
-            Some(range) => &self.policies[range.clone()],
+            Some(index) => &self.policies[index.range.clone()],
             None => &[],
         }
+    }
+    /// The headers the rules of `namespace` match or key on, sorted.
+    pub fn namespace_header_names(&self, namespace: &str) -> &[String] {
+        self.by_namespace.get(namespace).map_or(&[], |index| &index.header_names)
+    }
+    /// The part of the snapshot that callers limited to `namespaces` may see (`None`: all).
+    pub fn part(&self, namespaces: Option<&[String]>) -> SnapshotPart<'_> {
+        let indices = match namespaces {
+            None => (0..self.policies.len()).collect(),
+            Some(namespaces) => {
+                let mut ranges: Vec<Range<usize>> =
+                    namespaces.iter().filter_map(|ns| self.by_namespace.get(ns)).map(|i| i.range.clone()).collect();
+                ranges.sort_by_key(|r| r.start);
+                ranges.dedup();
+                ranges.into_iter().flatten().collect()
+            }
+        };
+        SnapshotPart { snapshot: self, whole: namespaces.is_none(), indices }
     }
     pub fn rules(&self) -> impl Iterator<Item = &CompiledRule> {
         self.policies.iter().flat_map(|p| &p.rules)
@@ -473,13 +519,41 @@ impl Snapshot {
     pub fn header_names(&self) -> &[String] {
         &self.header_names
     }
+    /// A serializable summary of the whole snapshot.
+    pub fn view(&self) -> SnapshotView {
+        self.part(None).view()
+    }
+}
+
+/// Some namespaces' policies of a snapshot, in the snapshot's order.
+pub struct SnapshotPart<'s> {
+    snapshot: &'s Snapshot,
+    whole: bool,
+    indices: Vec<usize>,
+}
+
+impl<'s> SnapshotPart<'s> {
+    pub fn policies(&self) -> impl Iterator<Item = &'s CompiledPolicy> + '_ {
+        self.indices.iter().map(|&i| &self.snapshot.policies[i])
+    }
+    /// What [`compile`] of [`Self::sources`] would name its snapshot.
+    pub fn version(&self) -> String {
+        if self.whole { self.snapshot.version.clone() } else { version_of(self.policies()) }
+    }
+    pub fn sources(&self) -> Vec<&'s RateLimitPolicy> {
+        self.indices.iter().map(|&i| &self.snapshot.sources[i]).collect()
+    }
+    pub fn header_names(&self) -> Vec<String> {
+        if self.whole { self.snapshot.header_names.clone() } else { header_names_of(self.policies()) }
+    }
     /// A serializable summary for `GET /v1/snapshot`.
     pub fn view(&self) -> SnapshotView {
         SnapshotView {
-            version: self.version.clone(),
-            policies: self.policies.iter().map(|p| p.qualified.clone()).collect(),
+            version: self.version(),
+            policies: self.policies().map(|p| p.qualified.clone()).collect(),
             rules: self
-                .rules()
+                .policies()
+                .flat_map(|p| &p.rules)
                 .map(|r| RuleView {
                     policy: r.policy.clone(),
                     rule: r.name.clone(),
@@ -495,7 +569,7 @@ impl Snapshot {
                     key: r.key_description(),
                 })
                 .collect(),
-            header_names: self.header_names.clone(),
+            header_names: self.header_names(),
         }
     }
 }

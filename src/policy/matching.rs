@@ -20,7 +20,7 @@ use super::compile::{
 use super::crd::Missing;
 
 /// Read-only string map: request headers (looked up by lowercase name) and workload labels.
-pub trait StrMap {
+pub trait StrMap: Sync {
     fn get_str(&self, key: &str) -> Option<&str>;
 }
 
@@ -30,7 +30,7 @@ impl StrMap for BTreeMap<String, String> {
     }
 }
 
-impl<S: BuildHasher> StrMap for HashMap<String, String, S> {
+impl<S: BuildHasher + Sync> StrMap for HashMap<String, String, S> {
     fn get_str(&self, key: &str) -> Option<&str> {
         self.get(key).map(String::as_str)
     }

@@ -11,7 +11,7 @@ pub mod matching;
 pub mod validate;
 
 pub use compile::{
-    Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotView, compile, rule_id,
+    Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotPart, SnapshotView, compile, rule_id,
 };
 pub use crd::{
     HeaderMatch, KeyPart, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule, RateLimitPolicy, RateLimitPolicySpec,
@@ -23,3 +23,12 @@ pub use validate::{FieldError, ValidationErrors, validate, warnings};
 
 #[cfg(test)]
 mod tests;
+
+/// The namespace of a policy or request that names none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// A Kubernetes namespace name (an RFC 1123 label): lowercase letters, digits and '-', at most
+/// 63 characters.
+pub fn validate_dns_label(name: &str) -> Result<(), String> {
+    validate::check_rule_name(name)
+}

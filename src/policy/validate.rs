@@ -326,7 +326,7 @@ fn validate_selector(
 
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters: rule names appear in metrics, headers
 /// and keys.
-fn check_rule_name(name: &str) -> Result<(), String> {
+pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
     let b = name.as_bytes();
     let ok_char = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-';
     if b.is_empty() {

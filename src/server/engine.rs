@@ -11,11 +11,10 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
-use super::request::CheckRequest;
 use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
-use crate::policy::{Matched, Snapshot};
+use crate::policy::{Matched, RequestView, Snapshot};
 use crate::store::memory::MemoryStore;
 use crate::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
@@ -207,12 +206,14 @@ impl<S: Store> Engine<S> {
         self.last_error.lock().clone()
     }
 
-    /// Decides one request against the live snapshot.
-    pub async fn check(&self, request: &CheckRequest) -> CheckResponse {
+    /// Decides one request against the live snapshot. Every entry point (check API, ext_authz,
+    /// the sidecar's local fallback) builds the borrowed view from what it parsed, without
+    /// copying.
+    pub async fn check(&self, request: &RequestView<'_>) -> CheckResponse {
         let started = Instant::now();
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
-        live.snapshot.resolve(&request.view(), &mut matched);
+        live.snapshot.resolve(request, &mut matched);
         let response = if matched.is_empty() {
             CheckResponse {
                 allowed: true,
@@ -224,7 +225,7 @@ impl<S: Store> Engine<S> {
                 snapshot: live.snapshot.version().to_string(),
             }
         } else {
-            self.decide(&live, &request.namespace, &matched).await
+            self.decide(&live, request.namespace, &matched).await
         };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         response

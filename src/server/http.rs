@@ -1,5 +1,10 @@
 //! The HTTP API over the engine: `POST /v1/check`, the Envoy ext_authz-compatible `/v1/authz/…`,
 //! health, readiness, metrics and the live snapshot.
+//!
+//! The check, authz and snapshot APIs first establish the [`Caller`] (see [`super::auth`]):
+//! 401 when no valid credential was presented, 403 when the caller asks about what it may not,
+//! 503 when the credential cannot be verified right now. Health, readiness and metrics stay
+//! open for probes and scrapers.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -15,10 +20,15 @@ use axum::routing::{any, get, post};
 use serde::Serialize;
 use serde_json::json;
 
+use super::auth::{Auth, AuthError, Caller, Forbidden};
 use super::engine::{CheckResponse, Engine};
-use super::request::{BadRequest, CheckRequest};
+use super::request::{BadRequest, CheckRequest, check_path};
+use crate::policy::RequestView;
+use crate::request::forwarded::gateway_client_ip;
+use crate::request::headers::{HeaderLookup, check_used_headers};
+use crate::request::labels::parse_label_list;
 use crate::store::Store;
-use crate::telemetry::StatusLabels;
+use crate::telemetry::{ReasonLabels, StatusLabels};
 
 /// Check bodies are small; anything larger is refused with 413 before parsing.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -31,7 +41,28 @@ pub const COST_HEADER: &str = "x-sluice-cost";
 /// 2xx, 401 and 403 into a 500, so nginx asks for 403 and maps it back to 429 itself.
 pub const DENY_STATUS_HEADER: &str = "x-sluice-deny-status";
 
+/// What the handlers share.
+pub struct ApiState<S> {
+    pub engine: Arc<Engine<S>>,
+    pub auth: Auth,
+    /// X-Forwarded-For hops a gateway's ext_authz call carries that are its own (see
+    /// [`gateway_client_ip`]).
+    pub gateway_trusted_hops: usize,
+}
+
+impl<S> ApiState<S> {
+    /// Authentication off (every caller trusted), one gateway hop.
+    pub fn open(engine: Arc<Engine<S>>) -> ApiState<S> {
+        ApiState { engine, auth: Auth::off(), gateway_trusted_hops: 1 }
+    }
+}
+
+/// The API with authentication off: for `sluice serve` without tokens, tests and tools.
 pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
+    router_with(ApiState::open(engine))
+}
+
+pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))
         .route("/v1/authz", any(authz::<S>))
@@ -44,8 +75,10 @@ pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(engine)
+        .with_state(Arc::new(state))
 }
+
+type Shared<S> = State<Arc<ApiState<S>>>;
 
 fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(json!({ "error": message.into() }))).into_response()
@@ -67,7 +100,36 @@ fn body_rejection(engine_metrics: &crate::telemetry::Metrics, rejection: BytesRe
     error_response(status, message)
 }
 
-async fn check<S: Store>(State(engine): State<Arc<Engine<S>>>, body: Result<Bytes, BytesRejection>) -> Response {
+/// 401 (with a Bearer challenge) or 503, counted by reason.
+fn auth_failure(metrics: &crate::telemetry::Metrics, error: AuthError) -> Response {
+    let (status, reason) = match &error {
+        AuthError::Missing => (StatusCode::UNAUTHORIZED, "missing"),
+        AuthError::Invalid(_) => (StatusCode::UNAUTHORIZED, "invalid"),
+        AuthError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+    };
+    metrics.auth_failures.get_or_create(&ReasonLabels { reason }).inc();
+    metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    let mut response = error_response(status, error.to_string());
+    if status == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"sluice\""));
+    }
+    response
+}
+
+/// `status` is 403, except where a denial itself is 403 (nginx): then 401, so an authorization
+/// failure never reads as a rate-limit denial.
+fn forbidden(metrics: &crate::telemetry::Metrics, error: Forbidden, status: StatusCode) -> Response {
+    metrics.auth_failures.get_or_create(&ReasonLabels { reason: "forbidden" }).inc();
+    metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    error_response(status, error.to_string())
+}
+
+async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    let engine = &state.engine;
+    let caller = match state.auth.caller(&headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(engine.metrics(), error),
+    };
     let body = match body {
         Ok(body) => body,
         Err(rejection) => return body_rejection(engine.metrics(), rejection),
@@ -76,26 +138,64 @@ async fn check<S: Store>(State(engine): State<Arc<Engine<S>>>, body: Result<Byte
         Ok(request) => request,
         Err(error) => return bad_request(engine.metrics(), error),
     };
-    let decision = engine.check(&request).await;
+    let view = match request.view(&caller) {
+        Ok(view) => view,
+        Err(error) => return forbidden(engine.metrics(), error, StatusCode::FORBIDDEN),
+    };
+    let decision = engine.check(&view).await;
     engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
 }
 
 /// Envoy's ext_authz HTTP service: the original method and path (after the `/v1/authz` prefix),
 /// Host and headers arrive as they were; 200 admits, 429 with the rate-limit headers refuses.
-async fn authz<S: Store>(State(engine): State<Arc<Engine<S>>>, request: axum::extract::Request) -> Response {
+///
+/// Only a trusted caller (a gateway) may name the namespace (`x-sluice-namespace`), the cost
+/// (`x-sluice-cost`) and the client (`x-envoy-external-address`, X-Forwarded-For). From a tenant
+/// the namespace must be its own, the cost is 1 and the client is the connection's peer.
+async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Request) -> Response {
+    let engine = &state.engine;
+    let metrics = engine.metrics();
     let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
-    let deny_status = match deny_status(request.headers()) {
+    let headers = request.headers();
+    let deny_status = match deny_status(headers) {
         Ok(status) => status,
-        Err(error) => return bad_request(engine.metrics(), error),
+        Err(error) => return bad_request(metrics, error),
     };
-    let request = match authz_request(request.method(), request.uri(), request.headers(), peer) {
-        Ok(request) => request,
-        Err(error) => return bad_request(engine.metrics(), error),
+    // Where a denial is 403 (nginx), 403 cannot also mean "not allowed".
+    let forbidden_status =
+        if deny_status == StatusCode::FORBIDDEN { StatusCode::UNAUTHORIZED } else { StatusCode::FORBIDDEN };
+    let caller = match state.auth.caller(headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(metrics, error),
     };
-    let decision = engine.check(&request).await;
+    let parts = match AuthzParts::read(request.uri(), headers, &caller) {
+        Ok(parts) => parts,
+        Err(AuthzError::Bad(error)) => return bad_request(metrics, error),
+        Err(AuthzError::Forbidden(error)) => return forbidden(metrics, error, forbidden_status),
+    };
+    let live = engine.live();
+    if let Err(message) = check_used_headers(headers, live.snapshot.namespace_header_names(&parts.namespace)) {
+        return bad_request(metrics, BadRequest(message));
+    }
+    let client_ip = match (caller.is_trusted(), peer) {
+        (true, Some(peer)) => Some(gateway_client_ip(headers, peer.ip(), state.gateway_trusted_hops)),
+        (false, Some(peer)) => Some(peer.ip().to_canonical()),
+        (_, None) => None,
+    };
+    let view = RequestView {
+        namespace: &parts.namespace,
+        labels: &parts.labels,
+        method: request.method().as_str(),
+        path: &parts.path,
+        host: headers.get(header::HOST).and_then(|h| h.to_str().ok()),
+        client_ip,
+        headers: &HeaderLookup(headers),
+        cost: parts.cost,
+    };
+    let decision = engine.check(&view).await;
     let status = if decision.allowed { StatusCode::OK } else { deny_status };
-    engine.metrics().responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
     json_response(status, &decision, Some(&decision.headers))
 }
 
@@ -112,62 +212,66 @@ fn deny_status(headers: &HeaderMap) -> Result<StatusCode, BadRequest> {
     }
 }
 
-fn authz_request(
-    method: &Method,
-    uri: &Uri,
-    headers: &HeaderMap,
-    peer: Option<SocketAddr>,
-) -> Result<CheckRequest, BadRequest> {
-    let full = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
-    let path = full.strip_prefix("/v1/authz").unwrap_or(full);
-    let path = if path.is_empty() || path.starts_with('?') { format!("/{path}") } else { path.to_string() };
-    let text = |name: &str| -> Result<Option<String>, BadRequest> {
-        match headers.get(name) {
-            None => Ok(None),
-            Some(value) => value
-                .to_str()
-                .map(|v| Some(v.to_string()))
-                .map_err(|_| BadRequest(format!("header {name}: not visible ASCII"))),
-        }
-    };
-    let mut labels = BTreeMap::new();
-    if let Some(list) = text(LABELS_HEADER)? {
-        for pair in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (k, v) = pair
-                .split_once('=')
-                .ok_or_else(|| BadRequest(format!("header {LABELS_HEADER}: expected key=value pairs, got {pair:?}")))?;
-            labels.insert(k.trim().to_string(), v.trim().to_string());
-        }
+enum AuthzError {
+    Bad(BadRequest),
+    Forbidden(Forbidden),
+}
+
+impl From<BadRequest> for AuthzError {
+    fn from(error: BadRequest) -> Self {
+        AuthzError::Bad(error)
     }
-    let cost = match text(COST_HEADER)? {
-        None => None,
-        Some(c) => Some(
-            c.trim()
-                .parse::<u64>()
-                .map_err(|_| BadRequest(format!("header {COST_HEADER}: {c:?} is not a non-negative integer")))?,
-        ),
-    };
-    // Envoy puts the downstream address in x-envoy-external-address; otherwise the first
-    // X-Forwarded-For hop; otherwise whoever connected.
-    let client_ip = text("x-envoy-external-address")?
-        .or(text("x-forwarded-for")?.and_then(|xff| xff.split(',').next().map(|s| s.trim().to_string())))
-        .or(peer.map(|p| p.ip().to_string()));
-    let mut forwarded = BTreeMap::new();
-    for (name, value) in headers {
-        if let Ok(value) = value.to_str() {
-            forwarded.insert(name.as_str().to_string(), value.to_string());
-        }
+}
+
+/// What an ext_authz call says besides the original request, with the caller's rights applied.
+struct AuthzParts {
+    namespace: String,
+    labels: BTreeMap<String, String>,
+    path: String,
+    cost: u64,
+}
+
+impl AuthzParts {
+    fn read(uri: &Uri, headers: &HeaderMap, caller: &Caller) -> Result<AuthzParts, AuthzError> {
+        let full = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+        let path = full.strip_prefix("/v1/authz").unwrap_or(full);
+        let path = if path.is_empty() || path.starts_with('?') { format!("/{path}") } else { path.to_string() };
+        check_path(&path)?;
+        let text = |name: &str| -> Result<Option<&str>, BadRequest> {
+            match headers.get(name) {
+                None => Ok(None),
+                Some(value) => value
+                    .to_str()
+                    .map(|v| Some(v.trim()))
+                    .map_err(|_| BadRequest(format!("header {name}: not visible ASCII"))),
+            }
+        };
+        let namespace = match text(NAMESPACE_HEADER)? {
+            Some(namespace) => {
+                caller.require_namespace(namespace).map_err(AuthzError::Forbidden)?;
+                namespace.to_string()
+            }
+            None => caller.default_namespace().to_string(),
+        };
+        let labels = match text(LABELS_HEADER)? {
+            None => BTreeMap::new(),
+            Some(list) => parse_label_list(list).map_err(|e| BadRequest(format!("header {LABELS_HEADER}: {e}")))?,
+        };
+        // A tenant's own proxy passes its clients' headers through: a client-sent x-sluice-cost
+        // must not set the price of its own requests, so only a gateway's counts.
+        let cost = match text(COST_HEADER)? {
+            Some(c) if caller.is_trusted() => {
+                c.parse::<u64>().ok().filter(|&c| c <= super::request::MAX_COST).ok_or_else(|| {
+                    BadRequest(format!(
+                        "header {COST_HEADER}: {c:?} is not an integer from 0 to {}",
+                        super::request::MAX_COST
+                    ))
+                })?
+            }
+            _ => 1,
+        };
+        Ok(AuthzParts { namespace, labels, path, cost })
     }
-    CheckRequest::from_parts(
-        text(NAMESPACE_HEADER)?,
-        labels,
-        Some(method.as_str().to_string()),
-        path,
-        text("host")?,
-        client_ip,
-        forwarded,
-        cost,
-    )
 }
 
 fn json_response(
@@ -192,15 +296,16 @@ fn json_response(
     response
 }
 
-async fn readyz<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
-    if engine.is_loaded() {
+async fn readyz<S: Store>(State(state): Shared<S>) -> Response {
+    if state.engine.is_loaded() {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no policy snapshot loaded yet\n").into_response()
     }
 }
 
-async fn metrics<S: Store>(State(engine): State<Arc<Engine<S>>>) -> Response {
+async fn metrics<S: Store>(State(state): Shared<S>) -> Response {
+    let engine = &state.engine;
     let status = engine.store().status();
     let metrics = engine.metrics();
     metrics.store_circuit_open.set(i64::from(status.breaker == Some("open")));
@@ -220,14 +325,22 @@ struct SnapshotBody<'a> {
     #[serde(flatten)]
     view: crate::policy::SnapshotView,
     /// The policies in force, as documents a sidecar can compile into the same snapshot.
-    sources: &'a [crate::policy::RateLimitPolicy],
+    sources: Vec<&'a crate::policy::RateLimitPolicy>,
     last_reload_error: Option<super::engine::ReloadError>,
     store: crate::store::StoreStatus,
 }
 
-async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_headers: HeaderMap) -> Response {
+/// The live snapshot as far as the caller may see it: a tenant gets its own namespaces' policies
+/// and header names only, under the version a compile of exactly those would have.
+async fn snapshot<S: Store>(State(state): Shared<S>, request_headers: HeaderMap) -> Response {
+    let engine = &state.engine;
+    let caller = match state.auth.caller(&request_headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(engine.metrics(), error),
+    };
     let live = engine.live();
-    let version = live.snapshot.version();
+    let part = live.snapshot.part(caller.visible_namespaces());
+    let version = part.version();
     let etag = format!("\"{version}\"");
     if request_headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(etag.as_str()) {
         return (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response();
@@ -235,8 +348,8 @@ async fn snapshot<S: Store>(State(engine): State<Arc<Engine<S>>>, request_header
     let body = SnapshotBody {
         loaded: engine.is_loaded(),
         loaded_at_ms: live.loaded_at / 1000,
-        view: live.snapshot.view(),
-        sources: live.snapshot.sources(),
+        view: part.view(),
+        sources: part.sources(),
         last_reload_error: engine.last_error(),
         store: engine.store().status(),
     };

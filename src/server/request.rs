@@ -6,10 +6,12 @@ use std::net::IpAddr;
 
 use serde::Deserialize;
 
+use super::auth::{Caller, Forbidden};
+
 /// The most a single check may cost; keeps every store's arithmetic exact.
 pub const MAX_COST: u64 = u32::MAX as u64;
 const MAX_NAME_LEN: usize = 253;
-const MAX_PATH_LEN: usize = 8192;
+pub const MAX_PATH_LEN: usize = 8192;
 
 /// `POST /v1/check` body, as received.
 #[derive(Debug, Deserialize)]
@@ -27,10 +29,12 @@ struct RawCheckRequest {
     cost: Option<u64>,
 }
 
-/// A validated check request.
+/// A validated check request, as the caller stated it; [`CheckRequest::view`] applies what the
+/// caller may say.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckRequest {
-    pub namespace: String,
+    /// The namespace the caller named, if any.
+    pub namespace: Option<String>,
     pub labels: BTreeMap<String, String>,
     /// Upper-case HTTP method; `GET` when the caller gave none.
     pub method: String,
@@ -39,7 +43,8 @@ pub struct CheckRequest {
     pub client_ip: Option<IpAddr>,
     /// Header names lower-cased.
     pub headers: BTreeMap<String, String>,
-    pub cost: u64,
+    /// The cost the caller named, if any (1 otherwise).
+    pub cost: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,27 +78,24 @@ impl CheckRequest {
         })?;
         raw.validate()
     }
+}
 
-    /// Builds a request from already-separated parts (the ext_authz mode), with the same checks.
-    #[allow(clippy::too_many_arguments)]
-    pub fn from_parts(
-        namespace: Option<String>,
-        labels: BTreeMap<String, String>,
-        method: Option<String>,
-        path: String,
-        host: Option<String>,
-        client_ip: Option<String>,
-        headers: BTreeMap<String, String>,
-        cost: Option<u64>,
-    ) -> Result<CheckRequest, BadRequest> {
-        RawCheckRequest { namespace, labels, method, path, host, client_ip, headers, cost }.validate()
+/// The path rule every entry point applies: origin-form (or `*`), at most [`MAX_PATH_LEN`] bytes.
+pub fn check_path(path: &str) -> Result<(), BadRequest> {
+    if !(path.starts_with('/') || path == "*") {
+        return Err(BadRequest(format!("path: must start with '/', got {path:?}")));
     }
+    if path.len() > MAX_PATH_LEN {
+        return Err(BadRequest(format!("path: longer than {MAX_PATH_LEN} bytes")));
+    }
+    Ok(())
 }
 
 impl RawCheckRequest {
     fn validate(self) -> Result<CheckRequest, BadRequest> {
-        let namespace = self.namespace.unwrap_or_else(|| "default".to_string());
-        if namespace.is_empty() || namespace.len() > MAX_NAME_LEN {
+        if let Some(namespace) = &self.namespace
+            && (namespace.is_empty() || namespace.len() > MAX_NAME_LEN)
+        {
             return Err(BadRequest(format!("namespace: must be 1 to {MAX_NAME_LEN} characters")));
         }
         let mut method = self.method.unwrap_or_else(|| "GET".to_string());
@@ -101,12 +103,7 @@ impl RawCheckRequest {
         if !is_token(&method) {
             return Err(BadRequest(format!("method: {method:?} is not an HTTP method token")));
         }
-        if !(self.path.starts_with('/') || self.path == "*") {
-            return Err(BadRequest(format!("path: must start with '/', got {:?}", self.path)));
-        }
-        if self.path.len() > MAX_PATH_LEN {
-            return Err(BadRequest(format!("path: longer than {MAX_PATH_LEN} bytes")));
-        }
+        check_path(&self.path)?;
         let client_ip = match self.client_ip {
             None => None,
             Some(text) => Some(
@@ -124,19 +121,20 @@ impl RawCheckRequest {
         } else {
             self.headers
         };
-        let cost = self.cost.unwrap_or(1);
-        if cost > MAX_COST {
+        if let Some(cost) = self.cost
+            && cost > MAX_COST
+        {
             return Err(BadRequest(format!("cost: must be at most {MAX_COST}, got {cost}")));
         }
         Ok(CheckRequest {
-            namespace,
+            namespace: self.namespace,
             labels: self.labels,
             method,
             path: self.path,
             host: self.host.filter(|h| !h.is_empty()),
             client_ip,
             headers,
-            cost,
+            cost: self.cost,
         })
     }
 }
@@ -156,18 +154,35 @@ mod tests {
             "host": "api.example.com", "clientIp": "203.0.113.7", "headers": {"X-API-Key": "k1"}, "cost": 2}"#,
         )
         .unwrap();
-        assert_eq!(r.namespace, "tenant-acme");
+        assert_eq!(r.namespace.as_deref(), Some("tenant-acme"));
         assert_eq!(r.method, "POST");
         assert_eq!(r.client_ip, Some("203.0.113.7".parse().unwrap()));
         assert_eq!(r.headers.get("x-api-key").map(String::as_str), Some("k1"));
-        assert_eq!(r.cost, 2);
+        assert_eq!(r.cost, Some(2));
     }
 
     #[test]
     fn only_path_is_required() {
         let r = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
-        assert_eq!((r.namespace.as_str(), r.method.as_str(), r.cost), ("default", "GET", 1));
+        let view = r.view(&Caller::Open).unwrap();
+        assert_eq!((view.namespace, view.method, view.cost), ("default", "GET", 1));
         assert!(err(r#"{}"#).contains("missing field `path`"));
+    }
+
+    #[test]
+    fn tenants_ask_about_their_own_namespace_and_never_set_the_cost() {
+        let tenant = Caller::Tenant { name: "sa-a".into(), namespaces: vec!["tenant-a".to_string()].into() };
+        let own = CheckRequest::from_json(br#"{"path": "/", "clientIp": "203.0.113.7"}"#).unwrap();
+        let view = own.view(&tenant).unwrap();
+        assert_eq!((view.namespace, view.cost), ("tenant-a", 1), "defaults to the caller's namespace");
+        assert!(view.client_ip.is_some(), "a sidecar states its client's IP");
+        let other = CheckRequest::from_json(br#"{"namespace": "tenant-b", "path": "/"}"#).unwrap();
+        assert!(other.view(&tenant).unwrap_err().0.contains("\"tenant-b\""));
+        let cost = CheckRequest::from_json(br#"{"namespace": "tenant-a", "path": "/", "cost": 0}"#).unwrap();
+        assert!(cost.view(&tenant).unwrap_err().0.starts_with("cost: "));
+        let gateway = Caller::Gateway { name: "edge".into() };
+        assert_eq!(other.view(&gateway).unwrap().namespace, "tenant-b");
+        assert_eq!(cost.view(&gateway).unwrap().cost, 0);
     }
 
     #[test]
@@ -191,17 +206,32 @@ mod tests {
 }
 
 impl CheckRequest {
-    /// The request as the policy matcher sees it, borrowed.
-    pub fn view(&self) -> crate::policy::RequestView<'_> {
-        crate::policy::RequestView {
-            namespace: &self.namespace,
+    /// The request as the policy matcher sees it, borrowed, with what `caller` may say applied:
+    /// the namespace defaults to the caller's own and must be one it may use; only a trusted
+    /// caller may set the cost. Any caller may state its client's IP (for its own namespaces).
+    pub fn view<'a>(&'a self, caller: &'a Caller) -> Result<crate::policy::RequestView<'a>, Forbidden> {
+        let namespace = match &self.namespace {
+            Some(namespace) => {
+                caller.require_namespace(namespace)?;
+                namespace.as_str()
+            }
+            None => caller.default_namespace(),
+        };
+        if self.cost.is_some() && !caller.is_trusted() {
+            return Err(Forbidden(format!(
+                "cost: caller {} may not set a request's cost (gateways only)",
+                caller.name()
+            )));
+        }
+        Ok(crate::policy::RequestView {
+            namespace,
             labels: &self.labels,
             method: &self.method,
             path: &self.path,
             host: self.host.as_deref(),
             client_ip: self.client_ip,
             headers: &self.headers,
-            cost: self.cost,
-        }
+            cost: self.cost.unwrap_or(1),
+        })
     }
 }

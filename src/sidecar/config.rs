@@ -114,7 +114,7 @@ impl Config {
                 .map_err(|e| bad(format!("--labels-file {}: {e}", path.display())))?;
         }
         if let Some(list) = &args.labels {
-            labels.extend(parse_label_list(list).map_err(|e| bad(format!("--labels: {e}")))?);
+            labels.extend(crate::request::labels::parse_label_list(list).map_err(|e| bad(format!("--labels: {e}")))?);
         }
 
         Ok(Config {
@@ -135,20 +135,6 @@ impl Config {
 
 fn read_file(path: &Path, flag: &str) -> Result<String, SidecarError> {
     std::fs::read_to_string(path).map_err(|e| SidecarError::Config(format!("{flag} {}: {e}", path.display())))
-}
-
-/// `k=v,k2=v2` (spaces around items ignored; an empty list is no labels).
-pub fn parse_label_list(text: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut labels = BTreeMap::new();
-    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let (k, v) = item.split_once('=').ok_or_else(|| format!("expected key=value, got {item:?}"))?;
-        let k = k.trim();
-        if k.is_empty() {
-            return Err(format!("empty key in {item:?}"));
-        }
-        labels.insert(k.to_string(), v.trim().to_string());
-    }
-    Ok(labels)
 }
 
 /// The downward API's labels file: one `key="value"` per line, the value quoted the way Go's
@@ -201,16 +187,6 @@ fn unquote(quoted: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn label_lists() {
-        let l = parse_label_list(" app=orders , tier=web,").unwrap();
-        assert_eq!(l.get("app").map(String::as_str), Some("orders"));
-        assert_eq!(l.get("tier").map(String::as_str), Some("web"));
-        assert!(parse_label_list("").unwrap().is_empty());
-        assert!(parse_label_list("app").unwrap_err().contains("key=value"));
-        assert!(parse_label_list("=x").is_err());
-    }
 
     #[test]
     fn downward_api_labels_file() {

@@ -23,9 +23,8 @@ use tokio::sync::watch;
 use super::config::{Config, OnFailure};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 use crate::clock::SystemClock;
-use crate::policy::RateLimitPolicy;
+use crate::policy::{RateLimitPolicy, RequestView};
 use crate::server::engine::{CheckResponse, Engine};
-use crate::server::request::CheckRequest;
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
@@ -288,20 +287,17 @@ impl Decider {
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         if self.local.is_loaded() {
-            let request = CheckRequest::from_parts(
-                Some(input.namespace.to_string()),
-                input.labels.clone(),
-                Some(input.method.to_string()),
-                input.path.to_string(),
-                input.host.map(str::to_string),
-                Some(input.client_ip.to_string()),
-                input.headers.clone(),
-                None,
-            );
-            match request {
-                Ok(request) => return (Source::Local, from_engine(self.local.check(&request).await)),
-                Err(error) => tracing::debug!(%error, "request cannot be checked locally"),
-            }
+            let view = RequestView {
+                namespace: input.namespace,
+                labels: input.labels,
+                method: input.method,
+                path: input.path,
+                host: input.host,
+                client_ip: Some(input.client_ip),
+                headers: &input.headers,
+                cost: 1,
+            };
+            return (Source::Local, from_engine(self.local.check(&view).await));
         }
         let decision = match self.on_failure {
             OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new() },

@@ -7,7 +7,6 @@
 
 pub mod config;
 pub mod decide;
-pub mod forwarded;
 pub mod metrics;
 pub mod proxy;
 

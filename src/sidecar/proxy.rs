@@ -22,8 +22,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 use super::decide::{CheckInput, Decider, Decision, HeaderList, error_chain};
-use super::forwarded;
 use super::metrics::SidecarMetrics;
+use crate::request::forwarded;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;

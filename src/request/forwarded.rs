@@ -12,6 +12,21 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+/// Envoy's record of the downstream address: written by Envoy from the connection, and removed
+/// from what external clients send, so it is believable from a trusted gateway only.
+pub static X_ENVOY_EXTERNAL_ADDRESS: HeaderName = HeaderName::from_static("x-envoy-external-address");
+
+/// The client address a trusted gateway names in an ext_authz call: Envoy's
+/// `x-envoy-external-address`, else [`client_ip`] over its X-Forwarded-For with `trusted_hops`
+/// (1: the gateway appended the client it saw, as nginx's `$proxy_add_x_forwarded_for` or
+/// `$remote_addr` and Envoy's `use_remote_address` do).
+pub fn gateway_client_ip(headers: &HeaderMap, peer: IpAddr, trusted_hops: usize) -> IpAddr {
+    headers
+        .get(&X_ENVOY_EXTERNAL_ADDRESS)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_hop(v.trim()))
+        .unwrap_or_else(|| client_ip(headers, peer, trusted_hops))
+}
 
 /// The client address per the trusted hop count.
 pub fn client_ip(headers: &HeaderMap, peer: IpAddr, trusted_hops: usize) -> IpAddr {
@@ -97,6 +112,17 @@ mod tests {
         assert_eq!(client_ip(&xff(&["unknown"]), PEER, 1), PEER);
         // IPv4-mapped peers (dual-stack listeners) read as IPv4.
         assert_eq!(client_ip(&HeaderMap::new(), ip("::ffff:10.0.0.9"), 0), PEER);
+    }
+
+    #[test]
+    fn gateways_name_the_client() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut h = xff(&["6.6.6.6, 203.0.113.7"]);
+        assert_eq!(gateway_client_ip(&h, PEER, 1), ip("203.0.113.7"), "the entry the gateway appended");
+        h.insert(&X_ENVOY_EXTERNAL_ADDRESS, HeaderValue::from_static("198.51.100.2"));
+        assert_eq!(gateway_client_ip(&h, PEER, 1), ip("198.51.100.2"));
+        h.insert(&X_ENVOY_EXTERNAL_ADDRESS, HeaderValue::from_static("garbage"));
+        assert_eq!(gateway_client_ip(&h, PEER, 1), ip("203.0.113.7"));
     }
 
     #[test]
