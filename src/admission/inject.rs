@@ -5,7 +5,8 @@ use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EnvVar, EnvVarSource,
-    ObjectFieldSelector, Pod, Volume, VolumeMount,
+    ObjectFieldSelector, Pod, ProjectedVolumeSource, ServiceAccountTokenProjection, Volume, VolumeMount,
+    VolumeProjection,
 };
 
 pub const INJECT_LABEL: &str = "sluice.dev/inject";
@@ -15,6 +16,11 @@ pub const CONTAINER_NAME: &str = "sluice-sidecar";
 pub const PODINFO_VOLUME: &str = "sluice-podinfo";
 /// Where the sidecar reads its pod's labels (downward API file, updated when labels change).
 pub const PODINFO_PATH: &str = "/etc/sluice/podinfo";
+pub const TOKEN_VOLUME: &str = "sluice-token";
+/// Where the sidecar reads its projected ServiceAccount token (rotated by the kubelet).
+pub const TOKEN_DIR: &str = "/var/run/secrets/sluice";
+/// Lifetime asked for the projected token; the kubelet renews it at 80% of that.
+pub const TOKEN_LIFETIME_SECONDS: i64 = 3600;
 
 #[derive(Debug, Clone)]
 pub struct InjectConfig {
@@ -24,6 +30,9 @@ pub struct InjectConfig {
     pub upstream_port: u16,
     /// Never injected: the operator must not depend on itself to start.
     pub operator_namespace: String,
+    /// With the endpoint verifying ServiceAccount tokens: the audience of the projected token the
+    /// sidecar presents.
+    pub token_audience: Option<String>,
 }
 
 fn port_annotation(pod: &Pod, name: &str, default: u16) -> u16 {
@@ -47,41 +56,27 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
     }
     let listen = port_annotation(pod, LISTEN_PORT_ANNOTATION, config.listen_port);
     let upstream = port_annotation(pod, UPSTREAM_PORT_ANNOTATION, config.upstream_port);
-    let container = Container {
-        name: CONTAINER_NAME.into(),
-        image: Some(config.image.clone()),
-        args: Some(vec!["sidecar".into()]),
-        ports: Some(vec![ContainerPort {
-            name: Some("sluice-http".into()),
-            container_port: i32::from(listen),
-            ..Default::default()
-        }]),
-        env: Some(vec![
-            env("SLUICE_ENDPOINT", &config.endpoint),
-            env("SLUICE_LISTEN", &format!("0.0.0.0:{listen}")),
-            env("SLUICE_UPSTREAM", &format!("http://127.0.0.1:{upstream}")),
-            env("SLUICE_LABELS_FILE", &format!("{PODINFO_PATH}/labels")),
-            EnvVar {
-                name: "SLUICE_NAMESPACE".into(),
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        field_path: "metadata.namespace".into(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
+    let mut env_vars = vec![
+        env("SLUICE_ENDPOINT", &config.endpoint),
+        env("SLUICE_LISTEN", &format!("0.0.0.0:{listen}")),
+        env("SLUICE_UPSTREAM", &format!("http://127.0.0.1:{upstream}")),
+        env("SLUICE_LABELS_FILE", &format!("{PODINFO_PATH}/labels")),
+        EnvVar {
+            name: "SLUICE_NAMESPACE".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector { field_path: "metadata.namespace".into(), ..Default::default() }),
                 ..Default::default()
-            },
-        ]),
-        volume_mounts: Some(vec![VolumeMount {
-            name: PODINFO_VOLUME.into(),
-            mount_path: PODINFO_PATH.into(),
-            read_only: Some(true),
+            }),
             ..Default::default()
-        }]),
+        },
+    ];
+    let mut mounts = vec![VolumeMount {
+        name: PODINFO_VOLUME.into(),
+        mount_path: PODINFO_PATH.into(),
+        read_only: Some(true),
         ..Default::default()
-    };
-    let volume = Volume {
+    }];
+    let mut volumes = vec![Volume {
         name: PODINFO_VOLUME.into(),
         downward_api: Some(DownwardAPIVolumeSource {
             items: Some(vec![DownwardAPIVolumeFile {
@@ -92,6 +87,45 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
             ..Default::default()
         }),
         ..Default::default()
+    }];
+    if let Some(audience) = &config.token_audience {
+        // The pod's own ServiceAccount, bound to Sluice's audience and short-lived: it proves the
+        // sidecar's namespace to the endpoint and is useless against the API server.
+        env_vars.push(env("SLUICE_TOKEN_FILE", &format!("{TOKEN_DIR}/token")));
+        mounts.push(VolumeMount {
+            name: TOKEN_VOLUME.into(),
+            mount_path: TOKEN_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        });
+        volumes.push(Volume {
+            name: TOKEN_VOLUME.into(),
+            projected: Some(ProjectedVolumeSource {
+                sources: Some(vec![VolumeProjection {
+                    service_account_token: Some(ServiceAccountTokenProjection {
+                        audience: Some(audience.clone()),
+                        expiration_seconds: Some(TOKEN_LIFETIME_SECONDS),
+                        path: "token".into(),
+                    }),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
+    let container = Container {
+        name: CONTAINER_NAME.into(),
+        image: Some(config.image.clone()),
+        args: Some(vec!["sidecar".into()]),
+        ports: Some(vec![ContainerPort {
+            name: Some("sluice-http".into()),
+            container_port: i32::from(listen),
+            ..Default::default()
+        }]),
+        env: Some(env_vars),
+        volume_mounts: Some(mounts),
+        ..Default::default()
     };
     let mut ops = vec![PatchOperation::Add(AddOperation {
         path: PointerBuf::from_tokens(["spec", "containers", "-"]),
@@ -99,13 +133,17 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
     })];
     // JSON patch cannot append to an array that does not exist: create it when absent.
     match &spec.volumes {
-        Some(v) if !v.is_empty() => ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["spec", "volumes", "-"]),
-            value: serde_json::to_value(volume).ok()?,
-        })),
+        Some(v) if !v.is_empty() => {
+            for volume in volumes {
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: PointerBuf::from_tokens(["spec", "volumes", "-"]),
+                    value: serde_json::to_value(volume).ok()?,
+                }));
+            }
+        }
         _ => ops.push(PatchOperation::Add(AddOperation {
             path: PointerBuf::from_tokens(["spec", "volumes"]),
-            value: serde_json::to_value(vec![volume]).ok()?,
+            value: serde_json::to_value(volumes).ok()?,
         })),
     }
     Some(Patch(ops))
@@ -122,6 +160,7 @@ mod tests {
             listen_port: 15080,
             upstream_port: 8080,
             operator_namespace: "sluice-system".into(),
+            token_audience: Some("sluice".into()),
         }
     }
 
@@ -153,6 +192,14 @@ mod tests {
         let env = sidecar.env.as_ref().expect("env");
         assert!(env.iter().any(|e| e.name == "SLUICE_UPSTREAM" && e.value.as_deref() == Some("http://127.0.0.1:9000")));
         assert!(spec.volumes.as_ref().is_some_and(|v| v.iter().any(|v| v.name == PODINFO_VOLUME)));
+        let token = spec.volumes.as_ref().and_then(|v| v.iter().find(|v| v.name == TOKEN_VOLUME)).expect("token");
+        let projection = token.projected.as_ref().and_then(|p| p.sources.as_ref()).expect("projected");
+        let sa = projection[0].service_account_token.as_ref().expect("service account token");
+        assert_eq!((sa.audience.as_deref(), sa.expiration_seconds), (Some("sluice"), Some(TOKEN_LIFETIME_SECONDS)));
+        assert!(
+            env.iter()
+                .any(|e| e.name == "SLUICE_TOKEN_FILE" && e.value.as_deref() == Some("/var/run/secrets/sluice/token"))
+        );
         // Idempotent: a second pass over the injected pod changes nothing.
         assert!(super::patch(&injected, "tenant", &config()).is_none());
     }
@@ -169,6 +216,6 @@ mod tests {
         let injected = apply(&original, &patch(&original, "tenant", &config()).expect("injected"));
         let names: Vec<_> =
             injected.spec.expect("spec").volumes.expect("volumes").into_iter().map(|v| v.name).collect();
-        assert_eq!(names, ["data", PODINFO_VOLUME]);
+        assert_eq!(names, ["data", PODINFO_VOLUME, TOKEN_VOLUME]);
     }
 }

@@ -95,6 +95,7 @@ pub async fn start(
     client: Client,
     args: &WebhookArgs,
     operator_namespace: &str,
+    token_audience: Option<&str>,
     policies: Vec<Store<RateLimitPolicy>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
@@ -112,6 +113,7 @@ pub async fn start(
             listen_port: args.sidecar_listen_port,
             upstream_port: args.sidecar_upstream_port,
             operator_namespace: operator_namespace.to_string(),
+            token_audience: token_audience.map(str::to_string),
         },
     });
     let app = Router::new()

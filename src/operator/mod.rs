@@ -11,6 +11,7 @@
 pub mod controller;
 pub mod leader;
 pub mod status;
+pub mod tokenreview;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use tokio::sync::watch;
 
 use crate::admission::{self, WebhookArgs};
 use crate::clock::SystemClock;
+use crate::server::auth::{Auth, AuthArgs, Authenticator, TokenFileError};
 use crate::server::backend::{BackendError, StoreArgs};
 use crate::server::engine::Engine;
 use crate::server::{http, serve};
@@ -45,6 +47,10 @@ pub enum Error {
     Admission(#[from] admission::Error),
     #[error("store: {0}")]
     Store(#[from] BackendError),
+    #[error(transparent)]
+    Tokens(#[from] TokenFileError),
+    #[error("--gateway-service-accounts: {0:?} is not NAMESPACE/NAME")]
+    GatewayName(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -80,6 +86,20 @@ pub struct OperatorArgs {
     pub debounce: Duration,
     #[command(flatten)]
     pub webhook: WebhookArgs,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+    /// Verify callers' ServiceAccount tokens with the TokenReview API (sidecars present a
+    /// projected token for --token-audience). Off, only --tokens are accepted; with neither,
+    /// authentication is off and any caller may act for any namespace.
+    #[arg(long, env = "SLUICE_TOKEN_REVIEW", default_value_t = true, action = clap::ArgAction::Set)]
+    pub token_review: bool,
+    /// The audience callers' ServiceAccount tokens must be issued for.
+    #[arg(long, env = "SLUICE_TOKEN_AUDIENCE", default_value = "sluice")]
+    pub token_audience: String,
+    /// ServiceAccounts (NAMESPACE/NAME, comma-separated) trusted as gateways: they may name any
+    /// namespace, a request's cost and the client IP.
+    #[arg(long, env = "SLUICE_GATEWAY_SERVICE_ACCOUNTS", value_delimiter = ',')]
+    pub gateway_service_accounts: Vec<String>,
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -108,6 +128,33 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     // the local fallback.
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
+    let tokens = args.auth.static_tokens()?;
+    let mut verifiers: Vec<Arc<dyn Authenticator>> = Vec::new();
+    if let Some(tokens) = &tokens {
+        verifiers.push(tokens.clone());
+    }
+    if args.token_review {
+        let mut gateways = std::collections::HashSet::new();
+        for name in &args.gateway_service_accounts {
+            match name.split_once('/') {
+                Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
+                    gateways.insert(name.clone())
+                }
+                _ => return Err(Error::GatewayName(name.clone())),
+            };
+        }
+        let config = tokenreview::ReviewConfig::new(args.token_audience.clone(), gateways);
+        verifiers.push(Arc::new(tokenreview::TokenReviewer::new(
+            client.clone(),
+            config,
+            clock.clone(),
+            metrics.clone(),
+        )));
+    }
+    if verifiers.is_empty() {
+        tracing::warn!("authentication is off: any caller may spend or block any namespace's limits");
+    }
+    let auth = Auth::new(verifiers);
     let built = args.store.build(clock.clone()).await?;
     let memory = built.memory.clone();
     let mut engine = Engine::new(built.backend, clock, metrics);
@@ -145,6 +192,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
                 client.clone(),
                 &args.webhook,
                 &args.operator_namespace,
+                args.token_review.then_some(args.token_audience.as_str()),
                 reflectors.readers.clone(),
                 stopped.clone(),
             )
@@ -152,7 +200,9 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         ),
         None => None,
     };
-    let server = tokio::spawn(serve::serve_http(listener, http::router(engine), stopped.clone()));
+    let token_watcher = tokens.map(|t| tokio::spawn(t.watch(Duration::from_secs(1), stopped.clone())));
+    let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let server = tokio::spawn(serve::serve_http(listener, http::router_with(state), stopped.clone()));
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
 
     shutdown.await;
@@ -164,6 +214,9 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let _ = lease_task.await;
     let served = server.await;
     let _ = tokio::join!(compiler, sweeper, reflectors.task);
+    if let Some(token_watcher) = token_watcher {
+        let _ = token_watcher.await;
+    }
     if let Some(webhook) = webhook {
         let _ = webhook.await;
     }

@@ -61,6 +61,11 @@ pub struct SidecarArgs {
     /// How often the endpoint's snapshot is polled (a 304 when unchanged).
     #[arg(long, env = "SLUICE_SNAPSHOT_INTERVAL", default_value = "1s", value_parser = crate::duration::parse_positive_std_duration)]
     pub snapshot_interval: Duration,
+    /// File holding the bearer token presented to the endpoint (the injected pod's projected
+    /// ServiceAccount token, or a static token of `sluice serve --tokens`); re-read as it
+    /// rotates.
+    #[arg(long, env = "SLUICE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 }
 
 /// The checked configuration.
@@ -78,6 +83,7 @@ pub struct Config {
     pub endpoint_timeout: Duration,
     pub trusted_hops: usize,
     pub snapshot_interval: Duration,
+    pub token_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -129,6 +135,7 @@ impl Config {
             endpoint_timeout: args.endpoint_timeout,
             trusted_hops: args.trusted_hops,
             snapshot_interval: args.snapshot_interval,
+            token_file: args.token_file,
         })
     }
 }
@@ -214,6 +221,7 @@ mod tests {
             admin_listen: "127.0.0.1:0".parse().unwrap(),
             trusted_hops: 0,
             snapshot_interval: Duration::from_secs(1),
+            token_file: None,
         }
     }
 

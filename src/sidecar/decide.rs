@@ -94,12 +94,45 @@ impl EndpointError {
     }
 }
 
-/// Which request headers the check carries: only the ones policies can use, once known.
+/// Which request headers the check carries: only the ones this namespace's policies use. Until
+/// a snapshot says which, no check is sent: sending every header would hand the client's
+/// cookies and credentials to the endpoint, and sending none would decide header-keyed rules
+/// on a missing key.
 #[derive(Debug)]
 enum HeaderFilter {
-    /// No snapshot seen yet: send everything so no header-keyed rule is decided on a missing key.
-    All,
+    Unknown,
     Only(Vec<HeaderName>),
+}
+
+/// The bearer token the sidecar presents, re-read from its file as the kubelet rotates it.
+struct Credential {
+    path: std::path::PathBuf,
+    value: arc_swap::ArcSwapOption<HeaderValue>,
+}
+
+impl Credential {
+    fn new(path: std::path::PathBuf) -> Credential {
+        let credential = Credential { path, value: arc_swap::ArcSwapOption::empty() };
+        credential.refresh();
+        credential
+    }
+
+    /// Re-reads the file; a read error keeps the last token (a rotation replaces the file
+    /// atomically, so a failed read is transient).
+    fn refresh(&self) {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => match HeaderValue::from_str(&format!("Bearer {}", text.trim())) {
+                Ok(mut value) => {
+                    value.set_sensitive(true);
+                    if self.value.load().as_deref() != Some(&value) {
+                        self.value.store(Some(Arc::new(value)));
+                    }
+                }
+                Err(_) => tracing::warn!(path = %self.path.display(), "token file does not hold a usable token"),
+            },
+            Err(error) => tracing::warn!(path = %self.path.display(), %error, "cannot read the token file"),
+        }
+    }
 }
 
 /// One request as the limiter sees it.
@@ -154,6 +187,9 @@ pub struct Decider {
     pub labels: BTreeMap<String, String>,
     breaker: Breaker,
     header_filter: ArcSwap<HeaderFilter>,
+    /// One first-snapshot fetch at a time, shared by the requests that wait for it.
+    first_snapshot: tokio::sync::Mutex<()>,
+    credential: Option<Credential>,
     /// The last snapshot fetched, enforced locally while the endpoint is away.
     local: Engine<Arc<MemoryStore>>,
     metrics: Arc<SidecarMetrics>,
@@ -177,7 +213,9 @@ impl Decider {
             namespace: config.namespace.clone(),
             labels: config.labels.clone(),
             breaker: Breaker::new(BreakerConfig::default()),
-            header_filter: ArcSwap::from_pointee(HeaderFilter::All),
+            header_filter: ArcSwap::from_pointee(HeaderFilter::Unknown),
+            first_snapshot: tokio::sync::Mutex::new(()),
+            credential: config.token_file.clone().map(Credential::new),
             local: Engine::new(store, clock, Arc::new(Metrics::new())),
             metrics,
         }
@@ -188,20 +226,63 @@ impl Decider {
         self.local.store().clone()
     }
 
-    /// The request headers a check should carry, lower-case names, repeated values joined.
-    pub fn check_headers(&self, headers: &HeaderMap) -> BTreeMap<String, String> {
+    /// The request headers a check should carry, lower-case names, repeated values joined; `None`
+    /// while no snapshot has said which (the first one is fetched here, once, within the endpoint
+    /// timeout).
+    pub async fn check_headers(&self, headers: &HeaderMap) -> Option<BTreeMap<String, String>> {
+        if matches!(**self.header_filter.load(), HeaderFilter::Unknown) {
+            let _one = self.first_snapshot.lock().await;
+            // Behind the breaker like a check: a dead endpoint costs five waits, not one per request.
+            if matches!(**self.header_filter.load(), HeaderFilter::Unknown)
+                && let Some(permit) = self.breaker.try_acquire(Instant::now())
+            {
+                let fetched = tokio::time::timeout(self.timeout, self.fetch_snapshot(None))
+                    .await
+                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)));
+                match fetched {
+                    Ok(_) => permit.success(Instant::now()),
+                    Err(error) => {
+                        permit.failure(Instant::now());
+                        tracing::debug!(%error, "first snapshot not available");
+                    }
+                }
+                let open = self.breaker.state(Instant::now()) != crate::store::breaker::BreakerState::Closed;
+                self.metrics.breaker_open.set(i64::from(open));
+            }
+        }
+        let filter = self.header_filter.load();
+        let HeaderFilter::Only(names) = &**filter else { return None };
         let mut out = BTreeMap::new();
-        let mut add = |name: &HeaderName| {
+        for name in names {
             let values: Vec<&str> = headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
             if !values.is_empty() {
                 out.insert(name.as_str().to_string(), values.join(", "));
             }
-        };
-        match &**self.header_filter.load() {
-            HeaderFilter::All => headers.keys().for_each(&mut add),
-            HeaderFilter::Only(names) => names.iter().for_each(&mut add),
         }
-        out
+        Some(out)
+    }
+
+    /// The decision for a request that could not be put to the endpoint (no snapshot yet says
+    /// what a check must carry): `--on-endpoint-failure`.
+    pub fn undecidable(&self) -> Decision {
+        self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: "no_snapshot" }).inc();
+        let decision = self.failure_mode();
+        self.count(Source::FailureMode, &decision);
+        decision
+    }
+
+    fn failure_mode(&self) -> Decision {
+        match self.on_failure {
+            OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new() },
+            OnFailure::Deny => Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new() },
+        }
+    }
+
+    fn authorize(&self, request: http::request::Builder) -> http::request::Builder {
+        match self.credential.as_ref().and_then(|c| c.value.load_full()) {
+            Some(value) => request.header(crate::server::auth::AUTHORIZATION_HEADER, (*value).clone()),
+            None => request,
+        }
     }
 
     pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
@@ -254,7 +335,8 @@ impl Decider {
 
     async fn ask(&self, input: &CheckInput<'_>) -> Result<Decision, EndpointError> {
         let body = serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(e.to_string()))?;
-        let request = Request::post(self.check_uri.clone())
+        let request = self
+            .authorize(Request::post(self.check_uri.clone()))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| EndpointError::Rejected(e.to_string()))?;
@@ -299,11 +381,7 @@ impl Decider {
             };
             return (Source::Local, from_engine(self.local.check(&view).await));
         }
-        let decision = match self.on_failure {
-            OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new() },
-            OnFailure::Deny => Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new() },
-        };
-        (Source::FailureMode, decision)
+        (Source::FailureMode, self.failure_mode())
     }
 
     /// Polls `GET /v1/snapshot` (If-None-Match, so an unchanged snapshot costs a 304) until
@@ -317,6 +395,9 @@ impl Decider {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+            if let Some(credential) = &self.credential {
+                credential.refresh();
             }
             // A snapshot can be large; give it more time than a check but never hang the loop.
             let fetch = tokio::time::timeout(interval.max(Duration::from_secs(2)), self.fetch_snapshot(etag.clone()));
@@ -339,7 +420,7 @@ impl Decider {
 
     /// `Ok(Some(etag))` after installing a new snapshot, `Ok(None)` when unchanged.
     async fn fetch_snapshot(&self, etag: Option<HeaderValue>) -> Result<Option<HeaderValue>, String> {
-        let mut request = Request::get(self.snapshot_uri.clone());
+        let mut request = self.authorize(Request::get(self.snapshot_uri.clone()));
         if let Some(etag) = &etag {
             request = request.header(IF_NONE_MATCH, etag.clone());
         }

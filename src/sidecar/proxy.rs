@@ -55,17 +55,20 @@ impl Proxy {
     pub async fn handle(&self, peer: SocketAddr, mut request: Request<Incoming>) -> Response<ProxyBody> {
         let client_ip = forwarded::client_ip(request.headers(), peer.ip(), self.trusted_hops);
         let host = request_host(&request);
-        let decision = {
-            let input = CheckInput {
-                namespace: &self.decider.namespace,
-                labels: &self.decider.labels,
-                method: request.method().as_str(),
-                path: request.uri().path(),
-                host: host.as_deref(),
-                client_ip,
-                headers: self.decider.check_headers(request.headers()),
-            };
-            self.decider.decide(&input).await
+        let decision = match self.decider.check_headers(request.headers()).await {
+            Some(headers) => {
+                let input = CheckInput {
+                    namespace: &self.decider.namespace,
+                    labels: &self.decider.labels,
+                    method: request.method().as_str(),
+                    path: request.uri().path(),
+                    host: host.as_deref(),
+                    client_ip,
+                    headers,
+                };
+                self.decider.decide(&input).await
+            }
+            None => self.decider.undecidable(),
         };
         let (delay, rate_headers) = match decision {
             Decision::Deny { retry_after_secs, headers } => {
