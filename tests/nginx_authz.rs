@@ -30,7 +30,14 @@ spec:
       key: [{header: X-API-Key}]
       algorithm: fixedWindow
       limit: {requests: 2, per: 1h}
+    - name: per-client
+      match: {paths: [{prefix: /by-client}]}
+      key: [{clientIP: true}]
+      algorithm: fixedWindow
+      limit: {requests: 2, per: 1h}
 "#;
+
+const GATEWAY_TOKEN: &str = "nginx-gateway-token-0123456789";
 
 struct Nginx(Child);
 
@@ -55,7 +62,8 @@ fn start_nginx(prefix: &Path, endpoint: SocketAddr, app: SocketAddr, port: u16) 
     let site = example
         .replace("127.0.0.1:8080", &endpoint.to_string())
         .replace("127.0.0.1:3000", &app.to_string())
-        .replace("listen 127.0.0.1:8000", &format!("listen 127.0.0.1:{port}"));
+        .replace("listen 127.0.0.1:8000", &format!("listen 127.0.0.1:{port}"))
+        .replace("CHANGE-ME-gateway-token", GATEWAY_TOKEN);
     assert_ne!(site, example, "the example's addresses changed; update this test");
     std::fs::write(prefix.join("sluice.conf"), site).unwrap();
     let p = prefix.display();
@@ -89,8 +97,16 @@ fn start_nginx(prefix: &Path, endpoint: SocketAddr, app: SocketAddr, port: u16) 
     nginx
 }
 
-#[tokio::test]
-async fn nginx_auth_request_answers_429_with_retry_after() {
+/// The app (counting hits), `sluice serve` with the gateway token, and nginx in front.
+struct Site {
+    hits: Arc<AtomicUsize>,
+    url: String,
+    _serve: SluiceProcess,
+    _nginx: Nginx,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+async fn site() -> Site {
     let hits = Arc::new(AtomicUsize::new(0));
     let app = Router::new()
         .fallback(any(|State(hits): State<Arc<AtomicUsize>>| async move {
@@ -105,13 +121,29 @@ async fn nginx_auth_request_answers_429_with_retry_after() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("policies.yaml"), POLICY).unwrap();
     let policies = dir.path().join("policies.yaml");
-    let serve = SluiceProcess::start(&["serve", "--policies", policies.to_str().unwrap(), "--listen", "127.0.0.1:0"]);
+    let tokens = dir.path().join("tokens.yaml");
+    std::fs::write(&tokens, format!("tokens: [{{name: nginx, token: {GATEWAY_TOKEN}, gateway: true}}]\n")).unwrap();
+    let serve = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        policies.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
     let prefix = tempfile::tempdir().unwrap();
     let port = free_port();
-    let _nginx = start_nginx(prefix.path(), serve.addr, app_addr, port);
+    let nginx = start_nginx(prefix.path(), serve.addr, app_addr, port);
+    Site { hits, url: format!("http://127.0.0.1:{port}"), _serve: serve, _nginx: nginx, _dirs: (dir, prefix) }
+}
 
+#[tokio::test]
+async fn nginx_auth_request_answers_429_with_retry_after() {
+    let site = site().await;
+    let hits = site.hits.clone();
     let c = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
-    let url = format!("http://127.0.0.1:{port}/orders/7?x=1");
+    let url = format!("{}/orders/7?x=1", site.url);
     let post = || c.post(&url).header("x-api-key", "nginx-key").body("{}").send();
     for remaining in ["1", "0"] {
         let r = post().await.unwrap();
@@ -136,4 +168,26 @@ async fn nginx_auth_request_answers_429_with_retry_after() {
     let get = c.get(&url).header("x-api-key", "nginx-key").send().await.unwrap();
     assert_eq!(get.status(), 200);
     assert_eq!(hits.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_client_cannot_lower_its_cost_or_pick_its_address_through_nginx() {
+    let site = site().await;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+    let url = format!("{}/by-client", site.url);
+    let mut statuses = Vec::new();
+    for forged in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+        let r = c
+            .get(&url)
+            .header("x-sluice-cost", "0")
+            .header("x-envoy-external-address", forged)
+            .header("x-forwarded-for", forged)
+            .header("x-sluice-namespace", "someone-else")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429], "2 per client address: nginx names the real one, at cost 1");
+    assert_eq!(site.hits.load(Ordering::SeqCst), 2);
 }
