@@ -10,6 +10,7 @@
 #                                         (user "sluice-operator", no groups: only what RBAC grants it);
 #                                         with PID, tear down by itself once that process is gone
 #   e2e/control-plane.sh stop DIR         stop what `start DIR` started
+#   e2e/control-plane.sh helm             build (or reuse) helm; print its path
 #
 # Binaries are built from the Go module proxy and cached OUTSIDE the checkout, keyed by version, in
 # ${SLUICE_CACHE:-$HOME/.cache/sluice}/k8s-<version>/bin (GOMODCACHE and GOCACHE are Go's own, so a
@@ -18,6 +19,7 @@ set -euo pipefail
 
 K8S_VERSION="${SLUICE_K8S_VERSION:-v1.36.3}"   # k8s-openapi 0.29 supports 1.33–1.37
 ETCD_VERSION="${SLUICE_ETCD_VERSION:-v3.6.16}"
+HELM_VERSION="${SLUICE_HELM_VERSION:-v3.22.0}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 OUT="$CACHE/k8s-$K8S_VERSION"
 BIN="$OUT/bin"
@@ -78,6 +80,18 @@ EOF
   go mod tidy >/dev/null
   CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3
   mv "$BIN/etcd.tmp" "$BIN/etcd"
+}
+
+# helm renders the chart for scripts/test.sh's check of charts/sluice/rendered/; `go install` of
+# its main package works from the module proxy (no replace lines).
+cmd_helm() {
+  local dir="$CACHE/helm-$HELM_VERSION"
+  if [ ! -x "$dir/helm" ]; then
+    log "building helm $HELM_VERSION (cold: a few minutes)"
+    mkdir -p "$dir"
+    GOBIN="$dir" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  fi
+  echo "$dir/helm"
 }
 
 cmd_build() {
@@ -204,5 +218,6 @@ case "${1:-}" in
   start) shift; cmd_start "$@" ;;
   stop) shift; cmd_stop "$@" ;;
   bin-dir) echo "$BIN" ;;
-  *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir" >&2; exit 2 ;;
+  helm) cmd_helm ;;
+  *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir | helm" >&2; exit 2 ;;
 esac

@@ -30,6 +30,15 @@ echo "==> generated files"
 # The chart ships a copy of the CRD; `sluice crd` output itself is checked by tests/crd_generated.rs.
 cmp crds/ratelimitpolicy.yaml charts/sluice/crds/ratelimitpolicy.yaml \
   || { echo "charts/sluice/crds/ratelimitpolicy.yaml differs from crds/: copy it over"; exit 1; }
+# The committed render of the chart's defaults is what the templates produce.
+helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
+"$helm" lint charts/sluice --strict >/dev/null
+"$helm" template sluice charts/sluice --namespace sluice-system --kube-version v1.36.3 \
+  | diff -u charts/sluice/rendered/default.yaml - \
+  || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
+
+echo "==> formatting"
+cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
 
 echo "==> benchmarks compile"
 cargo check --locked --benches --examples --quiet

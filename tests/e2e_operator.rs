@@ -26,15 +26,9 @@ fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
 }
 
-/// The control plane, or None (with the reason printed) when it cannot be built here.
-fn cluster() -> Option<&'static ControlPlane> {
-    match control_plane() {
-        Ok(cp) => Some(cp),
-        Err(reason) => {
-            eprintln!("SKIPPED: no control plane: {reason}");
-            None
-        }
-    }
+/// The control plane; the README test command builds it, so its absence fails the test.
+fn cluster() -> &'static ControlPlane {
+    control_plane().unwrap_or_else(|reason| panic!("no control plane: {reason} (scripts/test.sh builds it)"))
 }
 
 async fn namespace(client: &Client, name: &str, labels: Value) {
@@ -106,7 +100,7 @@ async fn ready(http: &reqwest::Client, op: &Operator) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valid_policies_are_accepted_and_enforced_invalid_ones_rejected() {
-    let Some(cp) = cluster() else { return };
+    let cp = cluster();
     let client = cp.client().await;
     let ns = "e2e-status";
     namespace(&client, ns, json!({})).await;
@@ -152,7 +146,7 @@ async fn valid_policies_are_accepted_and_enforced_invalid_ones_rejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cel_refuses_invalid_policies_with_messages() {
-    let Some(cp) = cluster() else { return };
+    let cp = cluster();
     let client = cp.client().await;
     let ns = "e2e-cel";
     namespace(&client, ns, json!({})).await;
@@ -202,7 +196,7 @@ async fn reporters(client: &Client, ns: &str, policy: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
-    let Some(cp) = cluster() else { return };
+    let cp = cluster();
     let client = cp.client().await;
     let ns = "e2e-leader";
     namespace(&client, ns, json!({})).await;
@@ -288,7 +282,7 @@ async fn one_leader_writes_status_and_a_killed_leader_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_change_reaches_both_replicas_quickly() {
-    let Some(cp) = cluster() else { return };
+    let cp = cluster();
     let client = cp.client().await;
     let ns = "e2e-latency";
     namespace(&client, ns, json!({})).await;
@@ -327,13 +321,13 @@ async fn a_policy_change_reaches_both_replicas_quickly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
-    let Some(cp) = cluster() else { return };
-    if std::env::var_os("SLUICE_E2E_KUBECONFIG").is_some() {
-        // The webhooks are registered at https://127.0.0.1:<port>, reachable only by an API server
-        // on this machine; a kind cluster reaches them through the chart's Service instead.
-        eprintln!("SKIPPED: webhook e2e needs the local control plane");
-        return;
-    }
+    let cp = cluster();
+    // The webhooks are registered at https://127.0.0.1:<port>, reachable only by an API server
+    // on this machine; a kind cluster reaches them through the chart's Service instead.
+    assert!(
+        std::env::var_os("SLUICE_E2E_KUBECONFIG").is_none(),
+        "this test needs the local control plane: unset SLUICE_E2E_KUBECONFIG or run it with --skip webhooks"
+    );
     let client = cp.client().await;
     let ns = "e2e-webhook";
     namespace(&client, ns, json!({"sluice-e2e": "webhook"})).await;
@@ -368,6 +362,7 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         &cp.operator_kubeconfig,
         "webhook-1",
         &[
+            "--token-review=true",
             "--namespaces",
             ns,
             "--lease-name",
@@ -480,12 +475,19 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         injected.spec.as_ref().and_then(|s| s.containers.iter().find(|c| c.name == "sluice-sidecar").cloned());
     let sidecar = sidecar.unwrap_or_else(|| panic!("no sidecar in {:?}; operator logs:\n{}", injected.spec, op.logs()));
     assert_eq!(sidecar.image.as_deref(), Some("sluice:e2e"));
+    // The API server accepted the projected, audience-bound token the sidecar presents.
+    let volumes = injected.spec.as_ref().and_then(|s| s.volumes.clone()).unwrap_or_default();
+    let token = volumes.iter().find(|v| v.name == "sluice-token").expect("token volume");
+    let projection = token.projected.as_ref().and_then(|p| p.sources.as_ref()).and_then(|s| s.first()).cloned();
+    let audience = projection.and_then(|p| p.service_account_token).and_then(|t| t.audience);
+    assert_eq!(audience.as_deref(), Some("sluice"));
+    assert!(sidecar.env.iter().flatten().any(|e| e.name == "SLUICE_TOKEN_FILE"));
     assert_eq!(containers(pods.get("plain").await.expect("get")), ["app"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_gracefully_and_releases_the_lease() {
-    let Some(cp) = cluster() else { return };
+    let cp = cluster();
     let client = cp.client().await;
     let ns = "e2e-release";
     namespace(&client, ns, json!({})).await;

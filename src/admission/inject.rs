@@ -131,6 +131,15 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
         path: PointerBuf::from_tokens(["spec", "containers", "-"]),
         value: serde_json::to_value(container).ok()?,
     })];
+    // A projected ServiceAccount token needs a named ServiceAccount. The API server's
+    // ServiceAccount admission plugin names `default` before webhooks run; where it is off, say
+    // what it would have.
+    if config.token_audience.is_some() && spec.service_account_name.as_deref().is_none_or(str::is_empty) {
+        ops.push(PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(["spec", "serviceAccountName"]),
+            value: serde_json::Value::String("default".into()),
+        }));
+    }
     // JSON patch cannot append to an array that does not exist: create it when absent.
     match &spec.volumes {
         Some(v) if !v.is_empty() => {
