@@ -5,7 +5,8 @@
 
 use std::fmt;
 
-use regex::{Regex, RegexBuilder};
+use regex_automata::meta::{self, Regex};
+use regex_automata::util::syntax;
 
 use super::crd::{
     HeaderMatch, KeyPart, LimitSpec, MAX_KEY_PARTS, MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_RULES, Match,
@@ -18,7 +19,8 @@ const MAX_HEADER_NAME_LEN: usize = 256;
 const MAX_LITERAL_LEN: usize = 256;
 const MAX_DURATION_LEN: usize = 32;
 
-/// Compiled-program size cap for user regexes, so a policy cannot make matching slow or big.
+/// Size cap for user regexes (each compiled NFA and each lazy DFA cache), so a policy cannot make
+/// matching slow or big.
 const REGEX_SIZE_LIMIT: usize = 256 * 1024;
 
 /// One problem in a policy, at a field path such as `spec.rules[1].limit.per`.
@@ -367,18 +369,29 @@ fn check_host_pattern(host: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Compiles a user regex anchored to the whole input, with a size cap.
+/// Compiles a user regex anchored to the whole input, with a size cap. The configuration is
+/// what `regex::RegexBuilder` uses for `&str` (UTF-8, leftmost-first), so matching is `regex`'s;
+/// unlike `regex::Regex`, the result reports its compiled size (`memory_usage()`).
 pub(crate) fn compile_regex(pattern: &str) -> Result<Regex, String> {
     if pattern.len() > MAX_PATTERN_LEN {
         return Err(format!("at most {MAX_PATTERN_LEN} characters"));
     }
-    RegexBuilder::new(&format!("^(?:{pattern})$"))
-        .size_limit(REGEX_SIZE_LIMIT)
-        .dfa_size_limit(REGEX_SIZE_LIMIT)
-        .build()
-        .map_err(|e| match e {
-            regex::Error::CompiledTooBig(_) => format!("regex {pattern:?} is too complex"),
-            other => format!("invalid regex {pattern:?}: {}", one_line(&other.to_string())),
+    let config = meta::Config::new()
+        .match_kind(regex_automata::MatchKind::LeftmostFirst)
+        .utf8_empty(true)
+        .nfa_size_limit(Some(REGEX_SIZE_LIMIT))
+        .hybrid_cache_capacity(REGEX_SIZE_LIMIT);
+    meta::Builder::new()
+        .configure(config)
+        .syntax(syntax::Config::new().utf8(true))
+        .build(&format!("^(?:{pattern})$"))
+        .map_err(|e| {
+            if e.size_limit().is_some() {
+                format!("regex {pattern:?} is too complex")
+            } else {
+                let detail = e.syntax_error().map_or_else(|| e.to_string(), ToString::to_string);
+                format!("invalid regex {pattern:?}: {}", one_line(&detail))
+            }
         })
 }
 
