@@ -76,3 +76,44 @@ fn each_cel_rule_catches_its_mistake() {
     }
     assert_eq!(cel_errors(&rule("    key: [{header: X-Key, missing: skip}, {clientIP: true}]\n    cost: 10\n")), "");
 }
+
+/// The budgets CEL can count: slidingWindowLog requests per window and regexes per policy
+/// (their compiled size only the webhook measures).
+#[test]
+fn cel_enforces_the_budgets_it_can_count() {
+    let log = |requests: u64| {
+        format!(
+            "  rules:\n  - {{name: a, algorithm: gcra, limit: {{requests: 5, per: 1s}}}}\n  - {{name: b, algorithm: fixedWindow, limit: {{requests: 5, per: 1s}}}}\n  - {{name: log, algorithm: slidingWindowLog, limit: {{requests: {requests}, per: 1m}}}}\n"
+        )
+    };
+    assert_eq!(cel_errors(&log(1000)), "");
+    let errors = cel_errors(&log(1001));
+    assert!(
+        errors.contains(
+            "slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits"
+        ) && errors.contains("spec.rules[2].limit.requests"),
+        "{errors}"
+    );
+    assert_eq!(
+        cel_errors("  rules:\n  - {name: c, algorithm: slidingWindowCounter, limit: {requests: 1000000, per: 1h}}\n"),
+        ""
+    );
+
+    // 32 path regexes and 32 header regexes in one rule: 64, the budget; one more rule with one
+    // regex (beside an exact path, which does not count) is over it.
+    let paths = vec![r#"{regex: "/a[0-9]+"}"#; 32].join(", ");
+    let headers = vec![r#"{name: x, regex: "a[0-9]+"}"#; 32].join(", ");
+    let full = format!(
+        "  rules:\n  - {{name: a, algorithm: gcra, limit: {{requests: 5, per: 1s}}, match: {{paths: [{paths}], headers: [{headers}]}}}}\n  - {{name: b, algorithm: gcra, limit: {{requests: 5, per: 1s}}}}\n"
+    );
+    assert_eq!(cel_errors(&full), "");
+    let over = format!(
+        "{full}  - {{name: c, algorithm: gcra, limit: {{requests: 5, per: 1s}}, match: {{paths: [{{exact: /x}}, {{regex: \"/b\"}}]}}}}\n"
+    );
+    let errors = cel_errors(&over);
+    assert!(
+        errors.contains("at most 64 regexes per policy (match.paths and match.headers of all rules together)")
+            && errors.contains("spec.rules"),
+        "{errors}"
+    );
+}

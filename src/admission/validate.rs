@@ -78,6 +78,27 @@ mod tests {
     }
 
     #[test]
+    fn over_budget_policies_are_denied_naming_the_field() {
+        let mut log = policy("a", "x", "r", "1m");
+        log.spec.rules[0].algorithm = crate::algorithm::Algorithm::SlidingWindowLog;
+        log.spec.rules[0].limit.requests = 1001;
+        let denial = review(&log, "ns", &[]).denial.expect("denied");
+        assert_eq!(
+            denial,
+            "spec.rules[0].limit.requests: slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits"
+        );
+        let mut regexes = policy("a", "x", "r", "1m");
+        let path = crate::policy::PathMatch { regex: Some("/a[0-9]+".into()), ..Default::default() };
+        regexes.spec.rules[0].matches = Some(crate::policy::Match { paths: vec![path; 32], ..Default::default() });
+        let mut second = regexes.spec.rules[0].clone();
+        second.name = "s".into();
+        regexes.spec.rules.extend([second.clone(), second]);
+        regexes.spec.rules[2].name = "t".into();
+        let denial = review(&regexes, "ns", &[]).denial.expect("denied");
+        assert!(denial.starts_with("spec.rules: at most 64 regexes per policy"), "{denial}");
+    }
+
+    #[test]
     fn same_selector_and_rule_name_conflict() {
         let others = [policy("b", "x", "r", "1s")];
         let denial = review(&policy("a", "x", "r", "1s"), "ns", &others).denial.expect("denied");

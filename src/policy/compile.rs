@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use regex::Regex;
+use regex_automata::meta::Regex;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 

@@ -9,16 +9,33 @@ use kube::core::Rule as CelRule;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, LimitError, MAX_LOG_REQUESTS, MAX_REQUESTS};
 use crate::store::FailureMode;
 
 /// Bounds that keep every CEL rule's estimated cost within the API server's budget, and a
-/// policy small enough to read.
+/// policy small enough to read. The schema attributes below use these constants, so the CRD
+/// and [`super::validate`] enforce the same numbers.
 pub const MAX_RULES: usize = 64;
 pub const MAX_MATCH_ITEMS: usize = 32;
 pub const MAX_KEY_PARTS: usize = 8;
 pub const MAX_PATTERN_LEN: usize = 1024;
 pub const MAX_NAME_LEN: usize = 63;
+pub const MAX_HEADER_NAME_LEN: usize = 256;
+pub const MAX_LITERAL_LEN: usize = 256;
+pub const MAX_DURATION_LEN: usize = 32;
+
+/// Budget per policy: regexes (`match.paths[].regex` and `match.headers[].regex` of all rules
+/// together). Every regex is compiled by the webhook, every replica and every sidecar, and
+/// each request a rule sees runs its regexes. The CRD's CEL enforces the count; only
+/// [`super::validate`] (webhook, compile, `sluice serve`) can measure the compiled size.
+pub const MAX_REGEXES_PER_POLICY: usize = 64;
+/// Budget per policy: the sum of the compiled sizes (`regex_automata::meta::Regex::memory_usage`)
+/// of all its regexes.
+pub const MAX_REGEX_BYTES_PER_POLICY: usize = 1 << 20;
+/// Per regex: each of its compiled NFAs (what `regex` calls `size_limit`) and each of its lazy DFA
+/// caches (allocated as matching needs them, one forward and one reverse per matching thread) at
+/// most this size.
+pub const MAX_REGEX_BYTES: usize = 256 * 1024;
 
 /// Regex (RE2 syntax, as CEL `matches` uses) of the duration syntax `crate::duration::parse_duration`
 /// accepts, minus the oddities it tolerates (such as `1.s`).
@@ -30,6 +47,33 @@ fn duration_rule(field: &str) -> CelRule {
     let pattern = DURATION_PATTERN.replace('\\', "\\\\");
     CelRule::new(format!("self.matches('{pattern}')"))
         .message(kube::core::Message::Message(format!("{field} must be a duration such as 1s, 500ms, 1m or 1h")))
+}
+
+/// CEL: a slidingWindowLog rule allows at most [`MAX_LOG_REQUESTS`] requests per window, with the
+/// message `validate` gives (reported at `spec.rules[i].limit.requests`).
+fn log_cap_rule() -> CelRule {
+    CelRule::new(format!("self.algorithm != 'slidingWindowLog' || self.limit.requests <= {MAX_LOG_REQUESTS}"))
+        .message(kube::core::Message::Message(LimitError::LogTooLong.to_string()))
+        .field_path(".limit.requests")
+}
+
+/// The message of the regex count budget, shared by CEL and `validate`.
+pub(crate) fn regex_count_message() -> String {
+    format!("at most {MAX_REGEXES_PER_POLICY} regexes per policy (match.paths and match.headers of all rules together)")
+}
+
+/// CEL: at most [`MAX_REGEXES_PER_POLICY`] regexes in the policy (reported at `spec.rules`).
+fn regex_count_rule() -> CelRule {
+    let count = |list: &str, var: &str| {
+        format!("(has(r.match.{list}) ? r.match.{list}.filter({var}, has({var}.regex)).size() : 0)")
+    };
+    CelRule::new(format!(
+        "self.rules.map(r, has(r.match) ? {} + {} : 0).sum() <= {MAX_REGEXES_PER_POLICY}",
+        count("paths", "p"),
+        count("headers", "h")
+    ))
+    .message(kube::core::Message::Message(regex_count_message()))
+    .field_path(".rules")
 }
 
 /// A RateLimitPolicy declares rate limits for the workloads of one namespace.
@@ -72,6 +116,7 @@ fn duration_rule(field: &str) -> CelRule {
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[x_kube(validation = CelRule::new("self.rules.all(r, self.rules.exists_one(s, s.name == r.name))").message("rule names must be unique within a policy"))]
+#[x_kube(validation = regex_count_rule())]
 #[serde(rename_all = "camelCase")]
 pub struct RateLimitPolicySpec {
     /// Which workloads (pods, by their labels) of this namespace the policy applies to, as a
@@ -83,8 +128,14 @@ pub struct RateLimitPolicySpec {
     pub selector: Option<LabelSelector>,
 
     /// The limits. Each rule counts the requests it matches, separately for each distinct key
-    /// (for example per API key or per client IP). At least one rule; names unique.
-    #[schemars(length(min = 1, max = 64))]
+    /// (for example per API key or per client IP). At least one rule, at most 64; names unique.
+    ///
+    /// Budget per policy, so that one policy cannot burden the shared system: at most 64 rules;
+    /// at most 64 regexes (match.paths and match.headers of all rules together), compiled to at
+    /// most 1 MiB in total and 256 KiB each; slidingWindowLog at most 1000 requests per window.
+    /// The regex sizes are measured by the admission webhook (and `sluice serve`), not by the
+    /// schema.
+    #[schemars(length(min = 1, max = MAX_RULES))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub rules: Vec<PolicyRule>,
 }
@@ -95,13 +146,14 @@ pub struct RateLimitPolicySpec {
 #[x_kube(validation = CelRule::new("!has(self.limit.burst) || self.algorithm in ['tokenBucket', 'gcra', 'leakyBucket']").message("limit.burst is only used by tokenBucket, gcra and leakyBucket"))]
 #[x_kube(validation = CelRule::new("!has(self.limit.maxDelay) || self.algorithm == 'leakyBucket'").message("limit.maxDelay is only used by leakyBucket"))]
 #[x_kube(validation = CelRule::new("!has(self.cost) || self.cost <= (has(self.limit.burst) ? self.limit.burst : self.limit.requests)").message("cost must not exceed limit.burst (or limit.requests when there is no burst): such a request could never be admitted"))]
+#[x_kube(validation = log_cap_rule())]
 #[serde(rename_all = "camelCase")]
 pub struct PolicyRule {
     /// Name of the rule, unique within the policy: lowercase letters, digits and '-', at most
     /// 63 characters, starting and ending with a letter or digit. Counters belong to the
     /// rule's identity (namespace, policy name, rule name): renaming a rule starts its counters
     /// afresh, editing its limit does not.
-    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[schemars(length(min = 1, max = MAX_NAME_LEN), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub name: String,
 
     /// Which requests the rule applies to. Every listed condition must hold (methods AND
@@ -117,15 +169,16 @@ pub struct PolicyRule {
     ///
     /// Example: `key: [{header: X-API-Key}]` counts each API key separately.
     #[serde(default)]
-    #[schemars(length(max = 8))]
+    #[schemars(length(max = MAX_KEY_PARTS))]
     pub key: Vec<KeyPart>,
 
     /// The algorithm that decides: tokenBucket (bursts up to `burst`, refill at
     /// requests/per), gcra (same decisions, one timestamp per key), leakyBucket (constant
     /// drain; with maxDelay it delays instead of rejecting), fixedWindow (requests per
     /// window aligned to the clock; up to twice the limit across a boundary),
-    /// slidingWindowLog (exact, memory grows with requests) or slidingWindowCounter
-    /// (weighted estimate of the trailing window, two counters per key).
+    /// slidingWindowLog (exact; keeps one entry per admitted request and reads them all on
+    /// each decision, so at most 1000 requests per window) or slidingWindowCounter (weighted
+    /// estimate of the trailing window, two counters per key, any limit).
     pub algorithm: Algorithm,
 
     /// How many requests are allowed per period.
@@ -135,7 +188,7 @@ pub struct PolicyRule {
     /// example set by the caller of the check API) is multiplied by this. 0 counts nothing
     /// (the rule only observes). Default 1. Must not exceed burst (or requests).
     #[serde(default = "default_cost")]
-    #[schemars(range(min = 0, max = 4294967295u64))]
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
     pub cost: u64,
 
     /// `enforce` (default): requests over the limit are refused with 429. `shadow`: the rule
@@ -181,29 +234,31 @@ impl Mode {
 pub struct Match {
     /// HTTP methods (case-insensitive), e.g. `[GET, HEAD]`. Empty: any method.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub methods: Vec<String>,
 
     /// Request paths; any entry may match. The query string is ignored. Each entry has exactly
     /// one of `exact` (the whole path), `prefix` (whole path segments: `/orders` matches
     /// `/orders` and `/orders/1`, not `/ordersX`; `/` matches everything) or `regex` (RE2
-    /// syntax, must match the whole path). Empty: any path.
+    /// syntax, must match the whole path; counts against the policy's regex budget, see
+    /// `spec.rules`). Empty: any path.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub paths: Vec<PathMatch>,
 
     /// Host names (case-insensitive, port ignored): exact such as `api.example.com`, or a
     /// wildcard `*.example.com` matching any name below example.com (not example.com itself).
     /// Empty: any host.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub hosts: Vec<String>,
 
     /// Request headers that must all match. Each has a `name` (case-insensitive) and exactly
     /// one of `exact`, `prefix`, `regex` (RE2, whole value) or `present` (true: the header is
-    /// sent, with any value; false: it is not sent).
+    /// sent, with any value; false: it is not sent). Regexes count against the policy's regex
+    /// budget (see `spec.rules`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub headers: Vec<HeaderMatch>,
 }
 
@@ -214,16 +269,18 @@ pub struct Match {
 pub struct PathMatch {
     /// The whole path, e.g. `/healthz`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub exact: Option<String>,
     /// A path prefix matched by whole segments, e.g. `/orders` (matches `/orders/1`, not
     /// `/ordersX`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub prefix: Option<String>,
     /// An RE2 regular expression that must match the whole path, e.g. `/users/[0-9]+/orders`.
+    /// At most 1024 characters and 256 KiB compiled; a policy's regexes together at most 64
+    /// and 1 MiB compiled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub regex: Option<String>,
 }
 
@@ -233,19 +290,20 @@ pub struct PathMatch {
 #[serde(rename_all = "camelCase")]
 pub struct HeaderMatch {
     /// Header name, case-insensitive, e.g. `X-Tenant`.
-    #[schemars(length(min = 1, max = 256))]
+    #[schemars(length(min = 1, max = MAX_HEADER_NAME_LEN))]
     pub name: String,
     /// The whole value, compared exactly (case-sensitive).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub exact: Option<String>,
     /// The start of the value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub prefix: Option<String>,
-    /// An RE2 regular expression that must match the whole value.
+    /// An RE2 regular expression that must match the whole value. At most 1024 characters and
+    /// 256 KiB compiled; a policy's regexes together at most 64 and 1 MiB compiled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
     pub regex: Option<String>,
     /// true: the header must be sent (any value); false: it must not be sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -261,7 +319,7 @@ pub struct HeaderMatch {
 pub struct KeyPart {
     /// The value of this request header (as sent), e.g. `header: X-API-Key`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 256))]
+    #[schemars(length(min = 1, max = MAX_HEADER_NAME_LEN))]
     pub header: Option<String>,
     /// `clientIP: true`: the client's IP address.
     #[serde(default, rename = "clientIP", skip_serializing_if = "Option::is_none")]
@@ -281,7 +339,7 @@ pub struct KeyPart {
     pub host: Option<bool>,
     /// A fixed text, e.g. to keep counters of two rules apart by name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = MAX_LITERAL_LEN))]
     pub literal: Option<String>,
     /// For header and clientIP parts, what happens to a request without that value: `share`
     /// (default) counts all such requests under one shared key, so leaving the header out is
@@ -308,27 +366,29 @@ pub enum Missing {
 #[serde(rename_all = "camelCase")]
 pub struct LimitSpec {
     /// Requests allowed per `per` (the refill or drain rate for the bucket algorithms, the
-    /// window quota for the window algorithms). At least 1.
-    #[schemars(range(min = 0, max = 4294967295u64))]
+    /// window quota for the window algorithms). At least 1, at most 4294967295;
+    /// slidingWindowLog: at most 1000 (it keeps and reads one entry per admitted request; use
+    /// slidingWindowCounter for larger limits).
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
     pub requests: u64,
 
     /// The period, a duration such as `1s`, `500ms`, `1m`, `1h`, `1d` or `1m30s`; a whole number
     /// of milliseconds between 1ms and 366d.
     #[x_kube(validation = duration_rule("per"))]
-    #[schemars(length(min = 1, max = 32))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
     pub per: String,
 
     /// tokenBucket and gcra: the most requests admitted at once (bucket capacity); leakyBucket:
     /// the queue size. Default: `requests`. Not allowed for the window algorithms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0, max = 4294967295u64))]
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
     pub burst: Option<u64>,
 
     /// leakyBucket only: instead of rejecting a request that does not fit right now, admit it
     /// with a delay of up to this duration (the caller waits: traffic shaping). Example: `2s`.
     #[x_kube(validation = duration_rule("maxDelay"))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 32))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
     pub max_delay: Option<String>,
 }
 

@@ -2,6 +2,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
 
+use super::crd::MAX_RULES;
 use super::*;
 
 fn policy(yaml: &str) -> RateLimitPolicy {
@@ -129,7 +130,7 @@ fn valid_policy_passes_and_warnings_flag_risks() {
         r#"  - name: by-path
     key: [{path: true}, {header: X-Key, missing: skip}]
     algorithm: slidingWindowLog
-    limit: {requests: 5000, per: 1h}
+    limit: {requests: 500, per: 1h}
 "#,
     );
     validate(&p).unwrap();
@@ -139,6 +140,176 @@ fn valid_policy_passes_and_warnings_flag_risks() {
     assert!(w.contains("leave the header out"), "{w}");
     assert!(w.contains("slidingWindowLog"), "{w}");
     assert!(warnings(&simple("ns", "p", 5)).is_empty());
+}
+
+// ---------- budgets ----------
+
+/// `n` rules named r0…, each `{algorithm: gcra, limit: {requests: 1, per: 1s}}` plus `extra`.
+fn rules(n: usize, extra: impl Fn(usize) -> String) -> String {
+    (0..n)
+        .map(|i| format!("  - {{name: r{i}, algorithm: gcra, limit: {{requests: 1, per: 1s}}{}}}\n", extra(i)))
+        .collect()
+}
+
+fn messages(p: &RateLimitPolicy) -> Vec<String> {
+    validate(p).err().map(|e| e.iter().map(ToString::to_string).collect()).unwrap_or_default()
+}
+
+#[test]
+fn sliding_window_log_is_capped_at_max_log_requests() {
+    use crate::algorithm::MAX_LOG_REQUESTS;
+    let log = |requests: u64, extra: &str| {
+        with_rules(
+            "ns",
+            "p",
+            &format!(
+                "{}  - {{name: log, algorithm: slidingWindowLog, limit: {{requests: {requests}, per: 1m{extra}}}}}\n",
+                rules(2, |_| String::new())
+            ),
+        )
+    };
+    assert_eq!(messages(&log(MAX_LOG_REQUESTS, "")), Vec::<String>::new());
+    assert_eq!(
+        messages(&log(MAX_LOG_REQUESTS + 1, "")),
+        [
+            "spec.rules[2].limit.requests: slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits"
+        ]
+    );
+    // burst is reported too, not hidden behind the cap.
+    let got = messages(&log(5000, ", burst: 5"));
+    assert!(got[0].starts_with("spec.rules[2].limit.burst: burst is only used"), "{got:?}");
+    assert!(got[1].starts_with("spec.rules[2].limit.requests: slidingWindowLog allows at most 1000"), "{got:?}");
+    // The alternative has no such cap, nor do the other algorithms.
+    for algorithm in ["slidingWindowCounter", "fixedWindow", "tokenBucket"] {
+        let p = with_rules(
+            "ns",
+            "p",
+            &format!("  - {{name: r, algorithm: {algorithm}, limit: {{requests: 1000000, per: 1h}}}}\n"),
+        );
+        assert_eq!(messages(&p), Vec::<String>::new(), "{algorithm}");
+    }
+}
+
+#[test]
+fn rules_are_capped_at_max_rules() {
+    assert_eq!(messages(&with_rules("ns", "p", &rules(MAX_RULES, |_| String::new()))), Vec::<String>::new());
+    assert_eq!(
+        messages(&with_rules("ns", "p", &rules(MAX_RULES + 1, |_| String::new()))),
+        ["spec.rules: at most 64 rules, got 65"]
+    );
+}
+
+#[test]
+fn regexes_are_capped_at_max_regexes_per_policy() {
+    // 32 path regexes in rule 0, 32 header regexes in rule 1: 64, the budget.
+    let paths = format!(", match: {{paths: [{}]}}", vec![r#"{regex: "/a[0-9]+"}"#; 32].join(", "));
+    let headers = format!(", match: {{headers: [{}]}}", vec![r#"{name: x, regex: "a[0-9]+"}"#; 32].join(", "));
+    let policy = |extra_rules: usize| {
+        with_rules(
+            "ns",
+            "p",
+            &rules(2 + extra_rules, |i| match i {
+                0 => paths.clone(),
+                1 => headers.clone(),
+                _ => r#", match: {paths: [{prefix: /b}, {regex: "/b[0-9]+"}]}"#.into(),
+            }),
+        )
+    };
+    assert_eq!(messages(&policy(0)), Vec::<String>::new());
+    assert_eq!(
+        messages(&policy(2)),
+        [
+            "spec.rules: at most 64 regexes per policy (match.paths and match.headers of all rules together), got 66 (the first over the budget: spec.rules[2].match.paths[1].regex)"
+        ]
+    );
+}
+
+#[test]
+fn compiled_regex_size_is_capped_per_policy() {
+    use super::crd::{MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY};
+    // A large regex (the Unicode class \w is big), and how many of them fit in the budget.
+    let big = r"\w{4}";
+    let size = super::validate::compile_regex(big).expect("compiles").memory_usage();
+    assert!(size <= MAX_REGEX_BYTES && size > MAX_REGEX_BYTES_PER_POLICY / 8, "{size}");
+    let fit = MAX_REGEX_BYTES_PER_POLICY / size;
+    let policy = |n: usize| {
+        let headers = vec![format!(r#"{{name: x, regex: "{}"}}"#, big.replace('\\', "\\\\")); n].join(", ");
+        with_rules(
+            "ns",
+            "p",
+            &format!(
+                "  - {{name: r, algorithm: gcra, limit: {{requests: 1, per: 1s}}, match: {{headers: [{headers}]}}}}\n"
+            ),
+        )
+    };
+    assert_eq!(messages(&policy(fit)), Vec::<String>::new());
+    let errs = validate(&policy(fit + 1)).unwrap_err();
+    assert_eq!(paths(&errs), [format!("spec.rules[0].match.headers[{fit}].regex")], "{errs}");
+    let text = errs.to_string();
+    assert!(
+        text.contains(&format!(
+            "the policy's regexes take {} bytes compiled, over the budget of 1 MiB (1048576 bytes) per policy; this one ({size} bytes) is the first over it",
+            size * (fit + 1)
+        )),
+        "{text}"
+    );
+    // The same regexes spread over rules and paths count together.
+    let spread = with_rules(
+        "ns",
+        "p",
+        &rules(fit + 1, |_| format!(r#", match: {{paths: [{{regex: "/{}"}}]}}"#, big.replace('\\', "\\\\"))),
+    );
+    assert_eq!(paths(&validate(&spread).unwrap_err()), [format!("spec.rules[{fit}].match.paths[0].regex")]);
+    // One regex over the per-regex limit is refused on its own.
+    let huge = with_rules(
+        "ns",
+        "p",
+        r#"  - {name: r, algorithm: gcra, limit: {requests: 1, per: 1s}, match: {paths: [{regex: "\\w{64}"}]}}
+"#,
+    );
+    assert_eq!(
+        messages(&huge),
+        [
+            r#"spec.rules[0].match.paths[0].regex: regex "\\w{64}" is too complex: it compiles to more than 256 KiB (262144 bytes)"#
+        ]
+    );
+}
+
+/// The budgets appear as numbers in the CRD's schema, CEL and `kubectl explain` text and in
+/// docs/policy.md; they must be the constants'.
+#[test]
+fn budget_numbers_in_schema_and_docs_are_the_constants() {
+    use super::crd::{MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY};
+    use super::validate::human_bytes;
+    use crate::algorithm::MAX_LOG_REQUESTS;
+    let crd = serde_json::to_value(<RateLimitPolicy as kube::CustomResourceExt>::crd()).expect("crd json");
+    let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(spec["properties"]["rules"]["maxItems"], MAX_RULES);
+    let yaml = crd_yaml();
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/policy.md")).expect("docs");
+    let mib = human_bytes(MAX_REGEX_BYTES_PER_POLICY);
+    let kib = human_bytes(MAX_REGEX_BYTES);
+    let mib = mib.split(" (").next().unwrap_or_default();
+    let kib = kib.split(" (").next().unwrap_or_default();
+    for needle in [
+        format!("self.limit.requests <= {MAX_LOG_REQUESTS}"),
+        format!("at most {MAX_LOG_REQUESTS} requests per window"),
+        format!("<= {MAX_REGEXES_PER_POLICY}"),
+        format!("at most {MAX_RULES}; names unique"),
+        format!("at most {MAX_REGEXES_PER_POLICY} regexes (match.paths and match.headers of all rules together)"),
+        format!("most {mib} in total and {kib} each"),
+    ] {
+        assert!(yaml.contains(&needle), "CRD lacks {needle:?}");
+    }
+    for needle in [
+        format!("{MAX_RULES} rules"),
+        format!("{MAX_REGEXES_PER_POLICY} regexes"),
+        format!("{mib} of compiled regex"),
+        format!("{kib} each"),
+        format!("{MAX_LOG_REQUESTS} requests per window"),
+    ] {
+        assert!(docs.contains(&needle), "docs/policy.md lacks {needle:?}");
+    }
 }
 
 // ---------- loading ----------

@@ -5,21 +5,23 @@
 
 use std::fmt;
 
-use regex::{Regex, RegexBuilder};
+use regex_automata::meta::{self, Regex};
+use regex_automata::util::syntax;
 
 use super::crd::{
-    HeaderMatch, KeyPart, LimitSpec, MAX_KEY_PARTS, MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_RULES, Match,
-    Missing, PathMatch, PolicyRule, RateLimitPolicy,
+    HeaderMatch, KeyPart, LimitSpec, MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN,
+    MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY,
+    MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
 };
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{Micros, parse_duration};
 
-const MAX_HEADER_NAME_LEN: usize = 256;
-const MAX_LITERAL_LEN: usize = 256;
-const MAX_DURATION_LEN: usize = 32;
+/// Above this many requests per window a slidingWindowLog rule is admitted with a warning.
+const LOG_WARN_REQUESTS: u64 = 100;
 
-/// Compiled-program size cap for user regexes, so a policy cannot make matching slow or big.
-const REGEX_SIZE_LIMIT: usize = 256 * 1024;
+/// The regexes of one policy in order: field path and compiled size (0 for one that does not
+/// compile, or that was not compiled because the policy already has too many).
+type RegexSizes = Vec<(String, usize)>;
 
 /// One problem in a policy, at a field path such as `spec.rules[1].limit.per`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -79,9 +81,10 @@ pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
     if spec.rules.len() > MAX_RULES {
         errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
     }
+    let mut regexes = RegexSizes::new();
     for (i, rule) in spec.rules.iter().enumerate() {
         let path = format!("spec.rules[{i}]");
-        validate_rule(rule, &path, &mut errs);
+        validate_rule(rule, &path, &mut regexes, &mut errs);
         if let Some(first) = spec.rules[..i].iter().position(|r| r.name == rule.name) {
             errs.push(
                 format!("{path}.name"),
@@ -89,15 +92,50 @@ pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
             );
         }
     }
+    check_regex_budget(&regexes, &mut errs);
     if errs.is_empty() { Ok(()) } else { Err(errs) }
 }
 
-fn validate_rule(rule: &PolicyRule, path: &str, errs: &mut ValidationErrors) {
+/// The policy's regex budget: how many regexes (the CRD's CEL counts them too) and their
+/// compiled size in total (which only this can measure).
+fn check_regex_budget(regexes: &RegexSizes, errs: &mut ValidationErrors) {
+    if regexes.len() > MAX_REGEXES_PER_POLICY {
+        errs.push(
+            "spec.rules",
+            format!(
+                "{}, got {} (the first over the budget: {})",
+                regex_count_message(),
+                regexes.len(),
+                regexes[MAX_REGEXES_PER_POLICY].0
+            ),
+        );
+    }
+    let total: usize = regexes.iter().map(|(_, size)| size).sum();
+    if total > MAX_REGEX_BYTES_PER_POLICY {
+        let mut sum = 0;
+        if let Some((path, size)) = regexes.iter().find(|(_, size)| {
+            sum += size;
+            sum > MAX_REGEX_BYTES_PER_POLICY
+        }) {
+            errs.push(
+                path.clone(),
+                format!(
+                    "the policy's regexes take {total} bytes compiled, over the budget of {} per policy; this one \
+                     ({size} bytes) is the first over it: simplify or merge regexes (Unicode classes such as \\w, \\d or \\p{{L}} \
+                     are large, ASCII classes such as [a-z0-9] or (?-u) small; counted repetitions multiply the size)",
+                    human_bytes(MAX_REGEX_BYTES_PER_POLICY)
+                ),
+            );
+        }
+    }
+}
+
+fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     if let Err(m) = check_rule_name(&rule.name) {
         errs.push(format!("{path}.name"), m);
     }
     if let Some(m) = &rule.matches {
-        validate_match(m, &format!("{path}.match"), errs);
+        validate_match(m, &format!("{path}.match"), regexes, errs);
     }
     if rule.key.len() > MAX_KEY_PARTS {
         errs.push(format!("{path}.key"), format!("at most {MAX_KEY_PARTS} parts, got {}", rule.key.len()));
@@ -163,7 +201,7 @@ pub(crate) fn build_limit(
             Ok(limit) => return Some(limit),
             Err(e) => {
                 let field = match &e {
-                    LimitError::ZeroRequests | LimitError::TooManyRequests => "requests",
+                    LimitError::ZeroRequests | LimitError::TooManyRequests | LimitError::LogTooLong => "requests",
                     LimitError::PeriodTooShort
                     | LimitError::PeriodNotWholeMilliseconds(_)
                     | LimitError::PeriodTooLong => "per",
@@ -184,7 +222,7 @@ pub(crate) fn build_limit(
     None
 }
 
-fn validate_match(m: &Match, path: &str, errs: &mut ValidationErrors) {
+fn validate_match(m: &Match, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     for (field, len) in
         [("methods", m.methods.len()), ("paths", m.paths.len()), ("hosts", m.hosts.len()), ("headers", m.headers.len())]
     {
@@ -198,7 +236,7 @@ fn validate_match(m: &Match, path: &str, errs: &mut ValidationErrors) {
         }
     }
     for (j, p) in m.paths.iter().enumerate() {
-        validate_path_match(p, &format!("{path}.paths[{j}]"), errs);
+        validate_path_match(p, &format!("{path}.paths[{j}]"), regexes, errs);
     }
     for (j, host) in m.hosts.iter().enumerate() {
         if let Err(msg) = check_host_pattern(host) {
@@ -206,11 +244,11 @@ fn validate_match(m: &Match, path: &str, errs: &mut ValidationErrors) {
         }
     }
     for (j, h) in m.headers.iter().enumerate() {
-        validate_header_match(h, &format!("{path}.headers[{j}]"), errs);
+        validate_header_match(h, &format!("{path}.headers[{j}]"), regexes, errs);
     }
 }
 
-fn validate_path_match(p: &PathMatch, path: &str, errs: &mut ValidationErrors) {
+fn validate_path_match(p: &PathMatch, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     let set = [p.exact.is_some(), p.prefix.is_some(), p.regex.is_some()].iter().filter(|b| **b).count();
     if set != 1 {
         errs.push(path, format!("needs exactly one of exact, prefix or regex, got {set}"));
@@ -227,14 +265,29 @@ fn validate_path_match(p: &PathMatch, path: &str, errs: &mut ValidationErrors) {
             }
         }
     }
-    if let Some(re) = &p.regex
-        && let Err(m) = compile_regex(re)
-    {
-        errs.push(format!("{path}.regex"), m);
+    if let Some(re) = &p.regex {
+        check_regex(re, format!("{path}.regex"), regexes, errs);
     }
 }
 
-fn validate_header_match(h: &HeaderMatch, path: &str, errs: &mut ValidationErrors) {
+/// Compiles a policy regex, noting its size for the budget or reporting why it does not compile.
+/// Past the count budget (reported once for the policy) regexes are only counted: a policy file
+/// for `sluice serve`, which no CEL checked, may hold thousands.
+fn check_regex(pattern: &str, path: String, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
+    if regexes.len() >= MAX_REGEXES_PER_POLICY {
+        regexes.push((path, 0));
+        return;
+    }
+    match compile_regex(pattern) {
+        Ok(re) => regexes.push((path, re.memory_usage())),
+        Err(m) => {
+            errs.push(path.clone(), m);
+            regexes.push((path, 0));
+        }
+    }
+}
+
+fn validate_header_match(h: &HeaderMatch, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     if !is_token(&h.name) || h.name.len() > MAX_HEADER_NAME_LEN {
         errs.push(format!("{path}.name"), format!("invalid header name {:?}", h.name));
     }
@@ -248,10 +301,8 @@ fn validate_header_match(h: &HeaderMatch, path: &str, errs: &mut ValidationError
     if set != 1 {
         errs.push(path, format!("needs exactly one of exact, prefix, regex or present, got {set}"));
     }
-    if let Some(re) = &h.regex
-        && let Err(m) = compile_regex(re)
-    {
-        errs.push(format!("{path}.regex"), m);
+    if let Some(re) = &h.regex {
+        check_regex(re, format!("{path}.regex"), regexes, errs);
     }
 }
 
@@ -367,19 +418,42 @@ fn check_host_pattern(host: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Compiles a user regex anchored to the whole input, with a size cap.
+/// Compiles a user regex anchored to the whole input, with size caps: the compiled program
+/// (NFA) and the lazy DFA's cache at most [`MAX_REGEX_BYTES`] each. The configuration is what
+/// `regex::RegexBuilder` uses for `&str` (UTF-8, leftmost-first), so matching is `regex`'s;
+/// `memory_usage()` of the result is what the policy's regex budget counts.
 pub(crate) fn compile_regex(pattern: &str) -> Result<Regex, String> {
     if pattern.len() > MAX_PATTERN_LEN {
         return Err(format!("at most {MAX_PATTERN_LEN} characters"));
     }
-    RegexBuilder::new(&format!("^(?:{pattern})$"))
-        .size_limit(REGEX_SIZE_LIMIT)
-        .dfa_size_limit(REGEX_SIZE_LIMIT)
-        .build()
-        .map_err(|e| match e {
-            regex::Error::CompiledTooBig(_) => format!("regex {pattern:?} is too complex"),
-            other => format!("invalid regex {pattern:?}: {}", one_line(&other.to_string())),
+    let config = meta::Config::new()
+        .match_kind(regex_automata::MatchKind::LeftmostFirst)
+        .utf8_empty(true)
+        .nfa_size_limit(Some(MAX_REGEX_BYTES))
+        .hybrid_cache_capacity(MAX_REGEX_BYTES);
+    meta::Builder::new()
+        .configure(config)
+        .syntax(syntax::Config::new().utf8(true))
+        .build(&format!("^(?:{pattern})$"))
+        .map_err(|e| {
+            if e.size_limit().is_some() {
+                format!("regex {pattern:?} is too complex: it compiles to more than {}", human_bytes(MAX_REGEX_BYTES))
+            } else {
+                let detail = e.syntax_error().map_or_else(|| e.to_string(), ToString::to_string);
+                format!("invalid regex {pattern:?}: {}", one_line(&detail))
+            }
         })
+}
+
+/// `1048576` → `1 MiB (1048576 bytes)`, for messages.
+pub(crate) fn human_bytes(n: usize) -> String {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{} MiB ({n} bytes)", n >> 20)
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
+        format!("{} KiB ({n} bytes)", n >> 10)
+    } else {
+        format!("{n} bytes")
+    }
 }
 
 fn one_line(s: &str) -> String {
@@ -417,9 +491,9 @@ pub fn warnings(policy: &RateLimitPolicy) -> Vec<String> {
                 out.push(format!("{path}.key[{j}]: missing: skip exempts requests without a client IP from this rule"));
             }
         }
-        if rule.algorithm == Algorithm::SlidingWindowLog && rule.limit.requests > 1000 {
+        if rule.algorithm == Algorithm::SlidingWindowLog && rule.limit.requests > LOG_WARN_REQUESTS {
             out.push(format!(
-                "{path}.algorithm: slidingWindowLog keeps one entry per admitted request: {} requests per window per key may use a lot of memory; consider slidingWindowCounter",
+                "{path}.algorithm: slidingWindowLog keeps one entry per admitted request and reads them all on every decision: {} requests per window per key cost memory and store time; consider slidingWindowCounter",
                 rule.limit.requests
             ));
         }
