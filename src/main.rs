@@ -49,6 +49,13 @@ struct ServeArgs {
     store: StoreArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    /// PEM certificate chain to serve the check API over HTTPS (with --tls-key); plain HTTP
+    /// without it.
+    #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// How often policy and token files are checked for changes.
     #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
     reload_interval: Duration,
@@ -94,6 +101,16 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),
     };
     let tokens = args.auth.static_tokens().context("cannot start")?;
+    // One process-wide rustls provider before the first TLS configuration (ring, as elsewhere).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
+                .await
+                .with_context(|| format!("cannot load --tls-cert {} / --tls-key {}", cert.display(), key.display()))?,
+        ),
+        _ => None,
+    };
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
     let built = args.store.build(clock.clone()).await.context("cannot set up the store")?;
@@ -115,7 +132,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let address = listener.local_addr()?;
-    tracing::info!(%address, "check API listening");
+    tracing::info!(%address, tls = tls.is_some(), "check API listening");
     match &tokens {
         Some(tokens) => {
             tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")
@@ -136,7 +153,11 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let state =
         http::ApiState { engine, auth: Auth::new(verifiers), gateway_trusted_hops: args.auth.gateway_trusted_hops };
-    let server = tokio::spawn(serve::serve_http(listener, http::router_with(state), stopped));
+    let router = http::router_with(state);
+    let server = match tls {
+        Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, stopped)),
+        None => tokio::spawn(serve::serve_http(listener, router, stopped)),
+    };
 
     terminated.await;
     tracing::info!("shutting down: draining in-flight requests");

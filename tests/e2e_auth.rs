@@ -25,7 +25,13 @@ fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
 }
 
+/// Namespaces, ServiceAccounts and policies, applied once per test binary (tests run in parallel).
 fn setup(cp: &ControlPlane) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| apply_setup(cp));
+}
+
+fn apply_setup(cp: &ControlPlane) {
     let policies = format!(
         r#"
 apiVersion: v1
@@ -244,4 +250,99 @@ async fn tokens_are_verified_and_tenants_stay_in_their_namespace() {
         accepted + refused,
         requests + 12
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_api_serves_tls_with_the_operators_certificate() {
+    let cp = cluster();
+    setup(cp);
+    let admin_port = control_plane::free_port();
+    let admin = format!("127.0.0.1:{admin_port}");
+    let op = Operator::start(
+        &cp.operator_kubeconfig,
+        "auth-tls",
+        &[
+            "--namespaces",
+            TENANT_A,
+            "--lease-name",
+            "e2e-auth-tls",
+            "--token-review=true",
+            "--check-api-tls=true",
+            "--webhook-host",
+            "127.0.0.1",
+            "--admin-listen",
+            &admin,
+        ],
+    );
+    // Probes and scrapers use the plain admin port.
+    eventually("admin /readyz", Duration::from_secs(30), || async {
+        let r = http().get(format!("http://{admin}/readyz")).send().await.map_err(|e| e.to_string())?;
+        if r.status() == 200 { Ok(()) } else { Err(r.status().to_string()) }
+    })
+    .await;
+    // The check API only speaks TLS, with the certificate whose CA the Secret holds (the CA the
+    // webhook gives injected sidecars).
+    assert!(http().get(op.url("/healthz")).send().await.is_err(), "no plain HTTP on the check port");
+    let ca = cp.kubectl(
+        &["get", "secret", "sluice-webhook-tls", "-n", "sluice-system", "-o", "jsonpath={.data.ca\\.crt}"],
+        None,
+    );
+    let ca = base64::engine::general_purpose::STANDARD.decode(ca.trim()).expect("base64 CA");
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("ca.crt"), ca).expect("write CA");
+    let a = token(cp, TENANT_A, "app", "sluice");
+    let url = format!("https://127.0.0.1:{}/v1/check", op.addr.port());
+    let curl = |ca: &std::path::Path| {
+        std::process::Command::new("curl")
+            .args(["-sS", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", "--cacert"])
+            .arg(ca)
+            .args(["-H", &format!("x-sluice-authorization: Bearer {a}"), "-H", "content-type: application/json"])
+            .args(["--data", r#"{"path": "/", "clientIp": "192.0.2.7"}"#, &url])
+            .output()
+            .expect("curl runs")
+    };
+    let reply = eventually("a decision over TLS", Duration::from_secs(30), || async {
+        let out = curl(&dir.path().join("ca.crt"));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if text.ends_with("\n200") { Ok(text) } else { Err(format!("{text} {}", String::from_utf8_lossy(&out.stderr))) }
+    })
+    .await;
+    assert!(reply.contains("\"allowed\":true"), "{reply}");
+    // Another CA does not verify it.
+    let other = sluice::admission::certs::generate(&["127.0.0.1".to_string()]).expect("certs");
+    std::fs::write(dir.path().join("other.crt"), other.ca_pem).expect("write");
+    let out = curl(&dir.path().join("other.crt"));
+    assert!(!out.status.success(), "a certificate from the operator's CA only");
+}
+
+/// The chart with tenant isolation fully on (TLS, token review, a gateway, a gateway token
+/// Secret, the NetworkPolicy) renders to objects the real API server accepts.
+#[test]
+fn the_chart_with_isolation_on_is_accepted_by_the_api_server() {
+    let cp = cluster();
+    let repo = env!("CARGO_MANIFEST_DIR");
+    let helm = std::process::Command::new("bash")
+        .arg(format!("{repo}/e2e/control-plane.sh"))
+        .arg("helm")
+        .output()
+        .expect("helm build");
+    assert!(helm.status.success(), "helm: {}", String::from_utf8_lossy(&helm.stderr));
+    let helm = String::from_utf8_lossy(&helm.stdout).trim().to_string();
+    let rendered = std::process::Command::new(&helm)
+        .args(["template", "sluice", &format!("{repo}/charts/sluice"), "--namespace", "sluice-system"])
+        .args(["--kube-version", "v1.36.3", "--set", "networkPolicy.enabled=true"])
+        .args(["--set", "auth.gatewayServiceAccounts={gateways/envoy}"])
+        .args(["--set", "auth.gatewayTokensSecret.name=sluice-gateway-tokens"])
+        .args(["--set", "networkPolicy.checkPeers[0].podSelector.matchLabels.app=envoy"])
+        .output()
+        .expect("helm template");
+    assert!(rendered.status.success(), "{}", String::from_utf8_lossy(&rendered.stderr));
+    let manifest = String::from_utf8_lossy(&rendered.stdout).to_string();
+    for needle in
+        ["kind: NetworkPolicy", "--check-api-tls=true", "--gateway-service-accounts=gateways/envoy", "--tokens="]
+    {
+        assert!(manifest.contains(needle), "{needle} missing from the render");
+    }
+    let applied = cp.kubectl(&["apply", "--dry-run=server", "-f", "-"], Some(&manifest));
+    assert!(applied.contains("networkpolicy.networking.k8s.io/sluice created (server dry run)"), "{applied}");
 }

@@ -620,3 +620,75 @@ async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
     let status = sidecar.process.terminate();
     assert!(status.success(), "{status:?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Trust between sidecar and endpoint: TLS verified against one CA, and the sidecar's token.
+
+/// A CA and a serving certificate for 127.0.0.1, written as PEM files into `dir`.
+fn tls_files(dir: &std::path::Path, prefix: &str) -> (String, String, String) {
+    let pair = sluice::admission::certs::generate(&["127.0.0.1".to_string()]).unwrap();
+    let path = |name: &str| dir.join(format!("{prefix}-{name}")).to_str().unwrap().to_string();
+    std::fs::write(path("ca.pem"), &pair.ca_pem).unwrap();
+    std::fs::write(path("cert.pem"), &pair.cert_pem).unwrap();
+    std::fs::write(path("key.pem"), &pair.key_pem).unwrap();
+    (path("ca.pem"), path("cert.pem"), path("key.pem"))
+}
+
+#[tokio::test]
+async fn the_sidecar_verifies_the_endpoint_and_presents_its_token() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let (ca, cert, key) = tls_files(dir.path(), "real");
+    let (other_ca, _, _) = tls_files(dir.path(), "impostor");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "sidecar-token-0123456789\n").unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    std::fs::write(&tokens, "tokens: [{name: sidecars, token: sidecar-token-0123456789, namespaces: [tenant-acme]}]\n")
+        .unwrap();
+    let policies = dir.path().join("policies.yaml");
+    let serve = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        policies.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]);
+    let endpoint = format!("https://127.0.0.1:{}", serve.addr.port());
+    let token = token_file.to_str().unwrap();
+    let c = client();
+
+    // The real CA and the token: decided by the endpoint (2 per key, then 429 from the endpoint).
+    let good = start_sidecar(up, &endpoint, &["--endpoint-ca", &ca, "--token-file", token]);
+    let statuses: Vec<u16> = {
+        let mut s = Vec::new();
+        for _ in 0..3 {
+            s.push(get_with_key(&c, &good.url("/limited/tls"), "k-tls").await.status().as_u16());
+        }
+        s
+    };
+    assert_eq!(statuses, [200, 200, 429]);
+    good.await_metric("sluice_sidecar_decisions_total{source=\"endpoint\",result=\"deny\"} 1").await;
+
+    // Plain HTTP to the TLS port gets nothing.
+    assert!(c.get(format!("http://127.0.0.1:{}/healthz", serve.addr.port())).send().await.is_err());
+
+    // Anyone else answering at that address with another CA's certificate cannot decide: the
+    // sidecar treats it as an endpoint failure (fail closed here) and the app is not reached.
+    let hits = state.hits.load(Ordering::SeqCst);
+    let impostor = start_sidecar(up, &endpoint, &["--endpoint-ca", &other_ca, "--on-endpoint-failure", "deny"]);
+    assert_eq!(get_with_key(&c, &impostor.url("/limited/x"), "k").await.status(), 429);
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits, "nothing forwarded on a forged endpoint");
+
+    // Without its token, the endpoint refuses the sidecar: also an endpoint failure, never
+    // relayed to the client as 401.
+    let anonymous = start_sidecar(up, &endpoint, &["--endpoint-ca", &ca, "--on-endpoint-failure", "deny"]);
+    let r = get_with_key(&c, &anonymous.url("/limited/y"), "k").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits);
+}

@@ -33,6 +33,8 @@ pub struct InjectConfig {
     /// With the endpoint verifying ServiceAccount tokens: the audience of the projected token the
     /// sidecar presents.
     pub token_audience: Option<String>,
+    /// With the check API on TLS: the CA the sidecar verifies the endpoint against (PEM).
+    pub endpoint_ca_pem: Option<String>,
 }
 
 fn port_annotation(pod: &Pod, name: &str, default: u16) -> u16 {
@@ -88,6 +90,9 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
         }),
         ..Default::default()
     }];
+    if let Some(ca) = &config.endpoint_ca_pem {
+        env_vars.push(env("SLUICE_ENDPOINT_CA_PEM", ca));
+    }
     if let Some(audience) = &config.token_audience {
         // The pod's own ServiceAccount, bound to Sluice's audience and short-lived: it proves the
         // sidecar's namespace to the endpoint and is useless against the API server.
@@ -170,6 +175,7 @@ mod tests {
             upstream_port: 8080,
             operator_namespace: "sluice-system".into(),
             token_audience: Some("sluice".into()),
+            endpoint_ca_pem: Some("-----BEGIN CERTIFICATE-----\n".into()),
         }
     }
 

@@ -49,7 +49,8 @@ pub struct WebhookArgs {
     /// Address of the HTTPS admission webhooks (`/validate-policy`, `/mutate-pod`); unset disables them.
     #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN")]
     pub webhook_listen: Option<SocketAddr>,
-    /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names.
+    /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names,
+    /// and the check API Service's when it serves TLS (--check-api-tls).
     #[arg(
         long = "webhook-host",
         env = "SLUICE_WEBHOOK_HOSTS",
@@ -95,15 +96,14 @@ pub async fn start(
     client: Client,
     args: &WebhookArgs,
     operator_namespace: &str,
-    token_audience: Option<&str>,
+    sidecar: SidecarTrust<'_>,
+    certificates: &Certificates,
     policies: Vec<Store<RateLimitPolicy>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
-    let keypair = certs::shared_keypair(&client, operator_namespace, &args.secret, &args.hosts).await?;
+    let keypair = &certificates.keypair;
     certs::patch_ca_bundles(&client, &args.validating_config, &args.mutating_config, keypair.ca_pem.as_bytes()).await?;
-    let tls = RustlsConfig::from_pem(keypair.cert_pem.clone().into_bytes(), keypair.key_pem.clone().into_bytes())
-        .await
-        .map_err(Error::Tls)?;
+    let tls = certificates.tls.clone();
     let state = Arc::new(AppState {
         policies,
         client: client.clone(),
@@ -113,7 +113,8 @@ pub async fn start(
             listen_port: args.sidecar_listen_port,
             upstream_port: args.sidecar_upstream_port,
             operator_namespace: operator_namespace.to_string(),
-            token_audience: token_audience.map(str::to_string),
+            token_audience: sidecar.token_audience.map(str::to_string),
+            endpoint_ca_pem: sidecar.verify_endpoint.then(|| keypair.ca_pem.clone()),
         },
     });
     let app = Router::new()
@@ -139,11 +140,49 @@ pub async fn start(
     if let Some(bound) = listening.listening().await {
         tracing::info!(address = %bound, "webhooks listening");
     }
-    // Another replica may rotate the Secret: follow it so every replica serves the current pair.
-    let (client2, ns, name, reload) = (client, operator_namespace.to_string(), args.secret.clone(), tls);
-    let ca_bundles = (args.validating_config.clone(), args.mutating_config.clone());
-    tokio::spawn(certs::follow_secret(client2, ns, name, keypair, reload, ca_bundles));
     Ok(task)
+}
+
+/// What injected sidecars are given to trust and be trusted by the endpoint.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SidecarTrust<'a> {
+    /// The audience of the projected ServiceAccount token they present (token review on).
+    pub token_audience: Option<&'a str>,
+    /// The check API serves TLS: give them the CA to verify it with.
+    pub verify_endpoint: bool,
+}
+
+/// The operator's serving keypair (shared by replicas through a Secret) and the TLS
+/// configuration built from it, reloaded in place when the Secret changes. The webhooks and the
+/// check API serve the same certificate.
+pub struct Certificates {
+    pub keypair: certs::Keypair,
+    pub tls: RustlsConfig,
+}
+
+impl Certificates {
+    /// Reads (or creates) the shared keypair and starts following the Secret, so every replica
+    /// serves the current pair; `args`' webhook configuration names get its CA in caBundle.
+    pub async fn load(client: &Client, args: &WebhookArgs, operator_namespace: &str) -> Result<Certificates, Error> {
+        let keypair = certs::shared_keypair(client, operator_namespace, &args.secret, &args.hosts).await?;
+        let tls = RustlsConfig::from_pem(keypair.cert_pem.clone().into_bytes(), keypair.key_pem.clone().into_bytes())
+            .await
+            .map_err(Error::Tls)?;
+        let ca_bundles = if args.webhook_listen.is_some() {
+            (args.validating_config.clone(), args.mutating_config.clone())
+        } else {
+            (String::new(), String::new())
+        };
+        tokio::spawn(certs::follow_secret(
+            client.clone(),
+            operator_namespace.to_string(),
+            args.secret.clone(),
+            keypair.clone(),
+            tls.clone(),
+            ca_bundles,
+        ));
+        Ok(Certificates { keypair, tls })
+    }
 }
 
 fn review_of<T: kube::Resource + serde::de::DeserializeOwned>(

@@ -96,6 +96,15 @@ pub struct OperatorArgs {
     /// The audience callers' ServiceAccount tokens must be issued for.
     #[arg(long, env = "SLUICE_TOKEN_AUDIENCE", default_value = "sluice")]
     pub token_audience: String,
+    /// Serve the check API over HTTPS with the operator's certificate (the webhooks' shared
+    /// keypair; --webhook-host must then include the check API Service's names). Injected
+    /// sidecars are given the CA and verify it.
+    #[arg(long, env = "SLUICE_CHECK_API_TLS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub check_api_tls: bool,
+    /// Plain-HTTP address of /healthz, /readyz and /metrics only, for probes and scrapers (they
+    /// are served on --listen too).
+    #[arg(long, env = "SLUICE_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
     /// ServiceAccounts (NAMESPACE/NAME, comma-separated) trusted as gateways: they may name any
     /// namespace, a request's cost and the client IP.
     #[arg(long, env = "SLUICE_GATEWAY_SERVICE_ACCOUNTS", value_delimiter = ',')]
@@ -167,7 +176,16 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         .await
         .map_err(|source| Error::Listen { addr: args.listen, source })?;
     let local = listener.local_addr().map_err(Error::Serve)?;
-    tracing::info!(address = %local, "check API listening");
+    tracing::info!(address = %local, tls = args.check_api_tls, "check API listening");
+    let admin = match args.admin_listen {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?),
+        None => None,
+    };
+    let certificates = if args.webhook.webhook_listen.is_some() || args.check_api_tls {
+        Some(admission::Certificates::load(&client, &args.webhook, &args.operator_namespace).await?)
+    } else {
+        None
+    };
 
     let (stop, stopped) = watch::channel(false);
     let reflectors = controller::Reflectors::start(client.clone(), &args.namespaces, stopped.clone());
@@ -186,23 +204,38 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let writer =
         tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
 
-    let webhook = match args.webhook.webhook_listen {
-        Some(_) => Some(
+    let sidecar_trust = admission::SidecarTrust {
+        token_audience: args.token_review.then_some(args.token_audience.as_str()),
+        verify_endpoint: args.check_api_tls,
+    };
+    let webhook = match (args.webhook.webhook_listen, &certificates) {
+        (Some(_), Some(certificates)) => Some(
             admission::start(
                 client.clone(),
                 &args.webhook,
                 &args.operator_namespace,
-                args.token_review.then_some(args.token_audience.as_str()),
+                sidecar_trust,
+                certificates,
                 reflectors.readers.clone(),
                 stopped.clone(),
             )
             .await?,
         ),
-        None => None,
+        _ => None,
     };
     let token_watcher = tokens.map(|t| tokio::spawn(t.watch(Duration::from_secs(1), stopped.clone())));
     let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
-    let server = tokio::spawn(serve::serve_http(listener, http::router_with(state), stopped.clone()));
+    let admin_server = admin.map(|admin| {
+        tracing::info!(address = ?admin.local_addr().ok(), "admin (healthz, readyz, metrics) listening");
+        tokio::spawn(serve::serve_http(admin, http::admin_router(state.engine.clone()), stopped.clone()))
+    });
+    let router = http::router_with(state);
+    let server = match (&certificates, args.check_api_tls) {
+        (Some(certificates), true) => {
+            tokio::spawn(serve::serve_https(listener, router, certificates.tls.clone(), stopped.clone()))
+        }
+        _ => tokio::spawn(serve::serve_http(listener, router, stopped.clone())),
+    };
     let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
 
     shutdown.await;
@@ -219,6 +252,9 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     }
     if let Some(webhook) = webhook {
         let _ = webhook.await;
+    }
+    if let Some(admin_server) = admin_server {
+        let _ = admin_server.await;
     }
     match served {
         Ok(result) => result.map_err(Error::Serve),

@@ -62,6 +62,16 @@ pub fn router<S: Store>(engine: Arc<Engine<S>>) -> Router {
     router_with(ApiState::open(engine))
 }
 
+/// Health, readiness and metrics only: what probes and scrapers need, without the check API.
+pub fn admin_router<S: Store>(engine: Arc<Engine<S>>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .fallback(not_found)
+        .with_state(Arc::new(ApiState::open(engine)))
+}
+
 pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))

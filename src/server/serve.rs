@@ -112,6 +112,28 @@ pub async fn serve_http(
         .await
 }
 
+/// [`serve_http`] over TLS: the same router, the certificate of `tls` (which can be reloaded in
+/// place, e.g. when the operator's certificate Secret changes).
+pub async fn serve_https(
+    listener: TcpListener,
+    router: axum::Router,
+    tls: axum_server::tls_rustls::RustlsConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let handle = axum_server::Handle::new();
+    let server = axum_server::from_tcp_rustls(listener.into_std()?, tls)?.handle(handle.clone());
+    let serving = server.serve(router.into_make_service_with_connect_info::<std::net::SocketAddr>());
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => result,
+        _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
+            // In-flight requests finish; new connections are refused.
+            handle.graceful_shutdown(Some(Duration::from_secs(20)));
+            serving.await
+        }
+    }
+}
+
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn termination_signal() {
     #[cfg(unix)]

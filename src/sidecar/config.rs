@@ -31,9 +31,16 @@ pub struct SidecarArgs {
     /// The application, as HOST:PORT (usually 127.0.0.1:<app port>).
     #[arg(long, env = "SLUICE_UPSTREAM")]
     pub upstream: String,
-    /// Base URL of the enforcement endpoint (`sluice serve` or the operator), e.g. http://sluice:8080.
+    /// Base URL of the enforcement endpoint (`sluice serve` or the operator), e.g.
+    /// https://sluice.sluice-system.svc:8080 (or http:// on loopback).
     #[arg(long, env = "SLUICE_ENDPOINT")]
     pub endpoint: String,
+    /// PEM file of the CA that signed an https:// endpoint's certificate; the only CA trusted.
+    #[arg(long, env = "SLUICE_ENDPOINT_CA_FILE", conflicts_with = "endpoint_ca_pem")]
+    pub endpoint_ca: Option<PathBuf>,
+    /// The same CA as PEM text (what the injecting webhook sets).
+    #[arg(long, env = "SLUICE_ENDPOINT_CA_PEM", hide_env_values = true)]
+    pub endpoint_ca_pem: Option<String>,
     /// The pod's namespace; wins over --namespace-file.
     #[arg(long, env = "SLUICE_NAMESPACE")]
     pub namespace: Option<String>,
@@ -84,6 +91,8 @@ pub struct Config {
     pub trusted_hops: usize,
     pub snapshot_interval: Duration,
     pub token_file: Option<PathBuf>,
+    /// The CA certificates (PEM) an https endpoint must be signed by.
+    pub endpoint_ca: Option<Vec<u8>>,
 }
 
 impl Config {
@@ -98,8 +107,23 @@ impl Config {
 
         let base = args.endpoint.trim_end_matches('/');
         let endpoint: Uri = base.parse().map_err(|_| bad(format!("--endpoint: {:?} is not a URL", args.endpoint)))?;
-        if endpoint.scheme_str() != Some("http") || endpoint.authority().is_none() {
-            return Err(bad(format!("--endpoint: {:?} must be an http://HOST[:PORT] URL", args.endpoint)));
+        let endpoint_ca = match (&args.endpoint_ca, &args.endpoint_ca_pem) {
+            (Some(path), _) => Some(read_file(path, "--endpoint-ca")?.into_bytes()),
+            (None, Some(pem)) => Some(pem.clone().into_bytes()),
+            (None, None) => None,
+        };
+        match (endpoint.scheme_str(), &endpoint_ca, endpoint.authority()) {
+            (Some("http"), _, Some(_)) => {}
+            (Some("https"), Some(_), Some(_)) => {}
+            (Some("https"), None, Some(_)) => {
+                return Err(bad(format!(
+                    "--endpoint: {:?} is https: give the CA that signed its certificate (--endpoint-ca)",
+                    args.endpoint
+                )));
+            }
+            _ => {
+                return Err(bad(format!("--endpoint: {:?} must be an http(s)://HOST[:PORT] URL", args.endpoint)));
+            }
         }
         let endpoint_uri = |path: &str| -> Result<Uri, SidecarError> {
             format!("{base}{path}").parse().map_err(|_| bad(format!("--endpoint: cannot append {path} to {base:?}")))
@@ -136,6 +160,7 @@ impl Config {
             trusted_hops: args.trusted_hops,
             snapshot_interval: args.snapshot_interval,
             token_file: args.token_file,
+            endpoint_ca,
         })
     }
 }
@@ -222,6 +247,8 @@ mod tests {
             trusted_hops: 0,
             snapshot_interval: Duration::from_secs(1),
             token_file: None,
+            endpoint_ca: None,
+            endpoint_ca_pem: None,
         }
     }
 
@@ -233,7 +260,10 @@ mod tests {
         assert_eq!(c.snapshot_uri.to_string(), "http://sluice:8080/v1/snapshot");
         assert_eq!(c.namespace, "default");
         assert!(Config::from_args(args("127.0.0.1", "http://sluice:8080")).is_err(), "port required");
-        assert!(Config::from_args(args("127.0.0.1:3000", "https://sluice:8080")).is_err(), "no TLS client");
+        assert!(Config::from_args(args("127.0.0.1:3000", "https://sluice:8080")).is_err(), "https needs its CA");
+        let mut with_ca = args("127.0.0.1:3000", "https://sluice:8080");
+        with_ca.endpoint_ca_pem = Some("-----BEGIN CERTIFICATE-----".into());
+        assert!(Config::from_args(with_ca).is_ok());
         assert!(Config::from_args(args("127.0.0.1:3000", "sluice:8080")).is_err());
     }
 

@@ -177,8 +177,45 @@ fn yes() -> bool {
     true
 }
 
+type EndpointClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The client to the endpoint: plain HTTP, or HTTPS verified against the given CA only (never
+/// the system roots: in a cluster the endpoint's certificate comes from the operator's CA, and
+/// anything else answering at that name is an impostor).
+fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut http = HttpConnector::new();
+    // Checks are one small write and one small read: Nagle would add a delayed-ACK wait.
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.endpoint_timeout));
+    http.enforce_http(false);
+    let mut roots = rustls::RootCertStore::empty();
+    if let Some(pem) = &config.endpoint_ca {
+        for cert in CertificateDer::pem_slice_iter(pem) {
+            let cert = cert.map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
+            roots.add(cert).map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(super::SidecarError::Config("endpoint CA: no certificate in the PEM".into()));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| super::SidecarError::Config(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector))
+}
+
 pub struct Decider {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: EndpointClient,
     check_uri: Uri,
     snapshot_uri: Uri,
     timeout: Duration,
@@ -196,15 +233,11 @@ pub struct Decider {
 }
 
 impl Decider {
-    pub fn new(config: &Config, metrics: Arc<SidecarMetrics>) -> Decider {
-        let mut connector = HttpConnector::new();
-        // Checks are one small write and one small read: Nagle would add a delayed-ACK wait.
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.endpoint_timeout));
-        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
+    pub fn new(config: &Config, metrics: Arc<SidecarMetrics>) -> Result<Decider, super::SidecarError> {
+        let client = endpoint_client(config)?;
         let clock = Arc::new(SystemClock);
         let store = Arc::new(MemoryStore::with_clock(LOCAL_MAX_KEYS, clock.clone()));
-        Decider {
+        Ok(Decider {
             client,
             check_uri: config.check_uri.clone(),
             snapshot_uri: config.snapshot_uri.clone(),
@@ -218,7 +251,7 @@ impl Decider {
             credential: config.token_file.clone().map(Credential::new),
             local: Engine::new(store, clock, Arc::new(Metrics::new())),
             metrics,
-        }
+        })
     }
 
     /// The local fallback's store, for the sweeper that drops idle keys.

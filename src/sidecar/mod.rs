@@ -57,7 +57,7 @@ pub fn admin_router(metrics: Arc<SidecarMetrics>) -> Router {
 pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let config = Config::from_args(args)?;
     let metrics = Arc::new(SidecarMetrics::new());
-    let decider = Arc::new(Decider::new(&config, metrics.clone()));
+    let decider = Arc::new(Decider::new(&config, metrics.clone())?);
     let proxy = Arc::new(Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone()));
 
     let listener = TcpListener::bind(config.listen)

@@ -49,11 +49,27 @@ app.kubernetes.io/component: operator
 {{- printf "%s.%s.svc,%s.%s,%s.%s.svc.%s" $svc $ns $svc $ns $svc $ns .Values.clusterDomain -}}
 {{- end -}}
 
+{{/* The check API Service's DNS names: in the serving certificate when the check API is on TLS. */}}
+{{- define "sluice.checkHosts" -}}
+{{- $svc := include "sluice.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- printf "%s.%s.svc,%s.%s,%s.%s.svc.%s" $svc $ns $svc $ns $svc $ns .Values.clusterDomain -}}
+{{- end -}}
+
+{{/* Every name the operator's one serving certificate covers (webhooks and check API). */}}
+{{- define "sluice.certificateHosts" -}}
+{{- $hosts := list -}}
+{{- if .Values.webhooks.enabled -}}{{- $hosts = concat $hosts (splitList "," (include "sluice.webhookHosts" .)) -}}{{- end -}}
+{{- if .Values.tls.enabled -}}{{- $hosts = concat $hosts (splitList "," (include "sluice.checkHosts" .)) -}}{{- end -}}
+{{- join "," $hosts -}}
+{{- end -}}
+
 {{- define "sluice.leaseName" -}}
 {{- default (printf "%s-operator" (include "sluice.fullname" .)) .Values.operator.leaseName -}}
 {{- end -}}
 
 {{/* What injected sidecars ask: this release's check API Service. */}}
 {{- define "sluice.sidecarEndpoint" -}}
-{{- default (printf "http://%s.%s.svc:%d" (include "sluice.fullname" .) .Release.Namespace (int .Values.service.port)) .Values.sidecar.endpoint -}}
+{{- $scheme := ternary "https" "http" .Values.tls.enabled -}}
+{{- default (printf "%s://%s.%s.svc:%d" $scheme (include "sluice.fullname" .) .Release.Namespace (int .Values.service.port)) .Values.sidecar.endpoint -}}
 {{- end -}}
