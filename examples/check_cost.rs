@@ -2,7 +2,9 @@
 //! router (`tower::ServiceExt::oneshot`) for Sluice and for a minimal JSON handler like
 //! examples/minimal_axum.rs, on the bodies of scripts/bench/check.lua. Single thread, so it shows
 //! what the rate limiting adds per request, which the load benchmark cannot isolate from the
-//! kernel's share. `cargo run --release --example check_cost -- scripts/bench/policies-1rule`
+//! kernel's share. Each policy set runs twice: authentication off, and with a static gateway
+//! token verified per request (what `sluice serve --tokens` and a warm TokenReview cache cost).
+//! `cargo run --release --example check_cost -- scripts/bench/policies-1rule`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::BodyExt;
 use sluice::clock::SystemClock;
+use sluice::server::auth::{Auth, StaticTokens};
 use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
 use sluice::store::memory::MemoryStore;
@@ -45,7 +48,9 @@ fn bodies(n: usize) -> Vec<Bytes> {
         .collect()
 }
 
-async fn run(name: &str, router: Router, bodies: &[Bytes], iterations: usize) {
+const TOKEN: &str = "bench-gateway-token-0123456789";
+
+async fn run(name: &str, router: Router, bodies: &[Bytes], iterations: usize, token: Option<&str>) {
     let mut bytes = 0;
     let started = Instant::now();
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -54,13 +59,22 @@ async fn run(name: &str, router: Router, bodies: &[Bytes], iterations: usize) {
         x ^= x >> 7;
         x ^= x << 17;
         let body = bodies[(x % bodies.len() as u64) as usize].clone();
-        let request =
-            Request::post("/v1/check").header("content-type", "application/json").body(Body::from(body)).unwrap();
+        let mut request = Request::post("/v1/check").header("content-type", "application/json");
+        if let Some(token) = token {
+            request = request.header("x-sluice-authorization", format!("Bearer {token}"));
+        }
+        let request = request.body(Body::from(body)).unwrap();
         let response = router.clone().oneshot(request).await.unwrap();
         bytes += response.into_body().collect().await.unwrap().to_bytes().len();
     }
     let ns = started.elapsed().as_nanos() as f64 / iterations as f64;
     println!("{name:<14} {ns:8.0} ns/request  ({} bytes/response)", bytes / iterations);
+}
+
+fn tokens_file() -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), format!("tokens: [{{name: bench, token: {TOKEN}, gateway: true}}]\n")).expect("write");
+    file
 }
 
 fn main() {
@@ -72,14 +86,19 @@ fn main() {
         let minimal_router = Router::new().route("/v1/check", post(minimal));
         for round in 0..3 {
             println!("round {round}");
-            run("minimal", minimal_router.clone(), &bodies, iterations).await;
+            run("minimal", minimal_router.clone(), &bodies, iterations, None).await;
             for dir in &dirs {
                 let snapshot = serve::load_snapshot(&[dir.into()]).expect("policies");
                 let clock = Arc::new(SystemClock);
                 let store = Arc::new(MemoryStore::with_clock(1_000_000, clock.clone()));
                 let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));
                 engine.install(Arc::new(snapshot));
-                run(dir.rsplit('/').next().unwrap_or(dir), http::router(engine), &bodies, iterations).await;
+                let name = dir.rsplit('/').next().unwrap_or(dir);
+                run(name, http::router(engine.clone()), &bodies, iterations, None).await;
+                let tokens = tokens_file();
+                let verifier = Arc::new(StaticTokens::load(tokens.path()).expect("tokens"));
+                let state = http::ApiState { engine, auth: Auth::new(vec![verifier]), gateway_trusted_hops: 1 };
+                run(&format!("{name}+token"), http::router_with(state), &bodies, iterations, Some(TOKEN)).await;
             }
         }
     });
