@@ -133,6 +133,9 @@ async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
                 "host": get("host"),
                 "connection": get("connection"),
                 "hop": get("x-hop"),
+                "upgrade": get("upgrade"),
+                "http2Settings": get("http2-settings"),
+                "apiKey": get("x-api-key"),
             }))
             .into_response()
         }))
@@ -691,4 +694,134 @@ async fn the_sidecar_verifies_the_endpoint_and_presents_its_token() {
     let r = get_with_key(&c, &anonymous.url("/limited/y"), "k").await;
     assert_eq!(r.status(), 429);
     assert_eq!(state.hits.load(Ordering::SeqCst), hits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The limiter decides on exactly what the application receives.
+
+const STRICT: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: strict, namespace: tenant-acme}
+spec:
+  rules:
+    - name: everything
+      match: {paths: [{prefix: /all}]}
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1m}
+    - name: per-key
+      match: {paths: [{prefix: /keyed}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1m}
+    - name: orders
+      match: {paths: [{prefix: /orders}]}
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1m}
+"#;
+
+fn strict_serve() -> (tempfile::TempDir, SluiceProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("strict.yaml"), STRICT).unwrap();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    (dir, serve)
+}
+
+/// Sends `head` (request line and headers, without the blank line) as is, on its own
+/// connection, and returns the status code and the body: clients such as reqwest normalize
+/// paths and manage `Connection` themselves.
+async fn raw(addr: SocketAddr, head: &str) -> (u16, String) {
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(format!("{head}\r\nHost: app\r\n\r\n").as_bytes()).await.unwrap();
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut reply)).await;
+    let reply = String::from_utf8_lossy(&reply).to_string();
+    let status = reply.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn requests_the_endpoint_cannot_decide_are_answered_here_and_never_forwarded() {
+    let (up, state) = start_upstream().await;
+    let (_dir, serve) = strict_serve();
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+    assert_eq!(c.get(sidecar.url("/all")).send().await.unwrap().status(), 200);
+    let long = format!("/all/{}", "a".repeat(9000));
+    let r = c.get(sidecar.url(&long)).send().await.unwrap();
+    assert_eq!(r.status(), 414, "a path over 8 KiB is the client's problem, not a bypass");
+    assert_eq!(state.hits.load(Ordering::SeqCst), 1, "the upstream saw one request");
+    // A CONNECT has no path to decide on.
+    let (status, _) = raw(sidecar.process.addr, "CONNECT app:443 HTTP/1.1\r\nConnection: close").await;
+    assert_eq!(status, 400);
+    assert_eq!(state.hits.load(Ordering::SeqCst), 1);
+
+    // A 70 KiB key: 431 five times, and the breaker stays closed (the endpoint did nothing wrong).
+    let huge = "k".repeat(70 * 1024);
+    for _ in 0..5 {
+        let r = c.get(sidecar.url("/keyed")).header("x-api-key", &huge).send().await.unwrap();
+        assert_eq!(r.status(), 431);
+    }
+    sidecar.await_metric("\nsluice_sidecar_endpoint_circuit_open 0\n").await;
+    assert_eq!(get_with_key(&c, &sidecar.url("/keyed"), "k1").await.status(), 200);
+    assert_eq!(get_with_key(&c, &sidecar.url("/keyed"), "k1").await.status(), 429, "limits still enforced");
+    assert_eq!(state.hits.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_client_cannot_pick_its_bucket_with_hop_by_hop_or_repeated_headers() {
+    let (up, state) = start_upstream().await;
+    let (_dir, serve) = strict_serve();
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    // `Connection: x-api-key` makes the key hop-by-hop: the application never receives it, so
+    // the limiter does not either. Both requests are anonymous: one shared bucket.
+    let (first, body) =
+        raw(sidecar.process.addr, "GET /keyed HTTP/1.1\r\nX-API-Key: random-1\r\nConnection: x-api-key, close").await;
+    assert_eq!(first, 200);
+    assert!(body.contains("\"apiKey\":\"\""), "the application got no key: {body}");
+    let (second, _) =
+        raw(sidecar.process.addr, "GET /keyed HTTP/1.1\r\nX-API-Key: random-2\r\nConnection: x-api-key, close").await;
+    assert_eq!(second, 429, "not a fresh bucket per random key");
+
+    // A second copy of the key: refused, not joined into a new key nor resolved either way.
+    let c = client();
+    assert_eq!(get_with_key(&c, &sidecar.url("/keyed"), "k2").await.status(), 200);
+    let hits = state.hits.load(Ordering::SeqCst);
+    let (status, body) =
+        raw(sidecar.process.addr, "GET /keyed HTTP/1.1\r\nX-API-Key: k2\r\nX-API-Key: random\r\nConnection: close")
+            .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("x-api-key"), "{body}");
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits);
+}
+
+#[tokio::test]
+async fn spellings_of_a_path_share_its_limit() {
+    let (up, _state) = start_upstream().await;
+    let (_dir, serve) = strict_serve();
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    assert_eq!(raw(sidecar.process.addr, "GET /orders/1 HTTP/1.1\r\nConnection: close").await.0, 200);
+    for variant in ["//orders/1", "/%6Frders/1", "/x/../orders/1", "/orders/./1"] {
+        let (status, _) = raw(sidecar.process.addr, &format!("GET {variant} HTTP/1.1\r\nConnection: close")).await;
+        assert_eq!(status, 429, "{variant} is /orders/1 to the application, and to the limiter");
+    }
+}
+
+#[tokio::test]
+async fn an_h2c_upgrade_is_declined_and_served_as_http1() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let (status, body) = raw(
+        sidecar.process.addr,
+        "GET /anything HTTP/1.1\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n\
+         HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+    )
+    .await;
+    assert_eq!(status, 200, "no 101: the upgrade is declined");
+    let seen: serde_json::Value = serde_json::from_str(body.trim()).unwrap_or_default();
+    assert_eq!(seen["upgrade"], "", "{body}");
+    assert_eq!(seen["http2Settings"], "", "HTTP2-Settings never reaches an HTTP/1.1 application");
 }

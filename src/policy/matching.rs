@@ -65,7 +65,8 @@ pub struct RequestView<'a> {
     /// The workload's labels, for policy selectors.
     pub labels: &'a dyn StrMap,
     pub method: &'a str,
-    /// May include `?query`, which matching and keys ignore.
+    /// May include `?query`, which matching and keys ignore; matched and keyed in its
+    /// normalized form ([`super::path::normalize`]).
     pub path: &'a str,
     /// As sent (any case, possibly with `:port`).
     pub host: Option<&'a str>,
@@ -135,7 +136,9 @@ impl Snapshot {
     /// policies by name, each policy's rules in the order written. Allocates only the keys.
     pub fn resolve<'s>(&'s self, req: &RequestView<'_>, out: &mut Vec<Matched<'s>>) {
         out.clear();
-        let path = req.path_only();
+        // Matching and keys see the path the way the application's router does.
+        let path = super::path::normalize(req.path_only());
+        let path = path.as_ref();
         let host = req.host.map(host_without_port);
         for policy in self.namespace_policies(req.namespace) {
             if !selector_matches(&policy.selector, req.labels) {

@@ -8,6 +8,7 @@ pub mod compile;
 pub mod crd;
 pub mod load;
 pub mod matching;
+pub mod path;
 pub mod validate;
 
 pub use compile::{

@@ -28,7 +28,7 @@ use sha2::{Digest, Sha256};
 use crate::policy::DEFAULT_NAMESPACE;
 
 /// The request header that carries the caller's credential.
-pub const AUTHORIZATION_HEADER: &str = "x-sluice-authorization";
+pub use crate::request::headers::CREDENTIAL_HEADER as AUTHORIZATION_HEADER;
 /// Static tokens shorter than this are refused: they would be guessable.
 pub const MIN_STATIC_TOKEN_LEN: usize = 16;
 

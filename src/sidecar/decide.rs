@@ -40,9 +40,34 @@ pub type HeaderList = Vec<(HeaderName, HeaderValue)>;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    Allow { delay: Duration, headers: HeaderList },
-    Deny { retry_after_secs: Option<u64>, headers: HeaderList },
+    Allow {
+        delay: Duration,
+        headers: HeaderList,
+    },
+    Deny {
+        retry_after_secs: Option<u64>,
+        headers: HeaderList,
+    },
+    /// The request cannot be decided as sent: answered with a 4xx, never forwarded.
+    Refuse(Refusal),
 }
+
+/// Why a request is answered with a 4xx by the sidecar itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: StatusCode,
+    pub detail: String,
+}
+
+impl Refusal {
+    pub fn new(status: StatusCode, detail: impl Into<String>) -> Refusal {
+        Refusal { status, detail: detail.into() }
+    }
+}
+
+/// Most bytes of header values one check carries: with the 8 KiB path bound, a check stays far
+/// below the endpoint's 64 KiB body limit, so the endpoint never refuses one as too large.
+pub const MAX_CHECK_HEADER_BYTES: usize = 16 * 1024;
 
 /// Who decided, for metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,8 +93,8 @@ pub enum EndpointError {
     Unreachable(String),
     #[error("endpoint answered {0}")]
     Status(StatusCode),
-    #[error("endpoint refused the check request: {0}")]
-    Rejected(String),
+    #[error("endpoint refused the check request ({0}): {1}")]
+    Rejected(StatusCode, String),
     #[error("endpoint answer not understood: {0}")]
     Decode(String),
     #[error("endpoint did not answer within {0:?}")]
@@ -81,16 +106,10 @@ impl EndpointError {
         match self {
             EndpointError::Unreachable(_) => "unreachable",
             EndpointError::Status(_) => "status",
-            EndpointError::Rejected(_) => "rejected",
+            EndpointError::Rejected(..) => "rejected",
             EndpointError::Decode(_) => "decode",
             EndpointError::Timeout(_) => "timeout",
         }
-    }
-
-    /// Whether the endpoint itself is in trouble (counts against the breaker). A 400 means it
-    /// is fine and this one request could not be expressed as a check.
-    fn is_endpoint_fault(&self) -> bool {
-        !matches!(self, EndpointError::Rejected(_))
     }
 }
 
@@ -101,7 +120,8 @@ impl EndpointError {
 #[derive(Debug)]
 enum HeaderFilter {
     Unknown,
-    Only(Vec<HeaderName>),
+    /// Lowercase names.
+    Only(Vec<String>),
 }
 
 /// The bearer token the sidecar presents, re-read from its file as the kubelet rotates it.
@@ -262,7 +282,10 @@ impl Decider {
     /// The request headers a check should carry, lower-case names, repeated values joined; `None`
     /// while no snapshot has said which (the first one is fetched here, once, within the endpoint
     /// timeout).
-    pub async fn check_headers(&self, headers: &HeaderMap) -> Option<BTreeMap<String, String>> {
+    ///
+    /// A used header sent more than once, or not UTF-8, is refused with 400 (no single value
+    /// says which bucket it belongs to); used headers over [`MAX_CHECK_HEADER_BYTES`] with 431.
+    pub async fn check_headers(&self, headers: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, Refusal> {
         if matches!(**self.header_filter.load(), HeaderFilter::Unknown) {
             let _one = self.first_snapshot.lock().await;
             // Behind the breaker like a check: a dead endpoint costs five waits, not one per request.
@@ -284,15 +307,24 @@ impl Decider {
             }
         }
         let filter = self.header_filter.load();
-        let HeaderFilter::Only(names) = &**filter else { return None };
+        let HeaderFilter::Only(names) = &**filter else { return Ok(None) };
+        crate::request::headers::check_used_headers(headers, names)
+            .map_err(|detail| Refusal::new(StatusCode::BAD_REQUEST, detail))?;
         let mut out = BTreeMap::new();
+        let mut bytes = 0;
         for name in names {
-            let values: Vec<&str> = headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
-            if !values.is_empty() {
-                out.insert(name.as_str().to_string(), values.join(", "));
+            if let Some(value) = headers.get(name.as_str()).and_then(|v| std::str::from_utf8(v.as_bytes()).ok()) {
+                bytes += name.len() + value.len();
+                out.insert(name.clone(), value.to_string());
             }
         }
-        Some(out)
+        if bytes > MAX_CHECK_HEADER_BYTES {
+            return Err(Refusal::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                format!("the rate-limited headers take {bytes} bytes, more than {MAX_CHECK_HEADER_BYTES}"),
+            ));
+        }
+        Ok(Some(out))
     }
 
     /// The decision for a request that could not be put to the endpoint (no snapshot yet says
@@ -339,12 +371,22 @@ impl Decider {
                         self.count(Source::Endpoint, &decision);
                         return decision;
                     }
-                    Err(error) => {
-                        if error.is_endpoint_fault() {
-                            permit.failure(now);
+                    Err(EndpointError::Rejected(status, detail)) => {
+                        // The endpoint is fine; this request cannot be decided as sent, and
+                        // forwarding it unchecked would be a bypass.
+                        permit.success(now);
+                        self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: "rejected" }).inc();
+                        let status = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
                         } else {
-                            permit.success(now);
-                        }
+                            StatusCode::BAD_REQUEST
+                        };
+                        let decision = Decision::Refuse(Refusal::new(status, endpoint_reason(&detail)));
+                        self.count(Source::Endpoint, &decision);
+                        return decision;
+                    }
+                    Err(error) => {
+                        permit.failure(now);
                         self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: error.kind() }).inc();
                         Some(error)
                     }
@@ -362,17 +404,22 @@ impl Decider {
     }
 
     fn count(&self, source: Source, decision: &Decision) {
-        let result = if matches!(decision, Decision::Allow { .. }) { "allow" } else { "deny" };
+        let result = match decision {
+            Decision::Allow { .. } => "allow",
+            Decision::Deny { .. } => "deny",
+            Decision::Refuse(_) => "refuse",
+        };
         self.metrics.decisions.get_or_create(&DecisionLabels { source: source.name(), result }).inc();
     }
 
     async fn ask(&self, input: &CheckInput<'_>) -> Result<Decision, EndpointError> {
-        let body = serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(e.to_string()))?;
+        let body =
+            serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
         let request = self
             .authorize(Request::post(self.check_uri.clone()))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(Full::new(Bytes::from(body)))
-            .map_err(|e| EndpointError::Rejected(e.to_string()))?;
+            .map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
         let response = self.client.request(request).await.map_err(|e| EndpointError::Unreachable(error_chain(&e)))?;
         let status = response.status();
         let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
@@ -380,8 +427,8 @@ impl Decider {
             .await
             .map_err(|e| EndpointError::Unreachable(e.to_string()))?
             .to_bytes();
-        if status == StatusCode::BAD_REQUEST {
-            return Err(EndpointError::Rejected(String::from_utf8_lossy(&body).into_owned()));
+        if status == StatusCode::BAD_REQUEST || status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Err(EndpointError::Rejected(status, String::from_utf8_lossy(&body).into_owned()));
         }
         if !status.is_success() {
             return Err(EndpointError::Status(status));
@@ -479,7 +526,12 @@ impl Decider {
             // The endpoint has no policies yet; an empty cache would wrongly admit everything.
             return Ok(None);
         }
-        let names = document.header_names.iter().filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok()).collect();
+        let names = document
+            .header_names
+            .iter()
+            .filter(|n| HeaderName::from_bytes(n.as_bytes()).is_ok())
+            .map(|n| n.to_ascii_lowercase())
+            .collect();
         let compiled = crate::policy::compile(document.sources);
         if !compiled.rejected.is_empty() {
             tracing::warn!(
@@ -514,6 +566,14 @@ fn from_engine(response: CheckResponse) -> Decision {
     } else {
         Decision::Deny { retry_after_secs: response.retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
     }
+}
+
+/// The endpoint's `{"error": "…"}` message, or its body as text.
+fn endpoint_reason(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+        .unwrap_or_else(|| body.chars().take(200).collect())
 }
 
 /// hyper-util's errors put the useful part (connection refused…) in the source chain.

@@ -6,6 +6,7 @@
 //! are enforced locally; see [`decide`].
 
 pub mod config;
+pub mod connect;
 pub mod decide;
 pub mod metrics;
 pub mod proxy;

@@ -21,9 +21,11 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
-use super::decide::{CheckInput, Decider, Decision, HeaderList, error_chain};
+use super::connect::UpstreamConnector;
+use super::decide::{CheckInput, Decider, Decision, HeaderList, Refusal, error_chain};
 use super::metrics::SidecarMetrics;
-use crate::request::forwarded;
+use crate::request::{forwarded, headers};
+use crate::server::request::MAX_PATH_LEN;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
@@ -33,7 +35,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub struct Proxy {
     upstream: Authority,
-    client: Client<HttpConnector, Incoming>,
+    client: Client<UpstreamConnector, Incoming>,
     decider: Arc<Decider>,
     trusted_hops: usize,
     metrics: Arc<SidecarMetrics>,
@@ -48,15 +50,25 @@ impl Proxy {
             .pool_idle_timeout(Duration::from_secs(90))
             // The Host the client sent is kept; the client must not replace it with the upstream's.
             .set_host(false)
-            .build(connector);
+            .build(UpstreamConnector(connector));
         Proxy { upstream, client, decider, trusted_hops, metrics }
     }
 
     pub async fn handle(&self, peer: SocketAddr, mut request: Request<Incoming>) -> Response<ProxyBody> {
+        // The limiter decides on the request the application will get: connection-level headers
+        // go before anything is read from the headers. Only a WebSocket upgrade is carried
+        // through; any other (h2c above all: it would tunnel unlimited HTTP/2 requests past
+        // this one check) is declined, and the request is served as plain HTTP/1.1.
+        let upgrade = is_websocket_upgrade(&request);
+        headers::strip_hop_by_hop(request.headers_mut(), upgrade);
+        if let Err(refusal) = check_target(request.uri()) {
+            return self.refuse(refusal);
+        }
         let client_ip = forwarded::client_ip(request.headers(), peer.ip(), self.trusted_hops);
         let host = request_host(&request);
         let decision = match self.decider.check_headers(request.headers()).await {
-            Some(headers) => {
+            Err(refusal) => return self.refuse(refusal),
+            Ok(Some(headers)) => {
                 let input = CheckInput {
                     namespace: &self.decider.namespace,
                     labels: &self.decider.labels,
@@ -68,13 +80,14 @@ impl Proxy {
                 };
                 self.decider.decide(&input).await
             }
-            None => self.decider.undecidable(),
+            Ok(None) => self.decider.undecidable(),
         };
         let (delay, rate_headers) = match decision {
             Decision::Deny { retry_after_secs, headers } => {
                 self.metrics.outcome("limited");
                 return too_many_requests(retry_after_secs, headers);
             }
+            Decision::Refuse(refusal) => return self.refuse(refusal),
             Decision::Allow { delay, headers } => (delay, headers),
         };
         if !delay.is_zero() {
@@ -83,7 +96,6 @@ impl Proxy {
             tokio::time::sleep(delay).await;
         }
 
-        let upgrade = is_upgrade(&request);
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
         if self.prepare(&mut request, peer, host.as_deref(), upgrade).is_err() {
             return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
@@ -120,9 +132,17 @@ impl Proxy {
         }
 
         self.metrics.outcome("forwarded");
-        strip_hop_by_hop(response.headers_mut(), false);
+        headers::strip_hop_by_hop(response.headers_mut(), false);
         add_headers(response.headers_mut(), rate_headers);
         response.map(Either::Left)
+    }
+
+    /// Answers a request the limiter cannot decide as sent (400, 414, 431): the client's
+    /// fault, so it is never forwarded and never counts against the endpoint.
+    fn refuse(&self, refusal: Refusal) -> Response<ProxyBody> {
+        self.metrics.outcome("refused");
+        let title = refusal.status.canonical_reason().unwrap_or("Bad Request");
+        problem(refusal.status, title, &refusal.detail, Vec::new())
     }
 
     /// Rewrites the client's request into the one the application gets.
@@ -139,7 +159,9 @@ impl Proxy {
         // The application speaks HTTP/1.1 on loopback whatever the client spoke to us.
         *request.version_mut() = Version::HTTP_11;
         let headers = request.headers_mut();
-        strip_hop_by_hop(headers, upgrade);
+        if upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
         if !headers.contains_key(header::HOST) {
             // HTTP/2 carries the host in :authority; HTTP/1.1 applications expect Host.
             let value = host.unwrap_or(self.upstream.as_str());
@@ -170,40 +192,32 @@ fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
         .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
-/// An HTTP/1.1 `Connection: upgrade` request with an `Upgrade` header (WebSocket and friends).
-fn is_upgrade(request: &Request<Incoming>) -> bool {
+/// An HTTP/1.1 `Connection: upgrade` request to `Upgrade: websocket` and nothing else.
+fn is_websocket_upgrade(request: &Request<Incoming>) -> bool {
+    let mut protocols = request.headers().get_all(header::UPGRADE).iter();
+    let only_websocket = match (protocols.next().and_then(|v| v.to_str().ok()), protocols.next()) {
+        (Some(value), None) => {
+            let mut tokens = value.split(',').map(str::trim);
+            tokens.next().is_some_and(|t| t.eq_ignore_ascii_case("websocket")) && tokens.next().is_none()
+        }
+        _ => false,
+    };
     request.version() == Version::HTTP_11
-        && request.headers().contains_key(header::UPGRADE)
+        && only_websocket
         && has_token(request.headers(), &header::CONNECTION, "upgrade")
 }
 
-/// Removes the headers that describe one connection rather than the message (RFC 9110 §7.6.1),
-/// including any the Connection header names. An upgrade keeps `Upgrade` and `Connection: upgrade`,
-/// which are exactly what must reach the application.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in listed {
-        if !(keep_upgrade && name == header::UPGRADE) {
-            headers.remove(name);
-        }
+/// The request target the endpoint can decide: an origin-form path (or `*`) of at most
+/// [`MAX_PATH_LEN`] bytes. Anything else is answered here, never forwarded unchecked.
+fn check_target(uri: &Uri) -> Result<(), Refusal> {
+    let path = uri.path();
+    if path.len() > MAX_PATH_LEN {
+        return Err(Refusal::new(StatusCode::URI_TOO_LONG, format!("the path is longer than {MAX_PATH_LEN} bytes")));
     }
-    for name in [header::TE, header::TRAILER, header::TRANSFER_ENCODING, header::PROXY_AUTHENTICATE] {
-        headers.remove(name);
+    if !(path.starts_with('/') || path == "*") {
+        return Err(Refusal::new(StatusCode::BAD_REQUEST, "the request target is not a path (CONNECT is not proxied)"));
     }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-    headers.remove(header::CONNECTION);
-    if keep_upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    } else {
-        headers.remove(header::UPGRADE);
-    }
+    Ok(())
 }
 
 fn add_headers(headers: &mut HeaderMap, extra: HeaderList) {
