@@ -12,15 +12,21 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use super::FIELD_MANAGER;
-use super::controller::Outcome;
+use super::controller::{Enforced, Outcome, PolicyOutcome};
 use crate::policy::{RateLimitPolicy, RateLimitPolicyStatus};
 
 pub const ACCEPTED: &str = "Accepted";
 pub const ENFORCED: &str = "Enforced";
 
-/// The status `policy` should have after `outcome`, keeping each condition's
-/// lastTransitionTime when its status did not change.
-pub fn desired(policy: &RateLimitPolicy, outcome: &Outcome, now: Time) -> RateLimitPolicyStatus {
+/// The status the policy of `outcome` should have once `version` is live, keeping each
+/// condition's lastTransitionTime when its status did not change.
+///
+/// Both conditions, and `observedGeneration`, carry the current generation: the one the operator
+/// judged to write them (the Kubernetes convention: a condition with an older observedGeneration
+/// is out of date). Which generation's rules are live is `enforcedGeneration`, also named by the
+/// Enforced message.
+pub fn desired(outcome: &PolicyOutcome, version: &str, now: Time) -> RateLimitPolicyStatus {
+    let policy = &outcome.policy;
     let generation = policy.metadata.generation;
     let previous = policy.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
     let condition = |type_: &str, ok: bool, reason: &str, message: String| {
@@ -39,30 +45,59 @@ pub fn desired(policy: &RateLimitPolicy, outcome: &Outcome, now: Time) -> RateLi
             last_transition_time: since,
         }
     };
-    match outcome.rejected.get(&policy.qualified_name()) {
-        Some(errors) => RateLimitPolicyStatus {
-            conditions: vec![
-                condition(ACCEPTED, false, "Invalid", errors.to_string()),
-                condition(
-                    ENFORCED,
-                    false,
-                    "NotAccepted",
-                    format!("not enforced: the policy is invalid; snapshot {} does not contain it", outcome.version),
+    let this = generation.map_or_else(|| "the current generation".to_string(), |g| format!("generation {g}"));
+    let accepted = match &outcome.rejected {
+        None => condition(ACCEPTED, true, "Valid", "the policy is valid and compiled".to_string()),
+        Some(errors) => condition(ACCEPTED, false, "Invalid", errors.to_string()),
+    };
+    let not_accepted = match &outcome.rejected {
+        Some(errors) => format!("{this} was not accepted: {errors}"),
+        None => format!("{this} was not compiled"),
+    };
+    let absent = format!("nothing is enforced: snapshot {version} does not contain this policy");
+    // The outcome is published only after its snapshot was installed, so what Enforced=True names
+    // is live when this is written.
+    let (enforced, enforced_generation) = match &outcome.enforced {
+        Enforced::Current => {
+            (condition(ENFORCED, true, "Live", format!("{this} is enforced in snapshot {version}")), generation)
+        }
+        Enforced::LastAccepted(g) => (
+            condition(
+                ENFORCED,
+                true,
+                "LastAccepted",
+                format!("generation {g} is enforced in snapshot {version}; {not_accepted}"),
+            ),
+            Some(*g),
+        ),
+        Enforced::Nothing(None) => (
+            condition(
+                ENFORCED,
+                false,
+                "NotAccepted",
+                format!("{absent}; no earlier generation was accepted, and {not_accepted}"),
+            ),
+            None,
+        ),
+        Enforced::Nothing(Some((g, errors))) => (
+            condition(
+                ENFORCED,
+                false,
+                "LastAcceptedInvalid",
+                format!(
+                    "{absent}; the last accepted generation {g} is not valid any more: {errors}; and {not_accepted}"
                 ),
-            ],
-            observed_generation: generation,
-            snapshot: None,
-        },
-        None => RateLimitPolicyStatus {
-            conditions: vec![
-                condition(ACCEPTED, true, "Valid", "the policy is valid and compiled".to_string()),
-                // The outcome is published only after its snapshot was installed, so this
-                // generation's rules are live when this is written.
-                condition(ENFORCED, true, "Live", format!("rules are live in snapshot {}", outcome.version)),
-            ],
-            observed_generation: generation,
-            snapshot: Some(outcome.version.clone()),
-        },
+            ),
+            None,
+        ),
+    };
+    RateLimitPolicyStatus {
+        conditions: vec![accepted, enforced],
+        observed_generation: generation,
+        snapshot: enforced_generation.map(|_| version.to_string()),
+        enforced_generation,
+        // Always sent: server-side apply removes what the field manager no longer sends.
+        last_accepted: outcome.last_accepted.clone(),
     }
 }
 
@@ -73,7 +108,13 @@ fn essence(status: &RateLimitPolicyStatus) -> impl PartialEq + use<> {
         .iter()
         .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone(), c.message.clone(), c.observed_generation))
         .collect();
-    (conditions, status.observed_generation, status.snapshot.clone())
+    (
+        conditions,
+        status.observed_generation,
+        status.snapshot.clone(),
+        status.enforced_generation,
+        status.last_accepted.clone(),
+    )
 }
 
 /// While this replica leads, brings every policy's status in line with the latest outcome.
@@ -130,9 +171,10 @@ async fn apply_all(
 ) -> bool {
     let mut failed = false;
     let now = Time(k8s_openapi::jiff::Timestamp::now());
-    for policy in &outcome.policies {
+    for entry in &outcome.policies {
+        let policy = &entry.policy;
         let uid = policy.uid().unwrap_or_default();
-        let status = desired(policy, outcome, now.clone());
+        let status = desired(entry, &outcome.version, now.clone());
         let already = policy.status.as_ref().is_some_and(|s| essence(s) == essence(&status))
             || written.get(&uid).is_some_and(|(_, w)| essence(w) == essence(&status));
         if already {
@@ -155,7 +197,7 @@ async fn apply_all(
                 // An Event per verdict, not per write: a new snapshot version rewrites every
                 // policy's Enforced message, which is no news about this policy.
                 if verdict(policy.status.as_ref()) != verdict(Some(&status)) {
-                    publish_event(recorder, policy, &status, outcome).await;
+                    publish_event(recorder, policy, &status).await;
                 }
                 written.insert(uid, (policy.metadata.generation, status));
             }
@@ -168,7 +210,7 @@ async fn apply_all(
         }
     }
     let live: std::collections::HashSet<String> =
-        outcome.policies.iter().map(|p| p.uid().unwrap_or_default()).collect();
+        outcome.policies.iter().map(|p| p.policy.uid().unwrap_or_default()).collect();
     written.retain(|uid, _| live.contains(uid));
     failed
 }
@@ -179,31 +221,43 @@ fn verdict(status: Option<&RateLimitPolicyStatus>) -> Option<(String, Option<i64
     Some((accepted.status.clone(), accepted.observed_generation))
 }
 
-async fn publish_event(
-    recorder: &Recorder,
-    policy: &RateLimitPolicy,
-    status: &RateLimitPolicyStatus,
-    outcome: &Outcome,
-) {
-    let accepted = status.conditions.iter().find(|c| c.type_ == ACCEPTED);
-    let (type_, reason, note) = match accepted {
-        Some(c) if c.status == "True" => {
-            (EventType::Normal, "Accepted", format!("enforced in snapshot {}", outcome.version))
-        }
-        Some(c) => (EventType::Warning, "Rejected", c.message.clone()),
+/// An Event for a new verdict: `Normal Accepted` or `Warning Rejected`, with the Enforced message
+/// as the note (what is enforced now, and why the generation was not accepted).
+async fn publish_event(recorder: &Recorder, policy: &RateLimitPolicy, status: &RateLimitPolicyStatus) {
+    let find = |type_: &str| status.conditions.iter().find(|c| c.type_ == type_);
+    let (type_, reason) = match find(ACCEPTED) {
+        Some(c) if c.status == "True" => (EventType::Normal, "Accepted"),
+        Some(_) => (EventType::Warning, "Rejected"),
         None => return,
     };
-    let event =
-        Event { type_, reason: reason.to_string(), note: Some(note), action: "Compile".to_string(), secondary: None };
+    let note = find(ENFORCED).map(|c| truncate(&c.message, MAX_NOTE).to_string());
+    let event = Event { type_, reason: reason.to_string(), note, action: "Compile".to_string(), secondary: None };
     if let Err(error) = recorder.publish(&event, &policy.object_ref(&())).await {
         tracing::warn!(policy = %policy.qualified_name(), %error, "cannot publish event");
     }
 }
 
+/// The API server refuses an Event whose note is longer (events.k8s.io/v1: 1 kB).
+const MAX_NOTE: usize = 1024;
+
+/// At most `max` bytes of `text`, cut at a character boundary.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
-    use crate::policy::{FieldError, ValidationErrors};
+    use crate::policy::{FieldError, LastAccepted, ValidationErrors};
 
     fn policy(generation: i64) -> RateLimitPolicy {
         let mut p: RateLimitPolicy = serde_yaml::from_str(
@@ -214,44 +268,109 @@ mod tests {
         p
     }
 
+    fn errors() -> ValidationErrors {
+        ValidationErrors {
+            errors: vec![FieldError { path: "spec.rules[0].match.paths[0].regex".into(), message: "bad".into() }],
+        }
+    }
+
+    fn last(generation: i64) -> Option<LastAccepted> {
+        Some(LastAccepted { generation, spec: serde_json::to_value(&policy(generation).spec).expect("spec") })
+    }
+
+    fn entry(p: RateLimitPolicy, rejected: Option<ValidationErrors>, enforced: Enforced) -> PolicyOutcome {
+        PolicyOutcome { policy: Arc::new(p), rejected, enforced, last_accepted: last(1) }
+    }
+
     fn at(seconds: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(seconds).expect("valid time"))
     }
 
+    fn find<'a>(status: &'a RateLimitPolicyStatus, type_: &str) -> &'a Condition {
+        status.conditions.iter().find(|c| c.type_ == type_).expect("condition")
+    }
+
     #[test]
     fn accepted_policy_is_enforced_in_the_outcome_version() {
-        let outcome = Outcome { version: "abc".into(), ..Default::default() };
-        let status = desired(&policy(3), &outcome, at(10));
+        let status = desired(&entry(policy(3), None, Enforced::Current), "abc", at(10));
         assert_eq!(status.observed_generation, Some(3));
         assert_eq!(status.snapshot.as_deref(), Some("abc"));
-        let enforced = status.conditions.iter().find(|c| c.type_ == ENFORCED).expect("Enforced");
-        assert_eq!(enforced.status, "True");
-        assert!(enforced.message.contains("abc"));
+        assert_eq!(status.enforced_generation, Some(3));
+        assert_eq!(status.last_accepted, last(1), "what the outcome says is persisted");
+        let enforced = find(&status, ENFORCED);
+        assert_eq!((enforced.status.as_str(), enforced.reason.as_str()), ("True", "Live"));
+        assert_eq!(enforced.message, "generation 3 is enforced in snapshot abc");
+        assert_eq!(find(&status, ACCEPTED).status, "True");
     }
 
     #[test]
     fn rejected_policy_names_the_field_and_is_not_enforced() {
-        let mut outcome = Outcome { version: "abc".into(), ..Default::default() };
-        outcome.rejected.insert(
-            "ns/p".into(),
-            ValidationErrors {
-                errors: vec![FieldError { path: "spec.rules[0].limit.per".into(), message: "bad".into() }],
-            },
-        );
-        let status = desired(&policy(1), &outcome, at(10));
-        let accepted = status.conditions.iter().find(|c| c.type_ == ACCEPTED).expect("Accepted");
+        let status = desired(&entry(policy(1), Some(errors()), Enforced::Nothing(None)), "abc", at(10));
+        let accepted = find(&status, ACCEPTED);
         assert_eq!((accepted.status.as_str(), accepted.reason.as_str()), ("False", "Invalid"));
-        assert!(accepted.message.contains("spec.rules[0].limit.per"));
-        assert_eq!(status.snapshot, None);
+        assert!(accepted.message.contains("spec.rules[0].match.paths[0].regex"));
+        let enforced = find(&status, ENFORCED);
+        assert_eq!((enforced.status.as_str(), enforced.reason.as_str()), ("False", "NotAccepted"));
+        assert_eq!(
+            enforced.message,
+            "nothing is enforced: snapshot abc does not contain this policy; no earlier generation was accepted, \
+             and generation 1 was not accepted: spec.rules[0].match.paths[0].regex: bad"
+        );
+        assert_eq!((status.snapshot, status.enforced_generation), (None, None));
+    }
+
+    #[test]
+    fn rejected_generation_keeps_the_last_accepted_one_enforced() {
+        let status = desired(&entry(policy(4), Some(errors()), Enforced::LastAccepted(3)), "abc", at(10));
+        let accepted = find(&status, ACCEPTED);
+        assert_eq!((accepted.status.as_str(), accepted.reason.as_str()), ("False", "Invalid"));
+        let enforced = find(&status, ENFORCED);
+        assert_eq!((enforced.status.as_str(), enforced.reason.as_str()), ("True", "LastAccepted"));
+        assert_eq!(
+            enforced.message,
+            "generation 3 is enforced in snapshot abc; generation 4 was not accepted: \
+             spec.rules[0].match.paths[0].regex: bad"
+        );
+        // Both conditions judge the current generation; the live one is enforcedGeneration.
+        assert!(status.conditions.iter().all(|c| c.observed_generation == Some(4)));
+        assert_eq!(status.observed_generation, Some(4));
+        assert_eq!(status.enforced_generation, Some(3));
+        assert_eq!(status.snapshot.as_deref(), Some("abc"));
+        assert_eq!(status.last_accepted, last(1));
+    }
+
+    #[test]
+    fn an_invalid_last_accepted_generation_enforces_nothing() {
+        let gone = Enforced::Nothing(Some((3, errors())));
+        let status = desired(&entry(policy(4), Some(errors()), gone), "abc", at(10));
+        let enforced = find(&status, ENFORCED);
+        assert_eq!((enforced.status.as_str(), enforced.reason.as_str()), ("False", "LastAcceptedInvalid"));
+        assert!(enforced.message.contains("the last accepted generation 3 is not valid any more"), "{enforced:?}");
+        assert!(enforced.message.contains("generation 4 was not accepted"), "{enforced:?}");
+        assert_eq!((status.snapshot, status.enforced_generation), (None, None));
+        assert_eq!(status.last_accepted, last(1), "kept, not erased");
     }
 
     #[test]
     fn transition_time_is_kept_while_the_status_holds() {
-        let outcome = Outcome { version: "v1".into(), ..Default::default() };
         let mut p = policy(1);
-        p.status = Some(desired(&p, &outcome, at(10)));
-        let again = desired(&p, &Outcome { version: "v2".into(), ..Default::default() }, at(20));
+        p.status = Some(desired(&entry(p.clone(), None, Enforced::Current), "v1", at(10)));
+        let again = desired(&entry(p.clone(), None, Enforced::Current), "v2", at(20));
         assert!(again.conditions.iter().all(|c| c.last_transition_time == at(10)));
         assert!(essence(&again) != essence(p.status.as_ref().expect("status")));
+        // Accepted turns False at 30; Enforced stays True (the last accepted generation) and keeps
+        // its time.
+        p.status = Some(again);
+        p.metadata.generation = Some(2);
+        let rejected = desired(&entry(p, Some(errors()), Enforced::LastAccepted(1)), "v2", at(30));
+        assert_eq!(find(&rejected, ACCEPTED).last_transition_time, at(30));
+        assert_eq!(find(&rejected, ENFORCED).last_transition_time, at(10));
+    }
+
+    #[test]
+    fn event_notes_are_cut_at_a_character_boundary() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("aé", 2), "a");
+        assert_eq!(truncate(&"x".repeat(2000), MAX_NOTE).len(), MAX_NOTE);
     }
 }

@@ -396,9 +396,12 @@ pub struct LimitSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RateLimitPolicyStatus {
-    /// `Accepted`: the policy is valid and compiled (reason and message say what is wrong when
-    /// False). `Enforced`: the snapshot containing this generation is live in the enforcement
-    /// endpoint.
+    /// `Accepted`: whether the current generation (metadata.generation) is valid and compiled
+    /// (reason and message say what is wrong when False). `Enforced`: whether rules of this policy
+    /// are live in the enforcement endpoint, and of which generation: the current one (reason
+    /// `Live`) or, while the current one is not accepted, the last accepted one (reason
+    /// `LastAccepted`). Both conditions carry the observedGeneration of the generation the operator
+    /// judged when it wrote them, so they are up to date when it equals metadata.generation.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The metadata.generation these conditions describe.
@@ -407,6 +410,35 @@ pub struct RateLimitPolicyStatus {
     /// Version (content hash) of the live rule snapshot that contains this policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// The generation whose rules are live in the snapshot named by `snapshot`: observedGeneration
+    /// when the current generation is accepted, lastAccepted.generation while it is not. Absent
+    /// when nothing of the policy is enforced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforced_generation: Option<i64>,
+    /// The newest generation the operator accepted, with its spec. While a newer generation is
+    /// invalid, every replica of the operator, including one started later, enforces this spec
+    /// instead of dropping the policy's limits; a valid update replaces it. Written by the operator
+    /// only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_accepted: Option<LastAccepted>,
+}
+
+/// An accepted generation of a policy, kept in its status.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LastAccepted {
+    /// The metadata.generation that had this spec.
+    pub generation: i64,
+    /// The spec of that generation as the operator read it (defaults filled in). The schema does
+    /// not check it: the operator validates it again before enforcing it, and enforces nothing of
+    /// the policy if it is no longer valid.
+    #[schemars(schema_with = "any_object")]
+    pub spec: serde_json::Value,
+}
+
+/// Schema of an object whose fields the API server keeps without checking them.
+fn any_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
 }
 
 impl RateLimitPolicy {

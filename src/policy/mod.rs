@@ -15,8 +15,8 @@ pub use compile::{
     Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotPart, SnapshotView, compile, rule_id,
 };
 pub use crd::{
-    HeaderMatch, KeyPart, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule, RateLimitPolicy, RateLimitPolicySpec,
-    RateLimitPolicyStatus, crd_yaml,
+    HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule, RateLimitPolicy,
+    RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
 };
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, policy_files};
 pub use matching::{Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
