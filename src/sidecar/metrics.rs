@@ -20,7 +20,7 @@ pub struct OutcomeLabels {
 pub struct DecisionLabels {
     /// `endpoint`, `local` (cached snapshot) or `failure_mode`.
     pub source: &'static str,
-    /// `allow` or `deny`.
+    /// `allow`, `deny` or `refuse` (a request answered 4xx as malformed).
     pub result: &'static str,
 }
 
