@@ -16,7 +16,8 @@ use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 #[derive(clap::Args, Clone, Debug)]
 pub struct StoreArgs {
     /// Most keys held in memory (the store itself, or the local fallback when Redis is used);
-    /// beyond it the keys closest to a full quota are evicted.
+    /// beyond it keys are evicted from the namespaces holding the most, those closest to a full
+    /// quota first.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
     pub max_keys: usize,
     /// Share state through this Redis: redis://[user:password@]host:port[/db] or rediss:// (TLS).
@@ -149,7 +150,7 @@ impl Store for Backend {
         checks: &[RuleCheck<'_>],
     ) -> Result<Verdict, StoreError> {
         match self {
-            Backend::Memory(store) => store.check(now, checks).await,
+            Backend::Memory(store) => store.check_tagged(tag, now, checks).await,
             Backend::Redis(store) => store.check_tagged(tag, now, checks).await,
         }
     }

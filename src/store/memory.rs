@@ -4,16 +4,39 @@
 //! per-process random keys. A key costs the same few bytes however long the header value it came
 //! from, and without the keys nobody can aim collisions at another client's counter (aHash is
 //! keyed for HashDoS resistance; 128 bits make accidental collisions negligible). It replaced
-//! SipHash-1-3-128, which took about 45% of a single-rule decision's instructions. Each entry remembers when its state becomes
-//! pristine again (full bucket, empty window); past that moment it is dropped, because a missing
-//! key means exactly that state. A cap on live keys bounds memory under a flood of distinct keys:
-//! a full shard first drops what has expired, then evicts the eighth of its entries closest to
-//! pristine (counted in [`MemoryStats::evicted`], since an evicted key starts over).
+//! SipHash-1-3-128, which took about 45% of a single-rule decision's instructions. Each entry
+//! remembers when its state becomes pristine again (full bucket, empty window); past that moment
+//! it is dropped, because a missing key means exactly that state.
+//!
+//! # The key cap, fair per namespace
+//!
+//! A cap on live keys bounds memory under a flood of distinct keys. Every entry belongs to the
+//! namespace whose request created it (its *scope*): [`Store::check_tagged`] and
+//! [`MemoryStore::check_scoped_at`] take the request's namespace, interned once per request into a
+//! 16-bit id that lives in 16 of the slot key's 128 bits (so the entry grows by nothing; 112 bits
+//! are left to tell keys apart, still negligible collisions). Untagged checks ([`Store::check`],
+//! [`MemoryStore::check_at`]) share one unnamed scope, reported as namespace `""`. Only
+//! namespaces that have policies reach the store, so the ids are bounded; past 65,535 named
+//! namespaces the rest share the unnamed scope.
+//!
+//! A full shard first drops what has expired. If it is still full it evicts an eighth of its
+//! entries, taken from the namespaces holding the most entries *in that shard*, levelling them
+//! down (max-min fairness: the largest holder gives up keys until it is down to the next largest,
+//! then both do, and so on); within a namespace the entries closest to pristine go first. So a
+//! namespace flooding distinct keys evicts its own keys, and a namespace holding fewer entries
+//! than the level the largest holders are brought down to loses nothing, whatever the windows of
+//! either. Keys spread evenly over shards, so fairness per shard is, up to sampling noise, fairness
+//! over the whole store. Evictions are counted in [`MemoryStats::evicted`] and per namespace in
+//! [`MemoryStore::evictions_by_namespace`] (an evicted key starts over). A decision on an
+//! existing key pays only for the interning; the per-namespace counts are taken while a full
+//! shard is scanned for room anyway (that scan, amortized over the new keys it makes room for,
+//! costs a little more than the old global one).
 
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, MutexGuard};
 
@@ -28,11 +51,54 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 const TARGET_SHARD_KEYS: usize = 4096;
 const MAX_SHARDS: usize = 256;
 
+/// Where a slot key keeps its scope id: bits 64..80, clear of the shard index (the top bits) and
+/// of the table hash (the low 64 bits).
+const SCOPE_SHIFT: u32 = 64;
+const SCOPE_MASK: u128 = (u16::MAX as u128) << SCOPE_SHIFT;
+
+/// The namespace a request's entries are charged to under the key cap, interned per store by
+/// [`MemoryStore::scope`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Scope(u16);
+
+impl Scope {
+    /// The scope of untagged checks (and of namespaces past the 65,535 named ones).
+    pub const UNNAMED: Scope = Scope(0);
+}
+
 #[derive(Debug)]
 struct Entry {
     state: State,
     /// When `state` is pristine again; the entry may be dropped from then on.
     expires_at: Micros,
+}
+
+/// A slot's identity (112 bits of the (rule, key) digest) plus the scope that owns it. Equality
+/// and hashing ignore the scope, so a lookup finds the entry whichever scope asks.
+#[derive(Clone, Copy, Debug)]
+struct SlotKey(u128);
+
+impl SlotKey {
+    fn new(digest: u128, scope: Scope) -> SlotKey {
+        SlotKey((digest & !SCOPE_MASK) | (u128::from(scope.0) << SCOPE_SHIFT))
+    }
+    fn scope(self) -> usize {
+        ((self.0 & SCOPE_MASK) >> SCOPE_SHIFT) as usize
+    }
+}
+
+impl PartialEq for SlotKey {
+    fn eq(&self, other: &SlotKey) -> bool {
+        (self.0 ^ other.0) & !SCOPE_MASK == 0
+    }
+}
+
+impl Eq for SlotKey {}
+
+impl Hash for SlotKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0 as u64);
+    }
 }
 
 /// The slot keys are already uniform hashes: use their low half as the table hash.
@@ -44,19 +110,26 @@ impl Hasher for SlotHasher {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        // Only u128 slot keys are hashed; keep a correct fallback anyway.
+        // Only slot keys are hashed (through `write_u64`); keep a correct fallback anyway.
         for chunk in bytes.chunks(8) {
             let mut word = [0u8; 8];
             word[..chunk.len()].copy_from_slice(chunk);
             self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
         }
     }
-    fn write_u128(&mut self, value: u128) {
-        self.0 = value as u64;
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
     }
 }
 
-type Slots = HashMap<u128, Entry, BuildHasherDefault<SlotHasher>>;
+type Slots = HashMap<SlotKey, Entry, BuildHasherDefault<SlotHasher>>;
+
+/// One shard's entries and what its key cap has evicted, by scope id.
+#[derive(Default)]
+struct Table {
+    slots: Slots,
+    evicted: Vec<u64>,
+}
 
 /// Removes consecutive duplicates from a sorted slice in place; returns the distinct count.
 fn dedup_sorted(values: &mut [usize]) -> usize {
@@ -70,10 +143,88 @@ fn dedup_sorted(values: &mut [usize]) -> usize {
     distinct
 }
 
+/// How many entries each scope gives up when `evict` must go from a shard whose scopes hold
+/// `held` entries (indexed by scope id): the largest holders are levelled down, ties broken
+/// towards the lower id. The quotas sum to `evict`, which must not exceed the entries held.
+fn level_down(held: &[u32], evict: u32) -> Vec<u32> {
+    let mut quotas = vec![0; held.len()];
+    let mut order: Vec<usize> = (0..held.len()).filter(|&s| held[s] > 0).collect();
+    order.sort_by_key(|&s| std::cmp::Reverse(held[s]));
+    let Some(&largest) = order.first() else { return quotas };
+    let (mut left, mut level, mut group) = (evict, held[largest], 0);
+    loop {
+        while group < order.len() && held[order[group]] == level {
+            group += 1;
+        }
+        let next = order.get(group).map_or(0, |&s| held[s]);
+        let to_next = group as u64 * u64::from(level - next);
+        if to_next >= u64::from(left) || next == 0 {
+            let (each, extra) = (left / group as u32, left as usize % group);
+            // With `extra` > 0, `level - each` stays above `next`, so nobody goes below zero.
+            let level = level.saturating_sub(each);
+            for (i, &s) in order[..group].iter().enumerate() {
+                quotas[s] = (held[s] - level + u32::from(i < extra)).min(held[s]);
+            }
+            return quotas;
+        }
+        left -= to_next as u32;
+        level = next;
+    }
+}
+
+/// Namespace names to scope ids. Reads are lock-free (one `ArcSwap` load and one lookup);
+/// a new namespace takes the lock once and republishes the map.
+struct Scopes {
+    ids: ArcSwap<HashMap<Box<str>, Scope, ahash::RandomState>>,
+    /// Names by id; id 0 is the unnamed scope.
+    names: Mutex<Vec<Box<str>>>,
+}
+
+impl Scopes {
+    fn new() -> Scopes {
+        let mut ids = HashMap::default();
+        ids.insert("".into(), Scope::UNNAMED);
+        Scopes { ids: ArcSwap::from_pointee(ids), names: Mutex::new(vec!["".into()]) }
+    }
+
+    fn intern(&self, namespace: &str) -> Scope {
+        if let Some(&scope) = self.ids.load().get(namespace) {
+            return scope;
+        }
+        self.insert(namespace)
+    }
+
+    #[cold]
+    fn insert(&self, namespace: &str) -> Scope {
+        let mut names = self.names.lock();
+        let current = self.ids.load_full();
+        if let Some(&scope) = current.get(namespace) {
+            return scope;
+        }
+        let scope = match u16::try_from(names.len()) {
+            Ok(id) => {
+                names.push(namespace.into());
+                Scope(id)
+            }
+            // Past 65,535 namespaces the rest share the unnamed scope (remembered, so they do
+            // not come back here).
+            Err(_) => Scope::UNNAMED,
+        };
+        let mut ids = (*current).clone();
+        ids.insert(namespace.into(), scope);
+        self.ids.store(Arc::new(ids));
+        scope
+    }
+
+    fn name(&self, scope: usize) -> String {
+        self.names.lock().get(scope).map_or_else(String::new, |n| n.to_string())
+    }
+}
+
 #[derive(Default)]
 #[repr(align(128))]
 struct Shard {
-    slots: Mutex<Slots>,
+    table: Mutex<Table>,
 }
 
 /// Counters for telemetry.
@@ -92,6 +243,7 @@ pub struct MemoryStore {
     shard_capacity: usize,
     /// Two independently keyed hashers give the 128-bit slot key.
     seed: (ahash::RandomState, ahash::RandomState),
+    scopes: Scopes,
     clock: Arc<dyn Clock>,
     expired: AtomicU64,
     evicted: AtomicU64,
@@ -124,6 +276,7 @@ impl MemoryStore {
                 ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
                 ahash::RandomState::with_seeds(rand::random(), rand::random(), rand::random(), rand::random()),
             ),
+            scopes: Scopes::new(),
             clock,
             expired: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
@@ -135,30 +288,48 @@ impl MemoryStore {
         self.shard_capacity * self.shards.len()
     }
 
-    fn slot_key(&self, rule: RuleId, key: &[u8]) -> u128 {
+    /// The scope of `namespace` (interned on first sight): a lock-free lookup, meant to be done
+    /// once per request.
+    pub fn scope(&self, namespace: &str) -> Scope {
+        self.scopes.intern(namespace)
+    }
+
+    fn slot_key(&self, scope: Scope, rule: RuleId, key: &[u8]) -> SlotKey {
         let half = |state: &ahash::RandomState| {
             let mut hasher = state.build_hasher();
             hasher.write_u64(rule);
             hasher.write(key);
             hasher.finish()
         };
-        (u128::from(half(&self.seed.0)) << 64) | u128::from(half(&self.seed.1))
+        SlotKey::new((u128::from(half(&self.seed.0)) << 64) | u128::from(half(&self.seed.1)), scope)
     }
 
-    fn shard_of(&self, slot: u128) -> usize {
-        if self.shard_bits == 0 { 0 } else { (slot >> (128 - self.shard_bits)) as usize }
+    fn shard_of(&self, slot: SlotKey) -> usize {
+        if self.shard_bits == 0 { 0 } else { (slot.0 >> (128 - self.shard_bits)) as usize }
     }
 
     /// Decides one request's rules atomically at `now`, writing one decision per check into
-    /// `decisions`; returns whether the request is admitted.
+    /// `decisions`; returns whether the request is admitted. New keys go to the unnamed scope.
     pub fn check_into(&self, now: Micros, checks: &[RuleCheck<'_>], decisions: &mut Vec<Decision>) -> bool {
+        self.check_scoped_into(Scope::UNNAMED, now, checks, decisions)
+    }
+
+    /// [`Self::check_into`] for a request of `scope` (see [`Self::scope`]): keys it creates are
+    /// charged to that scope under the key cap.
+    pub fn check_scoped_into(
+        &self,
+        scope: Scope,
+        now: Micros,
+        checks: &[RuleCheck<'_>],
+        decisions: &mut Vec<Decision>,
+    ) -> bool {
         decisions.clear();
         if let [only] = checks {
-            let slot = self.slot_key(only.rule, only.key);
-            let mut slots = self.shards[self.shard_of(slot)].slots.lock();
+            let slot = self.slot_key(scope, only.rule, only.key);
+            let mut table = self.shards[self.shard_of(slot)].table.lock();
             // One table lookup: decide and consume on the entry found, instead of `get` here and
             // `get_mut` again in `consume`.
-            let decision = if let Some(entry) = slots.get_mut(&slot) {
+            let decision = if let Some(entry) = table.slots.get_mut(&slot) {
                 let decision = algorithm::check(only.limit, Some(&entry.state), now, only.cost);
                 if decision.allowed {
                     Self::consume_entry(entry, only, now);
@@ -167,7 +338,7 @@ impl MemoryStore {
             } else {
                 let decision = algorithm::check(only.limit, None, now, only.cost);
                 if decision.allowed {
-                    self.consume(&mut slots, slot, only, now);
+                    self.consume(&mut table, slot, only, now);
                 }
                 decision
             };
@@ -177,10 +348,11 @@ impl MemoryStore {
         // Requests rarely match more than a handful of rules: keep their bookkeeping on the stack.
         const INLINE: usize = 8;
         if checks.len() <= INLINE {
-            let mut slots = [(0u128, 0usize); INLINE];
+            let mut slots = [(SlotKey(0), 0usize); INLINE];
             let mut shard_ids = [0usize; INLINE];
-            let mut guards: [Option<MutexGuard<'_, Slots>>; INLINE] = Default::default();
+            let mut guards: [Option<MutexGuard<'_, Table>>; INLINE] = Default::default();
             self.check_many(
+                scope,
                 now,
                 checks,
                 decisions,
@@ -189,26 +361,28 @@ impl MemoryStore {
                 &mut guards,
             )
         } else {
-            let mut slots = vec![(0u128, 0usize); checks.len()];
+            let mut slots = vec![(SlotKey(0), 0usize); checks.len()];
             let mut shard_ids = vec![0usize; checks.len()];
-            let mut guards: Vec<Option<MutexGuard<'_, Slots>>> = (0..checks.len()).map(|_| None).collect();
-            self.check_many(now, checks, decisions, &mut slots, &mut shard_ids, &mut guards)
+            let mut guards: Vec<Option<MutexGuard<'_, Table>>> = (0..checks.len()).map(|_| None).collect();
+            self.check_many(scope, now, checks, decisions, &mut slots, &mut shard_ids, &mut guards)
         }
     }
 
-    /// The several-rules case of [`Self::check_into`], on caller-provided scratch space
+    /// The several-rules case of [`Self::check_scoped_into`], on caller-provided scratch space
     /// (`slots` and `shard_ids` as long as `checks`, `guards` at least as long, all `None`).
+    #[allow(clippy::too_many_arguments)]
     fn check_many<'s>(
         &'s self,
+        scope: Scope,
         now: Micros,
         checks: &[RuleCheck<'_>],
         decisions: &mut Vec<Decision>,
-        slots: &mut [(u128, usize)],
+        slots: &mut [(SlotKey, usize)],
         shard_ids: &mut [usize],
-        guards: &mut [Option<MutexGuard<'s, Slots>>],
+        guards: &mut [Option<MutexGuard<'s, Table>>],
     ) -> bool {
         for ((check, slot), shard_id) in checks.iter().zip(slots.iter_mut()).zip(shard_ids.iter_mut()) {
-            let key = self.slot_key(check.rule, check.key);
+            let key = self.slot_key(scope, check.rule, check.key);
             *slot = (key, self.shard_of(key));
             *shard_id = slot.1;
         }
@@ -217,12 +391,12 @@ impl MemoryStore {
         let distinct = dedup_sorted(shard_ids);
         let shard_ids = &shard_ids[..distinct];
         for (guard, &s) in guards.iter_mut().zip(shard_ids) {
-            *guard = Some(self.shards[s].slots.lock());
+            *guard = Some(self.shards[s].table.lock());
         }
         let guard_of = |shard: usize| shard_ids.binary_search(&shard).unwrap_or(0);
 
         for (check, &(slot, shard)) in checks.iter().zip(slots.iter()) {
-            let state = guards[guard_of(shard)].as_ref().and_then(|g| g.get(&slot)).map(|e| &e.state);
+            let state = guards[guard_of(shard)].as_ref().and_then(|g| g.slots.get(&slot)).map(|e| &e.state);
             decisions.push(algorithm::check(check.limit, state, now, check.cost));
         }
         let allowed = super::admits(checks, decisions);
@@ -239,9 +413,20 @@ impl MemoryStore {
     }
 
     /// Decides at `now` (tests and benchmarks pass a time; [`Store::check`] reads the clock).
+    /// New keys go to the unnamed scope; see [`Self::check_scoped_at`].
     pub fn check_at(&self, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
+        self.check_scoped(Scope::UNNAMED, now, checks)
+    }
+
+    /// [`Self::check_at`] for a request of `namespace`: the keys it creates are charged to that
+    /// namespace under the key cap, so another namespace's flood cannot evict them.
+    pub fn check_scoped_at(&self, namespace: &str, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
+        self.check_scoped(self.scope(namespace), now, checks)
+    }
+
+    fn check_scoped(&self, scope: Scope, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
         let mut decisions = Vec::with_capacity(checks.len());
-        let allowed = self.check_into(now, checks, &mut decisions);
+        let allowed = self.check_scoped_into(scope, now, checks, &mut decisions);
         Verdict { allowed, decisions }
     }
 
@@ -253,8 +438,8 @@ impl MemoryStore {
         }
     }
 
-    fn consume(&self, slots: &mut Slots, slot: u128, check: &RuleCheck<'_>, now: Micros) {
-        if let Some(entry) = slots.get_mut(&slot) {
+    fn consume(&self, table: &mut Table, slot: SlotKey, check: &RuleCheck<'_>, now: Micros) {
+        if let Some(entry) = table.slots.get_mut(&slot) {
             Self::consume_entry(entry, check, now);
             return;
         }
@@ -264,36 +449,89 @@ impl MemoryStore {
         if expires_at <= now {
             return; // a zero-cost check leaves nothing worth keeping
         }
-        if slots.len() >= self.shard_capacity {
-            self.make_room(slots, now);
+        if table.slots.len() >= self.shard_capacity {
+            self.make_room(table, now);
         }
-        slots.insert(slot, Entry { state, expires_at });
+        table.slots.insert(slot, Entry { state, expires_at });
     }
 
-    /// Drops expired entries; if the shard is still full, evicts the eighth closest to pristine.
-    fn make_room(&self, slots: &mut Slots, now: Micros) {
+    /// Drops expired entries; if the shard is still full, evicts an eighth of it from the scopes
+    /// holding the most entries (levelling them down), each scope's entries closest to pristine
+    /// first.
+    fn make_room(&self, table: &mut Table, now: Micros) {
+        let Table { slots, evicted } = table;
+        // Entries held per scope id, counted while dropping the expired ones.
+        let mut held: Vec<u32> = Vec::new();
         let before = slots.len();
-        slots.retain(|_, e| e.expires_at > now);
+        slots.retain(|slot, e| {
+            if e.expires_at <= now {
+                return false;
+            }
+            let scope = slot.scope();
+            if scope >= held.len() {
+                held.resize(scope + 1, 0);
+            }
+            held[scope] += 1;
+            true
+        });
         self.expired.fetch_add((before - slots.len()) as u64, Ordering::Relaxed);
         if slots.len() < self.shard_capacity {
             return;
         }
-        let mut expiries: Vec<Micros> = slots.values().map(|e| e.expires_at).collect();
-        let cut = (expiries.len() / 8).max(1) - 1;
-        let (_, &mut threshold, _) = expiries.select_nth_unstable(cut);
-        // Ties at the threshold (a flood arriving in one instant) are evicted only up to the
-        // eighth, not wholesale.
-        let mut ties_to_evict = cut + 1 - expiries.iter().filter(|&&at| at < threshold).count();
+        let quotas = level_down(&held, (slots.len() / 8).max(1) as u32);
+
+        // The expiries of each scope that gives entries up, grouped by scope (a counting sort).
+        let mut start = vec![0usize; held.len()];
+        let mut total = 0;
+        for (scope, &quota) in quotas.iter().enumerate() {
+            start[scope] = total;
+            if quota > 0 {
+                total += held[scope] as usize;
+            }
+        }
+        let mut expiries: Vec<Micros> = vec![0; total];
+        let mut fill = start.clone();
+        for (slot, e) in slots.iter() {
+            let scope = slot.scope();
+            if quotas[scope] > 0 {
+                expiries[fill[scope]] = e.expires_at;
+                fill[scope] += 1;
+            }
+        }
+        // Per scope: the quota-th smallest expiry, and how many entries at exactly that expiry
+        // go (a flood arriving in one instant is evicted only up to the quota, not wholesale).
+        let mut cut: Vec<(Micros, u32)> = vec![(0, 0); held.len()];
+        for (scope, &quota) in quotas.iter().enumerate() {
+            if quota == 0 {
+                continue;
+            }
+            let mine = &mut expiries[start[scope]..start[scope] + held[scope] as usize];
+            let (_, &mut threshold, _) = mine.select_nth_unstable(quota as usize - 1);
+            let below = mine.iter().filter(|&&at| at < threshold).count() as u32;
+            cut[scope] = (threshold, quota - below);
+        }
+        if evicted.len() < held.len() {
+            evicted.resize(held.len(), 0);
+        }
         let before = slots.len();
-        slots.retain(|_, e| {
-            if e.expires_at < threshold {
-                return false;
+        slots.retain(|slot, e| {
+            let scope = slot.scope();
+            if quotas[scope] == 0 {
+                return true;
             }
-            if e.expires_at == threshold && ties_to_evict > 0 {
-                ties_to_evict -= 1;
-                return false;
+            let (threshold, ties) = &mut cut[scope];
+            let evict = if e.expires_at < *threshold {
+                true
+            } else if e.expires_at == *threshold && *ties > 0 {
+                *ties -= 1;
+                true
+            } else {
+                false
+            };
+            if evict {
+                evicted[scope] += 1;
             }
-            true
+            !evict
         });
         self.evicted.fetch_add((before - slots.len()) as u64, Ordering::Relaxed);
     }
@@ -303,7 +541,8 @@ impl MemoryStore {
     pub fn sweep_expired(&self, now: Micros) -> usize {
         let mut removed = 0;
         for shard in self.shards.iter() {
-            let mut slots = shard.slots.lock();
+            let mut table = shard.table.lock();
+            let slots = &mut table.slots;
             let before = slots.len();
             slots.retain(|_, e| e.expires_at > now);
             removed += before - slots.len();
@@ -317,10 +556,52 @@ impl MemoryStore {
 
     pub fn stats(&self) -> MemoryStats {
         MemoryStats {
-            live_keys: self.shards.iter().map(|s| s.slots.lock().len() as u64).sum(),
+            live_keys: self.shards.iter().map(|s| s.table.lock().slots.len() as u64).sum(),
             expired: self.expired.load(Ordering::Relaxed),
             evicted: self.evicted.load(Ordering::Relaxed),
         }
+    }
+
+    /// Live keys evicted by the key cap since start, by the namespace that owned them (`""`:
+    /// untagged checks), sorted by namespace; namespaces that lost nothing are left out. Bounded
+    /// by the namespaces that have reached the store, i.e. that have policies.
+    pub fn evictions_by_namespace(&self) -> Vec<(String, u64)> {
+        let mut by_scope: Vec<u64> = Vec::new();
+        for shard in self.shards.iter() {
+            let table = shard.table.lock();
+            if by_scope.len() < table.evicted.len() {
+                by_scope.resize(table.evicted.len(), 0);
+            }
+            by_scope.iter_mut().zip(&table.evicted).for_each(|(sum, n)| *sum += n);
+        }
+        self.named(by_scope)
+    }
+
+    /// Live keys by the namespace that owns them (`""`: untagged checks), sorted by namespace.
+    /// Scans every entry (each shard locked in turn): for diagnostics and tests, not per request.
+    pub fn live_keys_by_namespace(&self) -> Vec<(String, u64)> {
+        let mut by_scope: Vec<u64> = Vec::new();
+        for shard in self.shards.iter() {
+            for slot in shard.table.lock().slots.keys() {
+                let scope = slot.scope();
+                if scope >= by_scope.len() {
+                    by_scope.resize(scope + 1, 0);
+                }
+                by_scope[scope] += 1;
+            }
+        }
+        self.named(by_scope)
+    }
+
+    fn named(&self, by_scope: Vec<u64>) -> Vec<(String, u64)> {
+        let mut named: Vec<(String, u64)> = by_scope
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, n)| n > 0)
+            .map(|(scope, n)| (self.scopes.name(scope), n))
+            .collect();
+        named.sort();
+        named
     }
 
     pub fn clock(&self) -> &Arc<dyn Clock> {
@@ -332,6 +613,19 @@ impl Store for MemoryStore {
     async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
         let now = now.unwrap_or_else(|| self.clock.now());
         Ok(self.check_at(now, checks))
+    }
+
+    /// The tag (the request's namespace) is the scope the request's new keys are charged to
+    /// under the key cap.
+    async fn check_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Verdict, StoreError> {
+        let scope = self.scope(tag);
+        let now = now.unwrap_or_else(|| self.clock.now());
+        Ok(self.check_scoped(scope, now, checks))
     }
 
     fn status(&self) -> super::StoreStatus {
@@ -347,6 +641,8 @@ impl Store for MemoryStore {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
     use crate::algorithm::{Algorithm, Limit};
     use crate::clock::FakeClock;
@@ -443,6 +739,98 @@ mod tests {
         }
         let again = store.check_at(T0, &[one(9, &long, hot)]);
         assert_eq!(again.decisions[0].remaining, 8, "hot key survived the flood");
+    }
+
+    #[test]
+    fn levelling_takes_from_the_largest_holders_only() {
+        assert_eq!(level_down(&[0, 4095, 1], 512), [0, 512, 0]);
+        // Two tied largest holders share the eviction; the extra one goes to the lower id.
+        assert_eq!(level_down(&[3, 10, 10], 5), [0, 3, 2]);
+        // Down to the next largest, then both.
+        assert_eq!(level_down(&[6, 10, 1], 6), [1, 5, 0]);
+        assert_eq!(level_down(&[5, 5], 10), [5, 5]);
+        assert_eq!(level_down(&[1, 1, 1], 1), [1, 0, 0]);
+        assert_eq!(level_down(&[], 1), Vec::<u32>::new());
+    }
+
+    /// Issue 9, item 5: a flood of distinct keys from one namespace's long-window rule must not
+    /// evict another namespace's exhausted key (which would hand the victim a fresh quota).
+    #[test]
+    fn a_flood_from_one_namespace_does_not_evict_another_namespaces_keys() {
+        let store = MemoryStore::with_clock(4096, Arc::new(FakeClock::new(T0)));
+        let hourly = Limit::new(Algorithm::FixedWindow, 1, 3_600_000_000, None, None).unwrap();
+        let daily = Limit::new(Algorithm::FixedWindow, 1, 86_400_000_000, None, None).unwrap();
+        let victim = [one(1, &hourly, "victim")];
+        assert!(store.check_scoped_at("tenant-a", T0, &victim).allowed);
+        assert!(!store.check_scoped_at("tenant-a", T0, &victim).allowed, "exhausted");
+        // Every flood key's window outlives the victim's, so closest-to-pristine alone would
+        // pick the victim first.
+        for i in 0..10_000u32 {
+            let key = format!("flood-{i}");
+            assert!(store.check_scoped_at("tenant-b", T0 + u64::from(i), &[one(2, &daily, &key)]).allowed);
+        }
+        assert!(!store.check_scoped_at("tenant-a", T0 + 10_000, &victim).allowed, "the victim was evicted");
+
+        let live = store.live_keys_by_namespace();
+        assert_eq!(live[0], ("tenant-a".to_string(), 1), "{live:?}");
+        let flood_live = live[1].1;
+        assert_eq!(live[1].0, "tenant-b");
+        assert!(flood_live < store.max_keys() as u64 && flood_live >= 3_500, "{live:?}");
+        assert_eq!(store.evictions_by_namespace(), [("tenant-b".to_string(), 10_000 - flood_live)]);
+        assert_eq!(store.stats().evicted, 10_000 - flood_live);
+    }
+
+    #[test]
+    fn a_namespace_over_its_share_is_levelled_down_to_it_and_no_further() {
+        let store = MemoryStore::new(4096);
+        let l = Limit::new(Algorithm::TokenBucket, 10, 3_600_000_000, None, None).unwrap();
+        for i in 0..3_000u32 {
+            store.check_scoped_at("big", T0, &[one(1, &l, &format!("b{i}"))]);
+        }
+        for i in 0..200u32 {
+            store.check_scoped_at("small", T0, &[one(2, &l, &format!("s{i}"))]);
+        }
+        for i in 0..20_000u32 {
+            store.check_scoped_at("flood", T0, &[one(3, &l, &format!("f{i}"))]);
+        }
+        let live: HashMap<String, u64> = store.live_keys_by_namespace().into_iter().collect();
+        assert_eq!(live["small"], 200, "below every level: untouched");
+        // `big` and `flood` share what `small` leaves; an eviction (an eighth of the shard)
+        // brings neither below half of what is left after it.
+        let floor = (4096 - 4096 / 8 - 200) / 2;
+        assert!(live["big"] >= floor && live["flood"] >= floor, "{live:?}");
+        let evicted: HashMap<String, u64> = store.evictions_by_namespace().into_iter().collect();
+        assert!(!evicted.contains_key("small"), "{evicted:?}");
+        assert_eq!(evicted["big"], 3_000 - live["big"]);
+        assert_eq!(evicted["flood"], 20_000 - live["flood"]);
+    }
+
+    #[test]
+    fn the_scope_charges_a_key_but_does_not_change_its_identity() {
+        let l = limit(Algorithm::FixedWindow, 2);
+        let store = MemoryStore::new(1000);
+        assert!(store.check_scoped_at("a", T0, &[one(1, &l, "k")]).allowed);
+        assert!(store.check_scoped_at("b", T0, &[one(1, &l, "k")]).allowed, "the same counter");
+        assert!(!store.check_at(T0, &[one(1, &l, "k")]).allowed, "untagged finds it too");
+        assert_eq!(store.live_keys_by_namespace(), [("a".to_string(), 1)], "owned by its creator");
+        assert_eq!(store.scope("a"), store.scope("a"));
+        assert_ne!(store.scope("a"), store.scope("b"));
+        assert_eq!(store.scope(""), Scope::UNNAMED);
+        // Several rules in one call are charged to the request's scope.
+        store.check_scoped_at("c", T0, &[one(1, &l, "x"), one(2, &l, "y")]);
+        assert_eq!(store.live_keys_by_namespace(), [("a".to_string(), 1), ("c".to_string(), 2)]);
+    }
+
+    #[test]
+    fn check_tagged_uses_the_tag_as_the_scope() {
+        let store = MemoryStore::with_clock(100, Arc::new(FakeClock::new(T0)));
+        let l = limit(Algorithm::FixedWindow, 1);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(async {
+            assert!(store.check_tagged("tenant-a", None, &[one(1, &l, "k")]).await.unwrap().allowed);
+            assert!(store.check(None, &[one(1, &l, "j")]).await.unwrap().allowed);
+        });
+        assert_eq!(store.live_keys_by_namespace(), [(String::new(), 1), ("tenant-a".to_string(), 1)]);
     }
 
     #[test]
