@@ -1,5 +1,5 @@
-//! Prometheus metrics. Labels are bounded: policy and rule names come from configuration, never
-//! from keys, paths or client addresses.
+//! Prometheus metrics. Labels are bounded: policy and rule names and namespaces come from
+//! configuration, never from keys, paths or client addresses.
 
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
@@ -41,6 +41,12 @@ pub struct ModeLabels {
     pub mode: &'static str,
 }
 
+/// A namespace that has policies (only those reach the store), or `""` for checks without one.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NamespaceLabels {
+    pub namespace: String,
+}
+
 /// Counters for one rule, resolved once per snapshot so a decision only touches atomics.
 #[derive(Clone, Debug, Default)]
 pub struct RuleCounters {
@@ -70,6 +76,11 @@ pub struct Metrics {
     pub auth_failures: Family<ReasonLabels, Counter>,
     /// Calls to the Kubernetes TokenReview API, by result (cache hits make none).
     pub token_reviews: Family<ResultLabels, Counter>,
+    /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
+    /// [`Metrics::record_store_status`].
+    pub memory_evictions: Family<NamespaceLabels, Counter>,
+    /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
+    record_lock: parking_lot::Mutex<()>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -138,6 +149,12 @@ impl Metrics {
             "TokenReview API calls by result (authenticated, rejected, error)",
             token_reviews.clone(),
         );
+        let memory_evictions = Family::<NamespaceLabels, Counter>::default();
+        registry.register(
+            "memory_evictions",
+            "Live keys evicted by the key cap since start, by the namespace that owned them",
+            memory_evictions.clone(),
+        );
         let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
@@ -155,6 +172,20 @@ impl Metrics {
             evicted_keys,
             auth_failures,
             token_reviews,
+            memory_evictions,
+            record_lock: parking_lot::Mutex::new(()),
+        }
+    }
+
+    /// Copies a store's self-description into the store metrics (call before encoding).
+    pub fn record_store_status(&self, status: &crate::store::StoreStatus) {
+        let _one_at_a_time = self.record_lock.lock();
+        self.store_circuit_open.set(i64::from(status.breaker == Some("open")));
+        self.live_keys.set(status.live_keys as i64);
+        self.evicted_keys.set(status.evicted_keys as i64);
+        for (namespace, &total) in &status.evicted_keys_by_namespace {
+            let counter = self.memory_evictions.get_or_create(&NamespaceLabels { namespace: namespace.clone() });
+            counter.inc_by(total.saturating_sub(counter.get()));
         }
     }
 

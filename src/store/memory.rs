@@ -634,6 +634,7 @@ impl Store for MemoryStore {
             kind: "memory",
             live_keys: stats.live_keys,
             evicted_keys: stats.evicted,
+            evicted_keys_by_namespace: self.evictions_by_namespace().into_iter().collect(),
             ..Default::default()
         }
     }

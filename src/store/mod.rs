@@ -147,6 +147,10 @@ pub struct StoreStatus {
     pub live_keys: u64,
     /// Live keys evicted by the key cap since start.
     pub evicted_keys: u64,
+    /// `evicted_keys` by the namespace that owned the keys (`""`: checks without a namespace);
+    /// only namespaces that lost keys. Filled by the memory store.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub evicted_keys_by_namespace: std::collections::BTreeMap<String, u64>,
 }
 
 impl<T: Store> Store for std::sync::Arc<T> {
