@@ -172,6 +172,14 @@ fn level_down(held: &[u32], evict: u32) -> Vec<u32> {
     }
 }
 
+/// The `quota`-th smallest of `expiries` (reordered) and how many entries at exactly it are to
+/// go besides those below it.
+fn cut_at(expiries: &mut [Micros], quota: u32) -> (Micros, u32) {
+    let (_, &mut threshold, _) = expiries.select_nth_unstable(quota as usize - 1);
+    let below = expiries.iter().filter(|&&at| at < threshold).count() as u32;
+    (threshold, quota - below)
+}
+
 /// Namespace names to scope ids. Reads are lock-free (one `ArcSwap` load and one lookup);
 /// a new namespace takes the lock once and republishes the map.
 struct Scopes {
@@ -480,35 +488,42 @@ impl MemoryStore {
         }
         let quotas = level_down(&held, (slots.len() / 8).max(1) as u32);
 
-        // The expiries of each scope that gives entries up, grouped by scope (a counting sort).
-        let mut start = vec![0usize; held.len()];
-        let mut total = 0;
-        for (scope, &quota) in quotas.iter().enumerate() {
-            start[scope] = total;
-            if quota > 0 {
-                total += held[scope] as usize;
+        // Per scope giving entries up: its quota-th smallest expiry, and how many entries at
+        // exactly that expiry go (a flood arriving in one instant is evicted only up to the
+        // quota, not wholesale).
+        let mut cut: Vec<Option<(Micros, u32)>> = vec![None; held.len()];
+        let mut givers = quotas.iter().enumerate().filter(|&(_, &quota)| quota > 0);
+        match (givers.next(), givers.next()) {
+            (None, _) => return,
+            // The usual case (one namespace floods, or only one holds keys): its expiries alone.
+            (Some((scope, &quota)), None) => {
+                let mut mine: Vec<Micros> = if held[scope] as usize == slots.len() {
+                    slots.values().map(|e| e.expires_at).collect()
+                } else {
+                    slots.iter().filter(|(slot, _)| slot.scope() == scope).map(|(_, e)| e.expires_at).collect()
+                };
+                cut[scope] = Some(cut_at(&mut mine, quota));
             }
-        }
-        let mut expiries: Vec<Micros> = vec![0; total];
-        let mut fill = start.clone();
-        for (slot, e) in slots.iter() {
-            let scope = slot.scope();
-            if quotas[scope] > 0 {
-                expiries[fill[scope]] = e.expires_at;
-                fill[scope] += 1;
+            // Several levelled together: group their expiries by scope (a counting sort).
+            _ => {
+                let mut start = vec![0usize; held.len() + 1];
+                for scope in 0..held.len() {
+                    let mine = if quotas[scope] > 0 { held[scope] as usize } else { 0 };
+                    start[scope + 1] = start[scope] + mine;
+                }
+                let mut expiries: Vec<Micros> = vec![0; start[held.len()]];
+                let mut fill = start.clone();
+                for (slot, e) in slots.iter() {
+                    let scope = slot.scope();
+                    if quotas[scope] > 0 {
+                        expiries[fill[scope]] = e.expires_at;
+                        fill[scope] += 1;
+                    }
+                }
+                for (scope, &quota) in quotas.iter().enumerate().filter(|&(_, &quota)| quota > 0) {
+                    cut[scope] = Some(cut_at(&mut expiries[start[scope]..start[scope + 1]], quota));
+                }
             }
-        }
-        // Per scope: the quota-th smallest expiry, and how many entries at exactly that expiry
-        // go (a flood arriving in one instant is evicted only up to the quota, not wholesale).
-        let mut cut: Vec<(Micros, u32)> = vec![(0, 0); held.len()];
-        for (scope, &quota) in quotas.iter().enumerate() {
-            if quota == 0 {
-                continue;
-            }
-            let mine = &mut expiries[start[scope]..start[scope] + held[scope] as usize];
-            let (_, &mut threshold, _) = mine.select_nth_unstable(quota as usize - 1);
-            let below = mine.iter().filter(|&&at| at < threshold).count() as u32;
-            cut[scope] = (threshold, quota - below);
         }
         if evicted.len() < held.len() {
             evicted.resize(held.len(), 0);
@@ -516,10 +531,7 @@ impl MemoryStore {
         let before = slots.len();
         slots.retain(|slot, e| {
             let scope = slot.scope();
-            if quotas[scope] == 0 {
-                return true;
-            }
-            let (threshold, ties) = &mut cut[scope];
+            let Some((threshold, ties)) = &mut cut[scope] else { return true };
             let evict = if e.expires_at < *threshold {
                 true
             } else if e.expires_at == *threshold && *ties > 0 {
