@@ -3,6 +3,8 @@
 //! Groups (criterion ids are `group/variant`):
 //! - `memory/<algorithm>/hot` and `memory/<algorithm>/1M`: `MemoryStore::check_into` with one
 //!   rule, on one hot key, or on keys drawn at random from 1,000,000 pre-populated live keys.
+//! - `memory/gcra/hot-scoped`: the hot key through `check_scoped_into` with the request's
+//!   namespace interned first (one of 100 known namespaces), as the engine's `check_tagged` does.
 //! - `memory/multi3/hot` and `memory/multi3/1M`: three rules in one call (per-IP tokenBucket,
 //!   per-tenant slidingWindowCounter, per-route fixedWindow).
 //! - `governor/gcra/{hot,1M}`: governor's keyed (DashMap) limiter, `check_key(&String)`.
@@ -81,6 +83,23 @@ fn sluice_single(c: &mut Criterion, all_keys: &[String]) {
                     black_box(&decisions);
                 })
             });
+            // The engine's path: the request's namespace interned (one lookup) per request.
+            if variant.name == "gcra" {
+                let namespaces: Vec<String> = (0..100).map(|i| format!("tenant-{i:03}")).collect();
+                let namespace = namespaces[42].as_str();
+                for n in &namespaces {
+                    store.scope(n);
+                }
+                group.bench_function(format!("{}/hot-scoped", variant.name), |b| {
+                    b.iter(|| {
+                        now += 1;
+                        let checks = [one(1, limit, black_box(key))];
+                        let scope = store.scope(black_box(namespace));
+                        black_box(store.check_scoped_into(scope, now, &checks, &mut decisions));
+                        black_box(&decisions);
+                    })
+                });
+            }
         }
 
         // (b) 1M live keys, drawn at random.
