@@ -237,7 +237,7 @@ impl<S: Store> Engine<S> {
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
             Ok(verdict) => (verdict, false),
-            Err(error) => (self.on_store_failure(live, &checks, &error, now), true),
+            Err(error) => (self.on_store_failure(live, namespace, &checks, &error, now), true),
         };
 
         let mut header_inputs = Vec::with_capacity(matched.len());
@@ -292,7 +292,14 @@ impl<S: Store> Engine<S> {
     /// `deny` refuses, `localFallback` asks this replica's memory with its share of the limit.
     /// The request is still all-or-nothing: if an enforcing `deny` rule refuses, the local
     /// rules consume nothing.
-    fn on_store_failure(&self, live: &Live, checks: &[RuleCheck<'_>], error: &StoreError, now: Micros) -> Verdict {
+    fn on_store_failure(
+        &self,
+        live: &Live,
+        namespace: &str,
+        checks: &[RuleCheck<'_>],
+        error: &StoreError,
+        now: Micros,
+    ) -> Verdict {
         self.metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
         let fail_open = |c: &RuleCheck<'_>| Decision {
             allowed: true,
@@ -330,7 +337,7 @@ impl<S: Store> Engine<S> {
                         RuleCheck { limit, ..checks[i] }
                     })
                     .collect();
-                let local_verdict = fallback.store.check_at(now, &local_checks);
+                let local_verdict = fallback.store.check_scoped_at(namespace, now, &local_checks);
                 for (&i, decision) in local.iter().zip(local_verdict.decisions) {
                     decisions[i] = decision;
                 }

@@ -318,9 +318,7 @@ async fn metrics<S: Store>(State(state): Shared<S>) -> Response {
     let engine = &state.engine;
     let status = engine.store().status();
     let metrics = engine.metrics();
-    metrics.store_circuit_open.set(i64::from(status.breaker == Some("open")));
-    metrics.live_keys.set(status.live_keys as i64);
-    metrics.evicted_keys.set(status.evicted_keys as i64);
+    metrics.record_store_status(&status);
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], engine.metrics().encode())
         .into_response()
 }
