@@ -14,6 +14,9 @@
 //!
 //! Run: `cargo bench --bench memory` (about a minute).
 
+// A global allocator is an unsafe trait: counting bytes needs it, and nothing else here does.
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};

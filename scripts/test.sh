@@ -37,8 +37,9 @@ helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
   | diff -u charts/sluice/rendered/default.yaml - \
   || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
 
-echo "==> formatting"
+echo "==> formatting and lints"
 cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
+cargo clippy --locked --all-targets --quiet -- -D warnings
 
 echo "==> benchmarks compile"
 cargo check --locked --benches --examples --quiet

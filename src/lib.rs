@@ -3,6 +3,9 @@
 //! The pure core (`duration`, `algorithm`) takes time as an argument; `store` keeps per-key
 //! state; `clock` is the one place time is read.
 
+// Request paths never unwrap: bad input gets a 4xx, a broken dependency a failure mode (tests may).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod admission;
 pub mod algorithm;
 pub mod clock;

@@ -162,7 +162,7 @@ impl Limit {
         if per < MICROS_PER_MS {
             return Err(LimitError::PeriodTooShort);
         }
-        if per % MICROS_PER_MS != 0 {
+        if !per.is_multiple_of(MICROS_PER_MS) {
             return Err(LimitError::PeriodNotWholeMilliseconds(HumanDuration(per).to_string()));
         }
         if per > 366 * 86_400_000_000 {

@@ -23,7 +23,7 @@ pub(super) fn check(limit: &Limit, log: Option<&VecDeque<LogEntry>>, now: Micros
     let now_eff = effective_now(log, now);
     let live = || log.into_iter().flatten().filter(|e| e.at + limit.per > now_eff);
     let used: u64 = live().map(|e| e.cost).sum();
-    let newest_expiry = live().last().map_or(now, |e| e.at + limit.per);
+    let newest_expiry = live().next_back().map_or(now, |e| e.at + limit.per);
     if used + cost <= limit.requests {
         let reset_at = if cost > 0 { now_eff + limit.per } else { newest_expiry };
         return Decision {

@@ -66,8 +66,12 @@ pub struct TokenReviewer {
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     cache: Mutex<HashMap<[u8; 32], Cached>>,
-    in_flight: Mutex<HashMap<[u8; 32], Arc<OnceCell<(Verdict, Micros)>>>>,
+    in_flight: Mutex<HashMap<[u8; 32], Arc<Review>>>,
 }
+
+/// One review in flight, shared by the requests that present the same token meanwhile: the
+/// verdict and until when it may be reused.
+type Review = OnceCell<(Verdict, Micros)>;
 
 impl TokenReviewer {
     pub fn new(client: Client, config: ReviewConfig, clock: Arc<dyn Clock>, metrics: Arc<Metrics>) -> TokenReviewer {
@@ -146,7 +150,7 @@ impl TokenReviewer {
             let why = status.error.filter(|e| !e.is_empty()).unwrap_or_else(|| "token not accepted".into());
             return Err(AuthError::Invalid(why));
         }
-        if !status.audiences.unwrap_or_default().iter().any(|a| *a == self.config.audience) {
+        if !status.audiences.unwrap_or_default().contains(&self.config.audience) {
             return Err(AuthError::Invalid(format!("token is not for audience {:?}", self.config.audience)));
         }
         let username = status.user.and_then(|u| u.username).unwrap_or_default();

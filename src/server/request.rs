@@ -139,6 +139,37 @@ impl RawCheckRequest {
     }
 }
 
+impl CheckRequest {
+    /// The request as the policy matcher sees it, borrowed, with what `caller` may say applied:
+    /// the namespace defaults to the caller's own and must be one it may use; only a trusted
+    /// caller may set the cost. Any caller may state its client's IP (for its own namespaces).
+    pub fn view<'a>(&'a self, caller: &'a Caller) -> Result<crate::policy::RequestView<'a>, Forbidden> {
+        let namespace = match &self.namespace {
+            Some(namespace) => {
+                caller.require_namespace(namespace)?;
+                namespace.as_str()
+            }
+            None => caller.default_namespace(),
+        };
+        if self.cost.is_some() && !caller.is_trusted() {
+            return Err(Forbidden(format!(
+                "cost: caller {} may not set a request's cost (gateways only)",
+                caller.name()
+            )));
+        }
+        Ok(crate::policy::RequestView {
+            namespace,
+            labels: &self.labels,
+            method: &self.method,
+            path: &self.path,
+            host: self.host.as_deref(),
+            client_ip: self.client_ip,
+            headers: &self.headers,
+            cost: self.cost.unwrap_or(1),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,36 +233,5 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         assert!(!err(&format!(r#"{{"path": "/", "x": {deep}}}"#)).is_empty());
         assert!(err(&format!(r#"{{"path": "/", "labels": {{"a": {deep}}}}}"#)).starts_with("labels.a: "));
-    }
-}
-
-impl CheckRequest {
-    /// The request as the policy matcher sees it, borrowed, with what `caller` may say applied:
-    /// the namespace defaults to the caller's own and must be one it may use; only a trusted
-    /// caller may set the cost. Any caller may state its client's IP (for its own namespaces).
-    pub fn view<'a>(&'a self, caller: &'a Caller) -> Result<crate::policy::RequestView<'a>, Forbidden> {
-        let namespace = match &self.namespace {
-            Some(namespace) => {
-                caller.require_namespace(namespace)?;
-                namespace.as_str()
-            }
-            None => caller.default_namespace(),
-        };
-        if self.cost.is_some() && !caller.is_trusted() {
-            return Err(Forbidden(format!(
-                "cost: caller {} may not set a request's cost (gateways only)",
-                caller.name()
-            )));
-        }
-        Ok(crate::policy::RequestView {
-            namespace,
-            labels: &self.labels,
-            method: &self.method,
-            path: &self.path,
-            host: self.host.as_deref(),
-            client_ip: self.client_ip,
-            headers: &self.headers,
-            cost: self.cost.unwrap_or(1),
-        })
     }
 }
