@@ -30,8 +30,8 @@ use common::{LIVE_KEYS, Pick, SECOND, T0, keys, variants};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::{Clock, SystemClock};
+use sluice::store::RuleCheck;
 use sluice::store::memory::MemoryStore;
-use sluice::store::{FailureMode, RuleCheck};
 
 /// Room for every live key of the 1M workloads (plus the multi-rule tenants and routes), so
 /// nothing is evicted while measuring.
@@ -44,7 +44,7 @@ const STORE_CAP: usize = 2 * LIVE_KEYS;
 const COLD_TICK_SHIFT: u32 = 6;
 
 fn one<'a>(rule: u64, limit: &'a Limit, key: &'a [u8]) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce: true, on_store_failure: FailureMode::Allow }
+    RuleCheck { rule, limit, key, cost: 1, enforce: true }
 }
 
 /// Runs `n` decisions outside the timer and reports how many were admitted, so a table reader

@@ -29,8 +29,8 @@ use std::time::Instant;
 
 use common::{LIVE_KEYS, SECOND, T0, keys, mix, variants};
 use sluice::algorithm::{Algorithm, Decision, Limit};
+use sluice::store::RuleCheck;
 use sluice::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
-use sluice::store::{FailureMode, RuleCheck};
 
 /// Bytes currently allocated through the global allocator.
 static ALLOCATED: AtomicIsize = AtomicIsize::new(0);
@@ -83,7 +83,7 @@ fn rss() -> isize {
 }
 
 fn one<'a>(rule: u64, limit: &'a Limit, key: &'a [u8]) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce: true, on_store_failure: FailureMode::Allow }
+    RuleCheck { rule, limit, key, cost: 1, enforce: true }
 }
 
 /// Builds a structure with `fill`, returns it with (allocated bytes, RSS bytes) it added.

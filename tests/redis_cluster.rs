@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice::algorithm::{Algorithm, Limit, Micros};
+use sluice::store::RuleCheck;
 use sluice::store::keys::{cluster_slot, state_key};
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{FailureMode, RuleCheck};
 use support::redis_server::{RedisCluster, cli};
 
 const T0: Micros = 1_700_000_000_000_000;
@@ -23,7 +23,7 @@ async fn store(cluster: &RedisCluster) -> RedisStore {
 }
 
 fn check<'a>(rule: u64, limit: &'a Limit, key: &'a [u8], enforce: bool) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce, on_store_failure: FailureMode::Deny }
+    RuleCheck { rule, limit, key, cost: 1, enforce }
 }
 
 /// The master port owning `slot`, read from CLUSTER NODES.

@@ -14,7 +14,7 @@ use sluice::algorithm::{self, Algorithm, Decision, Limit, Micros, State};
 use sluice::store::breaker::{BreakerConfig, BreakerState};
 use sluice::store::keys::state_key;
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
+use sluice::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use support::redis_server::RedisServer;
 
 const T0: Micros = 1_700_000_000_000_000;
@@ -37,7 +37,7 @@ fn limit(algorithm: Algorithm, requests: u64, per: Micros, burst: Option<u64>, m
 }
 
 fn check<'a>(rule: RuleId, limit: &'a Limit, key: &'a [u8], cost: u64, enforce: bool) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost, enforce, on_store_failure: FailureMode::LocalFallback }
+    RuleCheck { rule, limit, key, cost, enforce }
 }
 
 /// Limits exercising every algorithm, odd intervals (rounded up), tiny and long windows, and the

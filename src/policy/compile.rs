@@ -8,10 +8,11 @@ use regex_automata::meta::Regex;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use super::crd::FailureMode;
 use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
 use super::validate::{ValidationErrors, build_limit, compile_regex, validate};
 use crate::algorithm::{Algorithm, Limit};
-use crate::store::{FailureMode, RuleCheck, RuleId};
+use crate::rule::{RuleCheck, RuleId};
 
 /// The result of compiling a set of policies: the valid ones, and why the others were left out.
 #[derive(Debug)]
@@ -173,9 +174,6 @@ impl CompiledRule {
     pub fn enforce(&self) -> bool {
         self.mode == Mode::Enforce
     }
-    pub fn mode(&self) -> Mode {
-        self.mode
-    }
     pub fn on_store_failure(&self) -> FailureMode {
         self.on_store_failure
     }
@@ -183,20 +181,9 @@ impl CompiledRule {
     pub fn cost(&self) -> u64 {
         self.cost
     }
-    /// `per` as the policy wrote it.
-    pub fn per_text(&self) -> &str {
-        &self.per_text
-    }
     /// What the store needs to decide this rule for one key.
     pub fn check<'a>(&'a self, key: &'a [u8], cost: u64) -> RuleCheck<'a> {
-        RuleCheck {
-            rule: self.id,
-            limit: &self.limit,
-            key,
-            cost,
-            enforce: self.enforce(),
-            on_store_failure: self.on_store_failure,
-        }
+        RuleCheck { rule: self.id, limit: &self.limit, key, cost, enforce: self.enforce() }
     }
     /// Human description of the key, e.g. `header x-api-key, clientIP`.
     pub fn key_description(&self) -> String {
@@ -326,7 +313,8 @@ fn header_names_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -
 /// sidecar can rebuild the same snapshot from `/v1/snapshot`.
 fn source_of(policy: &RateLimitPolicy) -> RateLimitPolicy {
     let mut source = RateLimitPolicy::new(&policy.metadata.name.clone().unwrap_or_default(), policy.spec.clone());
-    source.metadata.namespace = Some(policy.metadata.namespace.clone().unwrap_or_else(|| "default".to_string()));
+    source.metadata.namespace =
+        Some(policy.metadata.namespace.clone().unwrap_or_else(|| super::DEFAULT_NAMESPACE.to_string()));
     source
 }
 
@@ -338,7 +326,7 @@ fn single_error(path: &str, message: String) -> ValidationErrors {
 
 fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, ValidationErrors> {
     validate(policy)?;
-    let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| super::DEFAULT_NAMESPACE.to_string());
     let name = policy.metadata.name.clone().unwrap_or_default();
     let qualified = format!("{namespace}/{name}");
     let mut selector = Selector::default();
@@ -349,7 +337,15 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
                 "In" => SelectorOp::In,
                 "NotIn" => SelectorOp::NotIn,
                 "Exists" => SelectorOp::Exists,
-                _ => SelectorOp::DoesNotExist,
+                "DoesNotExist" => SelectorOp::DoesNotExist,
+                // validate() refuses every other operator; should the two ever disagree, refuse
+                // the policy rather than guess what the selector meant.
+                other => {
+                    return Err(single_error(
+                        "spec.selector.matchExpressions",
+                        format!("unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"),
+                    ));
+                }
             };
             selector.expressions.push((e.key.clone(), op, e.values.clone().unwrap_or_default()));
         }

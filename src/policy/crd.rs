@@ -10,7 +10,6 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, LimitError, MAX_LOG_REQUESTS, MAX_REQUESTS};
-use crate::store::FailureMode;
 
 /// Bounds that keep every CEL rule's estimated cost within the API server's budget, and a
 /// policy small enough to read. The schema attributes below use these constants, so the CRD
@@ -217,15 +216,6 @@ pub enum Mode {
     Enforce,
     /// Decide and report, never refuse.
     Shadow,
-}
-
-impl Mode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Enforce => "enforce",
-            Mode::Shadow => "shadow",
-        }
-    }
 }
 
 /// Conditions on a request; all present lists must match.
@@ -447,7 +437,7 @@ impl RateLimitPolicy {
     pub fn qualified_name(&self) -> String {
         format!(
             "{}/{}",
-            self.metadata.namespace.as_deref().unwrap_or("default"),
+            self.metadata.namespace.as_deref().unwrap_or(super::DEFAULT_NAMESPACE),
             self.metadata.name.as_deref().unwrap_or("")
         )
     }
@@ -463,5 +453,30 @@ pub fn crd_yaml() -> String {
              # Regenerate: SLUICE_BLESS=1 cargo test --test crd_generated\n---\n{yaml}"
         ),
         Err(e) => format!("# error rendering CRD: {e}\n"),
+    }
+}
+
+/// What a rule decides when its shared store (Redis) is slow or unreachable.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum FailureMode {
+    /// Admit the request (fail open).
+    Allow,
+    /// Refuse the request (fail closed).
+    Deny,
+    /// Enforce the same rule in this replica's memory with its share of the limit.
+    #[default]
+    LocalFallback,
+}
+
+impl FailureMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureMode::Allow => "allow",
+            FailureMode::Deny => "deny",
+            FailureMode::LocalFallback => "localFallback",
+        }
     }
 }

@@ -138,7 +138,7 @@ pub fn load_str(text: &str, file: &Path) -> Result<Vec<LoadedPolicy>, LoadErrors
         match parse_document(value) {
             Ok(mut policy) => {
                 if policy.metadata.namespace.as_deref().is_none_or(str::is_empty) {
-                    policy.metadata.namespace = Some("default".to_string());
+                    policy.metadata.namespace = Some(super::DEFAULT_NAMESPACE.to_string());
                 }
                 match validate(&policy) {
                     Ok(()) => loaded.push(LoadedPolicy { file: file.to_path_buf(), document, policy }),

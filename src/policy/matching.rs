@@ -6,7 +6,7 @@
 //! length in decimal, and nothing between parts: `["a|b", "c"]` is `3:a|b1:c`, `["a", "b|c"]`
 //! is `1:a3:b|c`. Length prefixes make the encoding unambiguous whatever bytes the values hold
 //! (header values are client-chosen). A rule without key parts has the empty key. The key does
-//! not name the rule: stores pair it with the rule's [`RuleId`](crate::store::RuleId).
+//! not name the rule: stores pair it with the rule's [`RuleId`](crate::rule::RuleId).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -82,7 +82,7 @@ impl<'a> RequestView<'a> {
     /// cost 1; set the other fields directly.
     pub fn new(path: &'a str) -> Self {
         RequestView {
-            namespace: "default",
+            namespace: super::DEFAULT_NAMESPACE,
             labels: &NoEntries,
             method: "GET",
             path,
@@ -122,13 +122,6 @@ pub struct Matched<'s> {
     pub key: String,
     /// rule cost × request cost (saturating).
     pub cost: u64,
-}
-
-impl<'s> Matched<'s> {
-    /// What the store needs for this rule.
-    pub fn check(&self) -> crate::store::RuleCheck<'_> {
-        self.rule.check(self.key.as_bytes(), self.cost)
-    }
 }
 
 impl Snapshot {

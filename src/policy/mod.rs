@@ -15,8 +15,8 @@ pub use compile::{
     Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotPart, SnapshotView, compile, rule_id,
 };
 pub use crd::{
-    HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule, RateLimitPolicy,
-    RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
+    FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule,
+    RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
 };
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, policy_files};
 pub use matching::{Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
@@ -25,8 +25,7 @@ pub use validate::{FieldError, ValidationErrors, validate, warnings};
 #[cfg(test)]
 mod tests;
 
-/// The namespace of a policy or request that names none.
-pub const DEFAULT_NAMESPACE: &str = "default";
+pub use crate::rule::DEFAULT_NAMESPACE;
 
 /// A Kubernetes namespace name (an RFC 1123 label): lowercase letters, digits and '-', at most
 /// 63 characters.

@@ -601,7 +601,7 @@ fn resolve_order_cost_and_keys() {
     assert_eq!(out[1].cost, 6);
     assert_eq!(out[0].key, "");
     assert_eq!(out[2].key, encode_key(["POST", "api.example.com", "/x/y", "ns", "v|1", "10.1.2.3"]));
-    let check = out[2].check();
+    let check = out[2].rule.check(out[2].key.as_bytes(), out[2].cost);
     assert_eq!(check.key, out[2].key.as_bytes());
     assert_eq!(check.rule, rule_id("ns/b-second/keyed"));
     assert!(check.enforce);

@@ -56,9 +56,6 @@ impl ValidationErrors {
     pub fn is_empty(&self) -> bool {
         self.errors.is_empty()
     }
-    pub fn len(&self) -> usize {
-        self.errors.len()
-    }
     pub fn iter(&self) -> impl Iterator<Item = &FieldError> {
         self.errors.iter()
     }
@@ -395,6 +392,7 @@ pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
 }
 
 /// RFC 9110 `token`: what header names and methods are made of.
+/// An RFC 9110 token (header names, methods): one home for every parser that needs it.
 pub(crate) fn is_token(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
 }

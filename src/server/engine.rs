@@ -14,9 +14,10 @@ use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
 use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
+use crate::policy::FailureMode;
 use crate::policy::{Matched, RequestView, Snapshot};
 use crate::store::memory::MemoryStore;
-use crate::store::{FailureMode, RuleCheck, RuleId, Store, StoreError, Verdict};
+use crate::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// What the check API answers.
@@ -162,10 +163,6 @@ impl<S: Store> Engine<S> {
         &self.metrics
     }
 
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.clock
-    }
-
     /// Swaps `snapshot` in atomically; requests in flight finish on the one they started with.
     pub fn install(&self, snapshot: Arc<Snapshot>) {
         let mut extras = HashMap::default();
@@ -237,7 +234,7 @@ impl<S: Store> Engine<S> {
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
             Ok(verdict) => (verdict, false),
-            Err(error) => (self.on_store_failure(live, namespace, &checks, &error, now), true),
+            Err(error) => (self.on_store_failure(live, namespace, matched, &checks, &error, now), true),
         };
 
         let mut header_inputs = Vec::with_capacity(matched.len());
@@ -273,7 +270,7 @@ impl<S: Store> Engine<S> {
                 remaining: decision.remaining,
                 reset_ms: ceil_ms(decision.reset_after),
                 retry_after_ms: decision.retry_after.map(ceil_ms),
-                store_failure: failed.then(|| check.on_store_failure.name()),
+                store_failure: failed.then(|| m.rule.on_store_failure().name()),
             });
         }
         let allowed = verdict.allowed;
@@ -296,6 +293,7 @@ impl<S: Store> Engine<S> {
         &self,
         live: &Live,
         namespace: &str,
+        matched: &[Matched<'_>],
         checks: &[RuleCheck<'_>],
         error: &StoreError,
         now: Micros,
@@ -308,11 +306,13 @@ impl<S: Store> Engine<S> {
             retry_after: None,
             delay: 0,
         };
+        let modes: Vec<FailureMode> = matched.iter().map(|m| m.rule.on_store_failure()).collect();
         let mut decisions: Vec<Decision> = checks
             .iter()
-            .map(|c| {
-                self.metrics.store_fallbacks.get_or_create(&ModeLabels { mode: c.on_store_failure.name() }).inc();
-                match c.on_store_failure {
+            .zip(&modes)
+            .map(|(c, &mode)| {
+                self.metrics.store_fallbacks.get_or_create(&ModeLabels { mode: mode.name() }).inc();
+                match mode {
                     // Retry once the breaker's probe may have found the store again.
                     FailureMode::Deny => Decision {
                         allowed: false,
@@ -327,8 +327,7 @@ impl<S: Store> Engine<S> {
             .collect();
         let denied_outright = checks.iter().zip(&decisions).any(|(c, d)| c.enforce && !d.allowed);
         if let (Some(fallback), false) = (&self.fallback, denied_outright) {
-            let local: Vec<usize> =
-                (0..checks.len()).filter(|&i| checks[i].on_store_failure == FailureMode::LocalFallback).collect();
+            let local: Vec<usize> = (0..checks.len()).filter(|&i| modes[i] == FailureMode::LocalFallback).collect();
             if !local.is_empty() {
                 let local_checks: Vec<RuleCheck<'_>> = local
                     .iter()

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use serde::Deserialize;
 
 use super::auth::{Caller, Forbidden};
+use crate::policy::validate::is_token;
 
 /// The most a single check may cost; keeps every store's arithmetic exact.
 pub const MAX_COST: u64 = u32::MAX as u64;
@@ -50,10 +51,6 @@ pub struct CheckRequest {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct BadRequest(pub String);
-
-fn is_token(text: &str) -> bool {
-    !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
 
 impl CheckRequest {
     /// Parses and validates a JSON body.

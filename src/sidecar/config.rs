@@ -132,7 +132,7 @@ impl Config {
         let namespace = match (args.namespace, &args.namespace_file) {
             (Some(ns), _) => ns,
             (None, Some(path)) => read_file(path, "--namespace-file")?.trim().to_string(),
-            (None, None) => "default".to_string(),
+            (None, None) => crate::policy::DEFAULT_NAMESPACE.to_string(),
         };
         if namespace.is_empty() {
             return Err(bad("namespace: empty".into()));

@@ -435,16 +435,8 @@ impl Decider {
         }
         let answer: EndpointDecision =
             serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
-        let headers = answer
-            .headers
-            .iter()
-            .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
-            .collect();
-        Ok(if answer.allowed {
-            Decision::Allow { delay: Duration::from_millis(answer.delay_ms), headers }
-        } else {
-            Decision::Deny { retry_after_secs: answer.retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
-        })
+        let headers = answer.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        Ok(decision_of(answer.allowed, answer.retry_after_ms, answer.delay_ms, headers))
     }
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
@@ -518,10 +510,7 @@ impl Decider {
             .await
             .map_err(|e| e.to_string())?
             .to_bytes();
-        // Through a Value: it tolerates a key repeated by a flattened field, where a struct fails.
-        let document: SnapshotDocument = serde_json::from_slice::<serde_json::Value>(&body)
-            .and_then(serde_json::from_value)
-            .map_err(|e| format!("snapshot: {e}"))?;
+        let document: SnapshotDocument = serde_json::from_slice(&body).map_err(|e| format!("snapshot: {e}"))?;
         if !document.loaded {
             // The endpoint has no policies yet; an empty cache would wrongly admit everything.
             return Ok(None);
@@ -556,15 +545,25 @@ impl Decider {
 }
 
 fn from_engine(response: CheckResponse) -> Decision {
-    let headers = response
-        .headers
-        .iter()
+    let headers = response.headers.iter().map(|(k, v)| (*k, v.as_str()));
+    decision_of(response.allowed, response.retry_after_ms, response.delay_ms, headers)
+}
+
+/// A check answer (the endpoint's, or the local engine's) as what the proxy does; headers that
+/// are not valid HTTP are dropped rather than failing the request.
+fn decision_of<'a>(
+    allowed: bool,
+    retry_after_ms: Option<u64>,
+    delay_ms: u64,
+    headers: impl Iterator<Item = (&'a str, &'a str)>,
+) -> Decision {
+    let headers = headers
         .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
         .collect();
-    if response.allowed {
-        Decision::Allow { delay: Duration::from_millis(response.delay_ms), headers }
+    if allowed {
+        Decision::Allow { delay: Duration::from_millis(delay_ms), headers }
     } else {
-        Decision::Deny { retry_after_secs: response.retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
+        Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
     }
 }
 

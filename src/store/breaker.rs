@@ -82,10 +82,6 @@ impl Breaker {
         Breaker { config, phase: Mutex::new(Phase::Closed { failures: 0 }) }
     }
 
-    pub fn config(&self) -> BreakerConfig {
-        self.config
-    }
-
     /// A permit to call the store, or `None` when the call must fail fast.
     pub fn try_acquire(&self, now: Instant) -> Option<Permit<'_>> {
         let mut phase = self.phase.lock();

@@ -19,7 +19,7 @@
 //! own tag) cannot be decided in the same script. The store would then decide them in a second
 //! call and, when that call denies after the first admitted, refund the first call's consumption
 //! (check-then-consume with refund): atomic per slot, not across slots, and documented as such.
-//! This round does not implement that path; every rule of a request uses the request's tag.
+//! That path is not built: every rule of a request uses the request's tag.
 
 use sha2::{Digest, Sha256};
 
@@ -30,7 +30,7 @@ pub const PREFIX: &str = "sl1:";
 /// Keys up to this many bytes are kept verbatim; longer ones are hashed.
 pub const MAX_INLINE_KEY: usize = 128;
 /// The tag used when a request names no namespace.
-pub const DEFAULT_TAG: &str = "default";
+pub const DEFAULT_TAG: &str = crate::rule::DEFAULT_NAMESPACE;
 
 /// The Redis key holding the state of `rule` for `key`, in the hash-tag slot of `tag`.
 pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {

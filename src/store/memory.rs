@@ -667,14 +667,7 @@ mod tests {
     }
 
     fn one<'a>(rule: RuleId, limit: &'a Limit, key: &'a str) -> RuleCheck<'a> {
-        RuleCheck {
-            rule,
-            limit,
-            key: key.as_bytes(),
-            cost: 1,
-            enforce: true,
-            on_store_failure: super::super::FailureMode::Allow,
-        }
+        RuleCheck { rule, limit, key: key.as_bytes(), cost: 1, enforce: true }
     }
 
     #[test]

@@ -11,50 +11,9 @@ pub mod redis;
 
 use std::future::Future;
 
-use crate::algorithm::{Decision, Limit, Micros};
+use crate::algorithm::{Decision, Micros};
 
-/// Stable identity of a rule (a hash of namespace, policy and rule name, never of its numbers),
-/// so editing a limit keeps its counters.
-pub type RuleId = u64;
-
-/// One rule's part in a request.
-#[derive(Clone, Copy, Debug)]
-pub struct RuleCheck<'a> {
-    pub rule: RuleId,
-    pub limit: &'a Limit,
-    /// The rule's key for this request (the joined key parts).
-    pub key: &'a [u8],
-    pub cost: u64,
-    /// Shadow rules (`false`) are decided and counted but never deny the request.
-    pub enforce: bool,
-    /// What to decide for this rule when a shared store cannot answer in time.
-    pub on_store_failure: FailureMode,
-}
-
-/// What a rule decides when its shared store (Redis) is slow or unreachable.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "camelCase")]
-pub enum FailureMode {
-    /// Admit the request (fail open).
-    Allow,
-    /// Refuse the request (fail closed).
-    Deny,
-    /// Enforce the same rule in this replica's memory with its share of the limit.
-    #[default]
-    LocalFallback,
-}
-
-impl FailureMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            FailureMode::Allow => "allow",
-            FailureMode::Deny => "deny",
-            FailureMode::LocalFallback => "localFallback",
-        }
-    }
-}
+pub use crate::rule::{RuleCheck, RuleId};
 
 /// The decision for a whole request.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]

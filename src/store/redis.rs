@@ -419,7 +419,6 @@ pub fn redact_url(url: &str) -> String {
 mod tests {
     use super::*;
     use crate::algorithm::Limit;
-    use crate::store::FailureMode;
 
     fn ints(v: &[i64]) -> Value {
         Value::Array(v.iter().map(|&i| Value::Int(i)).collect())
@@ -459,22 +458,8 @@ mod tests {
         let shaper = Limit::new(Algorithm::LeakyBucket, 3, 1_000_000, Some(2), Some(400_000)).unwrap();
         let window = Limit::new(Algorithm::FixedWindow, 10, 60_000_000, None, None).unwrap();
         let checks = [
-            RuleCheck {
-                rule: 1,
-                limit: &shaper,
-                key: b"a",
-                cost: 1,
-                enforce: true,
-                on_store_failure: FailureMode::Allow,
-            },
-            RuleCheck {
-                rule: 2,
-                limit: &window,
-                key: b"b",
-                cost: 2,
-                enforce: false,
-                on_store_failure: FailureMode::Deny,
-            },
+            RuleCheck { rule: 1, limit: &shaper, key: b"a", cost: 1, enforce: true },
+            RuleCheck { rule: 2, limit: &window, key: b"b", cost: 2, enforce: false },
         ];
         assert_eq!(
             script_args(Some(42), &checks),

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::duration::{HumanDuration, parse_duration};
-use sluice::store::{FailureMode, RuleCheck, RuleId, Store};
+use sluice::store::{RuleCheck, RuleId, Store};
 
 /// A Unix time aligned to a whole day, so every window up to a day starts here.
 pub const T0: Micros = 1_699_920_000_000_000;
@@ -196,7 +196,6 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
                     key: key.as_bytes(),
                     cost: step.cost,
                     enforce: r.enforce,
-                    on_store_failure: FailureMode::Deny,
                 })
                 .collect();
             let now = T0 + micros(&step.at);
