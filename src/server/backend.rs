@@ -143,15 +143,15 @@ impl Store for Backend {
         }
     }
 
-    async fn check_tagged(
+    async fn check_for(
         &self,
-        tag: &str,
+        namespace: &str,
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> Result<Verdict, StoreError> {
         match self {
-            Backend::Memory(store) => store.check_tagged(tag, now, checks).await,
-            Backend::Redis(store) => store.check_tagged(tag, now, checks).await,
+            Backend::Memory(store) => store.check_for(namespace, now, checks).await,
+            Backend::Redis(store) => Store::check_for(store, namespace, now, checks).await,
         }
     }
 

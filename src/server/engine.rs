@@ -230,7 +230,7 @@ impl<S: Store> Engine<S> {
 
     async fn decide(&self, live: &Live, namespace: &str, matched: &[Matched<'_>]) -> CheckResponse {
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
-        let outcome = self.store.check_tagged(namespace, None, &checks).await;
+        let outcome = self.store.check_for(namespace, None, &checks).await;
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
             Ok(verdict) => (verdict, false),

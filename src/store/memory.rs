@@ -11,7 +11,7 @@
 //! # The key cap, fair per namespace
 //!
 //! A cap on live keys bounds memory under a flood of distinct keys. Every entry belongs to the
-//! namespace whose request created it (its *scope*): [`Store::check_tagged`] and
+//! namespace whose request created it (its *scope*): [`Store::check_for`] and
 //! [`MemoryStore::check_scoped_at`] take the request's namespace, interned once per request into a
 //! 16-bit id that lives in 16 of the slot key's 128 bits (so the entry grows by nothing; 112 bits
 //! are left to tell keys apart, still negligible collisions). Untagged checks ([`Store::check`],
@@ -627,15 +627,14 @@ impl Store for MemoryStore {
         Ok(self.check_at(now, checks))
     }
 
-    /// The tag (the request's namespace) is the scope the request's new keys are charged to
-    /// under the key cap.
-    async fn check_tagged(
+    /// The namespace is the scope the request's new keys are charged to under the key cap.
+    async fn check_for(
         &self,
-        tag: &str,
+        namespace: &str,
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> Result<Verdict, StoreError> {
-        let scope = self.scope(tag);
+        let scope = self.scope(namespace);
         let now = now.unwrap_or_else(|| self.clock.now());
         Ok(self.check_scoped(scope, now, checks))
     }
@@ -828,12 +827,12 @@ mod tests {
     }
 
     #[test]
-    fn check_tagged_uses_the_tag_as_the_scope() {
+    fn check_for_charges_the_namespace() {
         let store = MemoryStore::with_clock(100, Arc::new(FakeClock::new(T0)));
         let l = limit(Algorithm::FixedWindow, 1);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         rt.block_on(async {
-            assert!(store.check_tagged("tenant-a", None, &[one(1, &l, "k")]).await.unwrap().allowed);
+            assert!(store.check_for("tenant-a", None, &[one(1, &l, "k")]).await.unwrap().allowed);
             assert!(store.check(None, &[one(1, &l, "j")]).await.unwrap().allowed);
         });
         assert_eq!(store.live_keys_by_namespace(), [(String::new(), 1), ("tenant-a".to_string(), 1)]);

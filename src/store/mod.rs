@@ -68,16 +68,16 @@ pub trait Store: Send + Sync + 'static {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
 
-    /// [`Store::check`] for a request of namespace `tag`. A shared store keeps all of a
-    /// request's keys under this tag so that one atomic call can decide them (one Redis Cluster
-    /// slot); stores without slots ignore it.
-    fn check_tagged(
+    /// [`Store::check`] for a request of `namespace`, the tenant whose limits these are. What a
+    /// store does with it is its own business: the memory store charges new keys to it under
+    /// the key cap, Redis keeps the request's keys in its hash slot.
+    fn check_for(
         &self,
-        tag: &str,
+        namespace: &str,
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
-        let _ = tag;
+        let _ = namespace;
         self.check(now, checks)
     }
 
@@ -121,13 +121,13 @@ impl<T: Store> Store for std::sync::Arc<T> {
         (**self).check(now, checks)
     }
 
-    fn check_tagged(
+    fn check_for(
         &self,
-        tag: &str,
+        namespace: &str,
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
-        (**self).check_tagged(tag, now, checks)
+        (**self).check_for(namespace, now, checks)
     }
 
     fn status(&self) -> StoreStatus {

@@ -271,13 +271,14 @@ impl Store for RedisStore {
         self.check_tagged(DEFAULT_TAG, now, checks)
     }
 
-    fn check_tagged(
+    /// The namespace is the request's hash tag: one slot, one script, every rule.
+    fn check_for(
         &self,
-        tag: &str,
+        namespace: &str,
         now: Option<Micros>,
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
-        RedisStore::check_tagged(self, tag, now, checks)
+        self.check_tagged(namespace, now, checks)
     }
 
     fn status(&self) -> super::StoreStatus {
