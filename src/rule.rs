@@ -22,3 +22,25 @@ pub struct RuleCheck<'a> {
     /// Shadow rules (`false`) are decided and counted but never deny the request.
     pub enforce: bool,
 }
+
+/// A hasher for keys that already are uniform hashes (rule ids, the memory store's slot keys):
+/// their `u64` is the table hash, with no hashing work per lookup.
+#[derive(Default)]
+pub struct PrehashedHasher(u64);
+
+impl std::hash::Hasher for PrehashedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by the keys above; stay correct for anything else.
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}

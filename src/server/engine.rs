@@ -2,7 +2,7 @@
 //! request into a decision. No HTTP here; the axum layer and the sidecar both sit on top.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -64,23 +64,6 @@ fn ceil_ms(micros: Micros) -> u64 {
     micros.div_ceil(MICROS_PER_MS)
 }
 
-/// Rule ids are already hashes.
-#[derive(Default)]
-struct IdHasher(u64);
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
-
 /// Per-rule things resolved once per snapshot rather than per request.
 struct RuleExtras {
     header_name: String,
@@ -113,7 +96,7 @@ pub struct Live {
     pub snapshot: Arc<Snapshot>,
     /// Unix microseconds when it went live.
     pub loaded_at: Micros,
-    extras: HashMap<RuleId, RuleExtras, BuildHasherDefault<IdHasher>>,
+    extras: HashMap<RuleId, RuleExtras, BuildHasherDefault<crate::rule::PrehashedHasher>>,
 }
 
 /// Why the most recent reload did not go live.

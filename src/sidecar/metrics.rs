@@ -24,11 +24,8 @@ pub struct DecisionLabels {
     pub result: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    /// An [`super::decide::EndpointError::kind`] or `breaker_open`.
-    pub kind: &'static str,
-}
+/// `kind` is an [`super::decide::EndpointError::kind`], `breaker_open` or `no_snapshot`.
+pub use crate::telemetry::KindLabels;
 
 pub struct SidecarMetrics {
     pub registry: Registry,
@@ -102,9 +99,6 @@ impl SidecarMetrics {
     }
 
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        // Writing to a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        crate::telemetry::encode(&self.registry)
     }
 }

@@ -101,28 +101,8 @@ impl Hash for SlotKey {
     }
 }
 
-/// The slot keys are already uniform hashes: use their low half as the table hash.
-#[derive(Default)]
-struct SlotHasher(u64);
-
-impl Hasher for SlotHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only slot keys are hashed (through `write_u64`); keep a correct fallback anyway.
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
-
-type Slots = HashMap<SlotKey, Entry, BuildHasherDefault<SlotHasher>>;
+// Slot keys are already uniform hashes: their low half is the table hash.
+type Slots = HashMap<SlotKey, Entry, BuildHasherDefault<crate::rule::PrehashedHasher>>;
 
 /// One shard's entries and what its key cap has evicted, by scope id.
 #[derive(Default)]
