@@ -13,6 +13,7 @@ pub mod duration;
 pub mod operator;
 pub mod policy;
 pub mod request;
+pub mod role;
 pub mod rule;
 pub mod server;
 pub mod sidecar;

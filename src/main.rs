@@ -6,9 +6,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
+use sluice::role::{self, store::StoreArgs};
 use sluice::server::auth::{Auth, AuthArgs, Authenticator};
-use sluice::server::backend::StoreArgs;
-use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
 use sluice::telemetry::Metrics;
 use tokio::sync::watch;
@@ -113,20 +112,14 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
-    let built = args.store.build(clock.clone()).await.context("cannot set up the store")?;
-    let memory = built.memory.clone();
-    let mut engine = Engine::new(built.backend, clock, metrics);
-    if args.store.uses_redis() {
-        engine = engine.with_local_fallback(memory.clone(), args.store.fallback_replicas);
-    }
-    let engine = Arc::new(engine);
+    let (engine, memory) = role::engine(&args.store, clock, metrics).await.context("cannot set up the store")?;
     tracing::info!(store = ?sluice::store::Store::status(engine.store()), "store ready");
     tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
     engine.install(Arc::new(snapshot));
 
     // Register for SIGTERM before announcing the address: a signal future only installs its
     // handler when first polled, and a supervisor may signal as soon as it sees the address.
-    let mut terminated = std::pin::pin!(serve::termination_signal());
+    let mut terminated = std::pin::pin!(role::termination_signal());
     let _ = futures::poll!(&mut terminated);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -149,7 +142,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let watcher =
         tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
-    let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped.clone()));
+    let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let state =
         http::ApiState { engine, auth: Auth::new(verifiers), gateway_trusted_hops: args.auth.gateway_trusted_hops };

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use sluice::clock::FakeClock;
 use sluice::policy::{compile, load_str};
+use sluice::role::store::Backend;
 use sluice::server::auth::Caller;
-use sluice::server::backend::Backend;
 use sluice::server::engine::{CheckResponse, Engine};
 use sluice::server::request::CheckRequest;
 use sluice::store::Store;

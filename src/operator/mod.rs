@@ -21,9 +21,11 @@ use tokio::sync::watch;
 
 use crate::admission::{self, WebhookArgs};
 use crate::clock::SystemClock;
+use crate::role::{
+    self,
+    store::{BackendError, StoreArgs},
+};
 use crate::server::auth::{Auth, AuthArgs, Authenticator, TokenFileError};
-use crate::server::backend::{BackendError, StoreArgs};
-use crate::server::engine::Engine;
 use crate::server::{http, serve};
 use crate::telemetry::Metrics;
 
@@ -126,7 +128,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     // Install the SIGTERM handler before anything is announced: a supervisor (or a test) that
     // stops us right after "listening" must get a graceful stop, not the default kill.
-    let shutdown = serve::termination_signal();
+    let shutdown = role::termination_signal();
     tokio::pin!(shutdown);
     let _ = futures::poll!(&mut shutdown);
     let client = kube::Client::try_default().await?;
@@ -164,13 +166,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         tracing::warn!("authentication is off: any caller may spend or block any namespace's limits");
     }
     let auth = Auth::new(verifiers);
-    let built = args.store.build(clock.clone()).await?;
-    let memory = built.memory.clone();
-    let mut engine = Engine::new(built.backend, clock, metrics);
-    if args.store.uses_redis() {
-        engine = engine.with_local_fallback(memory.clone(), args.store.fallback_replicas);
-    }
-    let engine = Arc::new(engine);
+    let (engine, memory) = role::engine(&args.store, clock, metrics).await?;
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -236,7 +232,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         }
         _ => tokio::spawn(serve::serve_http(listener, router, stopped.clone())),
     };
-    let sweeper = tokio::spawn(serve::sweep_memory(memory, stopped));
+    let sweeper = tokio::spawn(role::sweep_memory(memory, stopped));
 
     shutdown.await;
     tracing::info!("shutting down");

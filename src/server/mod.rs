@@ -1,7 +1,6 @@
 //! The enforcement endpoint: the engine (snapshot + store → decision) and its HTTP API.
 
 pub mod auth;
-pub mod backend;
 pub mod engine;
 pub mod headers;
 pub mod http;

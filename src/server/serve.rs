@@ -86,19 +86,6 @@ pub async fn watch_policies<S: Store>(
     }
 }
 
-/// Drops idle keys of a memory store once a second.
-pub async fn sweep_memory(store: Arc<crate::store::memory::MemoryStore>, mut shutdown: watch::Receiver<bool>) {
-    let mut ticker = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.changed() => return,
-        }
-        let store = store.clone();
-        let _ = tokio::task::spawn_blocking(move || store.sweep_expired(store.clock().now())).await;
-    }
-}
-
 /// Serves the router on `listener` until `shutdown` flips, then drains in-flight requests.
 pub async fn serve_http(
     listener: TcpListener,
@@ -131,28 +118,5 @@ pub async fn serve_https(
             handle.graceful_shutdown(Some(Duration::from_secs(20)));
             serving.await
         }
-    }
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn termination_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -75,7 +75,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
 
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
-    let sweeper = tokio::spawn(crate::server::serve::sweep_memory(decider.local_store(), stopped.clone()));
+    let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
     let mut admin_stop = stopped.clone();
     let admin_server = tokio::spawn(async move {
         axum::serve(admin, admin_router(metrics))
@@ -86,7 +86,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     });
     let proxy_server = tokio::spawn(proxy::serve(listener, proxy, stopped));
 
-    crate::server::serve::termination_signal().await;
+    crate::role::termination_signal().await;
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     let _ = proxy_server.await;

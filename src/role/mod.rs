@@ -1,0 +1,66 @@
+//! What every long-running role (`serve`, `operator`, `sidecar`) shares: the store flags and
+//! the engine built from them ([`store`]), the sweeper of idle keys and the termination signal.
+
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::clock::Clock;
+use crate::server::engine::Engine;
+use crate::telemetry::Metrics;
+use store::{Backend, BackendError, StoreArgs};
+
+/// The engine of `serve` and `operator` on the store `args` choose, with this process's memory
+/// as the local fallback when the store is Redis; returns the memory store for the sweeper.
+pub async fn engine(
+    args: &StoreArgs,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+) -> Result<(Arc<Engine<Backend>>, Arc<crate::store::memory::MemoryStore>), BackendError> {
+    let built = args.build(clock.clone()).await?;
+    let memory = built.memory.clone();
+    let mut engine = Engine::new(built.backend, clock, metrics);
+    if args.uses_redis() {
+        engine = engine.with_local_fallback(memory.clone(), args.fallback_replicas);
+    }
+    Ok((Arc::new(engine), memory))
+}
+
+/// Drops idle keys of a memory store once a second.
+pub async fn sweep_memory(store: Arc<crate::store::memory::MemoryStore>, mut shutdown: watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let store = store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.sweep_expired(store.clock().now())).await;
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn termination_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
