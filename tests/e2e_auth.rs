@@ -9,21 +9,12 @@ mod control_plane;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use control_plane::{ControlPlane, Operator, control_plane, eventually};
+use control_plane::{ControlPlane, Operator, cluster, eventually, report};
 use serde_json::{Value, json};
 
 const TENANT_A: &str = "auth-tenant-a";
 const TENANT_B: &str = "auth-tenant-b";
 const GATEWAY_NS: &str = "auth-gateway";
-
-fn cluster() -> &'static ControlPlane {
-    control_plane().unwrap_or_else(|reason| panic!("no control plane: {reason} (scripts/test.sh builds it)"))
-}
-
-fn report(line: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
-}
 
 /// Namespaces, ServiceAccounts and policies, applied once per test binary (tests run in parallel).
 fn setup(cp: &ControlPlane) {

@@ -11,9 +11,9 @@ mod control_plane;
 
 use std::time::Duration;
 
-use control_plane::{ControlPlane, Operator, control_plane, eventually, free_port};
-use k8s_openapi::api::core::v1::{Namespace, Secret};
-use kube::api::{Patch, PatchParams, PostParams};
+use control_plane::{Operator, cluster, eventually, free_port, namespace};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use sluice::policy::RateLimitPolicy;
@@ -22,23 +22,6 @@ const LOG_CAP: &str =
     "slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits";
 const REGEX_COUNT: &str = "at most 64 regexes per policy (match.paths and match.headers of all rules together)";
 const REGEX_SIZE: &str = "over the budget of 1 MiB (1048576 bytes) per policy";
-
-fn cluster() -> &'static ControlPlane {
-    match control_plane() {
-        Ok(cp) => cp,
-        Err(reason) => panic!("the budget e2e tests need a control plane (e2e/control-plane.sh build): {reason}"),
-    }
-}
-
-async fn namespace(client: &Client, name: &str, labels: Value) {
-    let api: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("ns");
-    match api.create(&PostParams::default(), &ns).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("namespace {name}: {e}"),
-    }
-}
 
 fn rule(name: &str) -> Value {
     json!({"name": name, "algorithm": "gcra", "limit": {"requests": 5, "per": "1s"}})

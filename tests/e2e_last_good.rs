@@ -11,7 +11,7 @@ mod control_plane;
 
 use std::time::Duration;
 
-use control_plane::{ControlPlane, Operator, control_plane, eventually};
+use control_plane::{Operator, cluster, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;
@@ -24,11 +24,6 @@ use sluice::policy::{RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus
 const NS: &str = "e2e-last-good";
 const LEASE: &str = "e2e-last-good";
 const NAME: &str = "orders";
-
-/// The control plane; the README test command builds it, so its absence fails the test.
-fn cluster() -> &'static ControlPlane {
-    control_plane().unwrap_or_else(|reason| panic!("no control plane: {reason} (scripts/test.sh builds it)"))
-}
 
 /// `orders` with one fixedWindow rule of `requests` per minute per API key; with `regex`, only
 /// for paths matching it.

@@ -10,36 +10,14 @@ mod control_plane;
 
 use std::time::{Duration, Instant};
 
-use control_plane::{ControlPlane, Operator, control_plane, eventually, free_port};
+use control_plane::{Operator, cluster, eventually, free_port, namespace, report};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use sluice::policy::RateLimitPolicy;
-
-/// Measurements go straight to stderr: libtest captures print!/eprint! of passing tests, but the
-/// numbers belong in every test log.
-fn report(line: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
-}
-
-/// The control plane; the README test command builds it, so its absence fails the test.
-fn cluster() -> &'static ControlPlane {
-    control_plane().unwrap_or_else(|reason| panic!("no control plane: {reason} (scripts/test.sh builds it)"))
-}
-
-async fn namespace(client: &Client, name: &str, labels: Value) {
-    let api: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("ns");
-    match api.create(&PostParams::default(), &ns).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("namespace {name}: {e}"),
-    }
-}
 
 fn policy(ns: &str, name: &str, rule: &str, requests: u64) -> Value {
     json!({

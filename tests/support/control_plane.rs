@@ -33,9 +33,34 @@ fn repo() -> PathBuf {
 
 static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
 
-/// The control plane, or why there is none (the caller skips with that message).
+/// The control plane, or why there is none.
 pub fn control_plane() -> Result<&'static ControlPlane, String> {
     CONTROL_PLANE.get_or_init(start).as_ref().map_err(Clone::clone)
+}
+
+/// The control plane; the README test command builds it, so its absence fails the test.
+pub fn cluster() -> &'static ControlPlane {
+    control_plane().unwrap_or_else(|reason| panic!("no control plane: {reason} (scripts/test.sh builds it)"))
+}
+
+/// Measurements go straight to stderr: libtest captures print!/eprint! of passing tests, but the
+/// numbers belong in every test log.
+pub fn report(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "e2e measurement: {line}");
+}
+
+/// Creates namespace `name` with `labels` (an existing one is fine).
+pub async fn namespace(client: &kube::Client, name: &str, labels: serde_json::Value) {
+    use k8s_openapi::api::core::v1::Namespace;
+    let api: kube::Api<Namespace> = kube::Api::all(client.clone());
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": labels}})).expect("ns");
+    match api.create(&kube::api::PostParams::default(), &ns).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("namespace {name}: {e}"),
+    }
 }
 
 fn start() -> Result<ControlPlane, String> {
