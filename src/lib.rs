@@ -12,5 +12,6 @@ pub mod policy;
 pub mod request;
 pub mod server;
 pub mod sidecar;
+pub mod simulate;
 pub mod store;
 pub mod telemetry;
