@@ -120,8 +120,8 @@ pub fn to_text(comparisons: &[Comparison]) -> String {
         let _ = writeln!(out, "{}/{}:", c.policy, c.rule);
         let _ = writeln!(
             out,
-            "  {:<20} {:>9} {:>9} {:>9} {:>11} {:>7}  {}",
-            "algorithm", "offered", "admitted", "denied", "maxInWindow", "bound", "bound means"
+            "  {:<20} {:>9} {:>9} {:>9} {:>11} {:>7}  bound means",
+            "algorithm", "offered", "admitted", "denied", "maxInWindow", "bound"
         );
         for r in &c.rows {
             match &r.skipped {

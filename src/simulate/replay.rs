@@ -211,16 +211,9 @@ struct RuleTally<'s> {
 }
 
 impl RuleTally<'_> {
-    fn record(
-        &mut self,
-        key: &str,
-        at: Micros,
-        now: Micros,
-        cost: u64,
-        decision: &Decision,
-        consumed: bool,
-        bucket: usize,
-    ) {
+    /// One decision of this rule at trace time `at` (denial runs and recovery are measured on
+    /// trace time, the same durations as on the simulated clock).
+    fn record(&mut self, key: &str, at: Micros, cost: u64, decision: &Decision, consumed: bool, bucket: usize) {
         self.offered += 1;
         self.timeline.offered[bucket] += 1;
         let slot = &mut self.timeline.remaining[bucket];
@@ -243,15 +236,15 @@ impl RuleTally<'_> {
             }
             track.admitted.push((at, cost));
             if let Some(start) = track.run_start.take() {
-                self.recovery = Some(self.recovery.unwrap_or(0).max(now - start));
+                self.recovery = Some(self.recovery.unwrap_or(0).max(at - start));
             }
             track.run_length = 0;
         } else {
             self.timeline.denied[bucket] += 1;
-            let start = *track.run_start.get_or_insert(now);
+            let start = *track.run_start.get_or_insert(at);
             track.run_length += 1;
-            if (track.run_length, now - start) > self.longest_run {
-                self.longest_run = (track.run_length, now - start);
+            if (track.run_length, at - start) > self.longest_run {
+                self.longest_run = (track.run_length, at - start);
             }
         }
     }
@@ -378,7 +371,7 @@ pub fn replay(
             // The store consumes for a rule only when the request is admitted and the rule
             // itself admits (a shadow rule that would refuse consumes nothing).
             let consumed = allowed && decision.allowed;
-            tallies[i].record(&m.key, arrival.at, now, m.cost, decision, consumed, slot);
+            tallies[i].record(&m.key, arrival.at, m.cost, decision, consumed, slot);
         }
     }
     Ok(SimulationReport {
