@@ -396,9 +396,11 @@ impl SimulationReport {
             self.duration_ms / 1000.0,
             self.start_unix_micros as f64 / 1e6
         );
+        // One column for the rule names, as wide as the longest, so every row lines up.
+        let width = self.rules.iter().map(|r| r.policy.len() + r.rule.len() + 1).max().unwrap_or(0).max(24);
         let _ = writeln!(
             out,
-            "{:<32} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11} {:>10} {:>11}",
+            "{:<width$} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11} {:>10} {:>11}",
             "rule",
             "algorithm",
             "offered",
@@ -414,7 +416,7 @@ impl SimulationReport {
         for r in &self.rules {
             let _ = writeln!(
                 out,
-                "{:<32} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11.3} {:>10} {:>11}",
+                "{:<width$} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11.3} {:>10} {:>11}",
                 format!("{}/{}", r.policy, r.rule),
                 r.algorithm,
                 r.offered,
