@@ -17,5 +17,6 @@ pub mod role;
 pub mod rule;
 pub mod server;
 pub mod sidecar;
+pub mod simulate;
 pub mod store;
 pub mod telemetry;

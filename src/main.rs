@@ -34,6 +34,24 @@ enum Command {
     Crd,
     /// Per-pod reverse proxy in front of the application: asks the endpoint, answers 429 or forwards.
     Sidecar(sluice::sidecar::SidecarArgs),
+    /// Which rules a request matches, why the others do not, its keys and what a check would
+    /// decide on a fresh store; consumes nothing.
+    Explain(ExplainArgs),
+    /// Replays a trace or a traffic pattern through the policies with a simulated clock.
+    Simulate(sluice::simulate::SimulateArgs),
+}
+
+#[derive(clap::Args)]
+struct ExplainArgs {
+    /// Policy files or directories (their *.yaml and *.yml files).
+    #[arg(long = "policies", short = 'p', required = true, num_args = 1.., value_delimiter = ',')]
+    policies: Vec<PathBuf>,
+    /// The request, as the body of POST /v1/check, e.g. '{"namespace": "shop", "path": "/orders/1"}'.
+    #[arg(long)]
+    request: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -90,7 +108,34 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => run_async(&cli.log_format, run_serve(args)),
         Command::Sidecar(args) => run_async(&cli.log_format, async { Ok(sluice::sidecar::run(args).await?) }),
         Command::Operator(args) => run_async(&cli.log_format, async { Ok(sluice::operator::run(args).await?) }),
+        Command::Explain(args) => run_explain(args),
+        Command::Simulate(args) => {
+            print!("{}", sluice::simulate::run(&args)?);
+            Ok(())
+        }
     }
+}
+
+fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
+    let snapshot = match serve::load_snapshot(&args.policies) {
+        Ok(snapshot) => snapshot,
+        Err(message) => bail!("invalid policies:\n{message}"),
+    };
+    let request = sluice::server::request::CheckRequest::from_json(args.request.as_bytes())
+        .map_err(|e| anyhow::anyhow!("--request: {e}"))?;
+    let caller = sluice::server::auth::Caller::Open;
+    let view = request.view(&caller).map_err(|e| anyhow::anyhow!("--request: {e}"))?;
+    let explanation = snapshot.explain(&view);
+    // Offline there are no counters yet: a fresh store shows what a first check would decide.
+    let store = sluice::store::memory::MemoryStore::new(1024);
+    let verdict = store.peek_at(sluice::clock::Clock::now(&SystemClock), &explanation.checks());
+    let report = explanation.report(Some(&verdict));
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(())
 }
 
 async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {

@@ -124,15 +124,21 @@ pub struct Matched<'s> {
     pub cost: u64,
 }
 
+impl<'s> Matched<'s> {
+    /// What the store needs for this rule.
+    pub fn check(&self) -> crate::rule::RuleCheck<'_> {
+        self.rule.check(self.key.as_bytes(), self.cost)
+    }
+}
+
 impl Snapshot {
     /// Replaces `out` with the rules `req` matches, in a deterministic order: the namespace's
     /// policies by name, each policy's rules in the order written. Allocates only the keys.
     pub fn resolve<'s>(&'s self, req: &RequestView<'_>, out: &mut Vec<Matched<'s>>) {
         out.clear();
         // Matching and keys see the path the way the application's router does.
-        let path = super::path::normalize(req.path_only());
+        let (path, host) = matching_inputs(req);
         let path = path.as_ref();
-        let host = req.host.map(host_without_port);
         for policy in self.namespace_policies(req.namespace) {
             if !selector_matches(&policy.selector, req.labels) {
                 continue;
@@ -153,38 +159,96 @@ fn resolve_policy<'s>(
         if !rule_matches(&rule.matcher, req, path, host) {
             continue;
         }
-        if let Some(key) = build_key(&rule.key, req, path, host) {
+        if let Ok(key) = build_key(&rule.key, req, path, host) {
             out.push(Matched { rule, key, cost: rule.cost.saturating_mul(req.cost) });
         }
     }
 }
 
+/// The path and host rules see: the path without query, normalized; the host without port or
+/// trailing dot. What [`Snapshot::resolve`] matches on, for tools that explain it.
+pub(super) fn matching_inputs<'r>(req: &RequestView<'r>) -> (std::borrow::Cow<'r, str>, Option<&'r str>) {
+    (super::path::normalize(req.path_only()), req.host.map(host_without_port))
+}
+
 fn selector_matches(selector: &Selector, labels: &dyn StrMap) -> bool {
-    selector.labels.iter().all(|(k, v)| labels.get_str(k) == Some(v.as_str()))
-        && selector.expressions.iter().all(|(key, op, values)| {
+    selector_mismatch(selector, labels).is_none()
+}
+
+/// The first selector condition the labels fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SelectorMismatch {
+    /// `matchLabels` entry (index into [`Selector::labels`]).
+    Label(usize),
+    /// `matchExpressions` entry (index into [`Selector::expressions`]).
+    Expression(usize),
+}
+
+/// Why `labels` fail `selector`, or `None` when they match. [`selector_matches`] is defined by
+/// it, so explaining and matching cannot drift apart.
+pub(super) fn selector_mismatch(selector: &Selector, labels: &dyn StrMap) -> Option<SelectorMismatch> {
+    if let Some(i) = selector.labels.iter().position(|(k, v)| labels.get_str(k) != Some(v.as_str())) {
+        return Some(SelectorMismatch::Label(i));
+    }
+    selector
+        .expressions
+        .iter()
+        .position(|(key, op, values)| {
             let value = labels.get_str(key);
-            match op {
+            !match op {
                 SelectorOp::In => value.is_some_and(|v| values.iter().any(|x| x == v)),
                 SelectorOp::NotIn => value.is_none_or(|v| values.iter().all(|x| x != v)),
                 SelectorOp::Exists => value.is_some(),
                 SelectorOp::DoesNotExist => value.is_none(),
             }
         })
+        .map(SelectorMismatch::Expression)
 }
 
 fn rule_matches(m: &RuleMatch, req: &RequestView<'_>, path: &str, host: Option<&str>) -> bool {
-    (m.methods.is_empty() || m.methods.iter().any(|x| x.eq_ignore_ascii_case(req.method)))
-        && (m.paths.is_empty() || m.paths.iter().any(|p| path_matches(p, path)))
-        && (m.hosts.is_empty() || host.is_some_and(|h| m.hosts.iter().any(|x| host_matches(x, h))))
-        && m.headers.iter().all(|h| {
+    rule_mismatch(m, req, path, host).is_none()
+}
+
+/// The first condition of a rule's `match` a request fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RuleMismatch {
+    Method,
+    Path,
+    Host,
+    /// Index into [`RuleMatch::headers`].
+    Header(usize),
+}
+
+/// Why a request fails `m` (conditions in the order they are written: methods, paths, hosts,
+/// headers), or `None` when it matches. [`rule_matches`] is defined by it, so explaining and
+/// matching cannot drift apart. `path` and `host` as [`matching_inputs`] gives them.
+pub(super) fn rule_mismatch(
+    m: &RuleMatch,
+    req: &RequestView<'_>,
+    path: &str,
+    host: Option<&str>,
+) -> Option<RuleMismatch> {
+    if !(m.methods.is_empty() || m.methods.iter().any(|x| x.eq_ignore_ascii_case(req.method))) {
+        return Some(RuleMismatch::Method);
+    }
+    if !(m.paths.is_empty() || m.paths.iter().any(|p| path_matches(p, path))) {
+        return Some(RuleMismatch::Path);
+    }
+    if !(m.hosts.is_empty() || host.is_some_and(|h| m.hosts.iter().any(|x| host_matches(x, h)))) {
+        return Some(RuleMismatch::Host);
+    }
+    m.headers
+        .iter()
+        .position(|h| {
             let value = req.headers.get_str(&h.name);
-            match &h.test {
+            !match &h.test {
                 HeaderTest::Exact(x) => value == Some(x.as_str()),
                 HeaderTest::Prefix(x) => value.is_some_and(|v| v.starts_with(x.as_str())),
                 HeaderTest::Regex(re) => value.is_some_and(|v| re.is_match(v)),
                 HeaderTest::Present(want) => value.is_some() == *want,
             }
         })
+        .map(RuleMismatch::Header)
 }
 
 /// Prefixes match whole segments, as in the Gateway API: `/orders` matches `/orders` and
@@ -228,22 +292,27 @@ fn host_without_port(host: &str) -> &str {
     host.strip_suffix('.').unwrap_or(host)
 }
 
-/// `None` when a part with `missing: skip` has no value: the rule does not apply.
-fn build_key(parts: &[KeySource], req: &RequestView<'_>, path: &str, host: Option<&str>) -> Option<String> {
+/// `Err(i)` when part `i` has `missing: skip` and no value: the rule does not apply.
+pub(super) fn build_key(
+    parts: &[KeySource],
+    req: &RequestView<'_>,
+    path: &str,
+    host: Option<&str>,
+) -> Result<String, usize> {
     if parts.is_empty() {
-        return Some(String::new());
+        return Ok(String::new());
     }
     let mut key = String::with_capacity(parts.len() * 24);
-    for part in parts {
+    for (i, part) in parts.iter().enumerate() {
         match part {
             KeySource::Header(name, missing) => match req.headers.get_str(name) {
                 Some(v) => push_part(&mut key, v),
-                None if *missing == Missing::Skip => return None,
+                None if *missing == Missing::Skip => return Err(i),
                 None => push_part(&mut key, ""),
             },
             KeySource::ClientIp(missing) => match req.client_ip {
                 Some(ip) => push_ip(&mut key, ip.to_canonical()),
-                None if *missing == Missing::Skip => return None,
+                None if *missing == Missing::Skip => return Err(i),
                 None => push_part(&mut key, ""),
             },
             KeySource::Namespace => push_part(&mut key, req.namespace),
@@ -260,7 +329,7 @@ fn build_key(parts: &[KeySource], req: &RequestView<'_>, path: &str, host: Optio
             KeySource::Literal(text) => push_part(&mut key, text),
         }
     }
-    Some(key)
+    Ok(key)
 }
 
 fn push_len(key: &mut String, len: usize) {

@@ -6,6 +6,7 @@
 
 pub mod compile;
 pub mod crd;
+pub mod explain;
 pub mod load;
 pub mod matching;
 pub mod path;
@@ -18,6 +19,7 @@ pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule,
     RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
 };
+pub use explain::{ExplainReport, Explanation};
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, policy_files};
 pub use matching::{Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
 pub use validate::{FieldError, ValidationErrors, validate, warnings};

@@ -155,6 +155,19 @@ impl Store for Backend {
         }
     }
 
+    /// Redis state is only read inside its scripts, which always consume: no peek there.
+    async fn peek_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Option<Verdict>, StoreError> {
+        match self {
+            Backend::Memory(store) => store.peek_for(namespace, now, checks).await,
+            Backend::Redis(_) => Ok(None),
+        }
+    }
+
     fn status(&self) -> StoreStatus {
         match self {
             Backend::Memory(store) => store.status(),

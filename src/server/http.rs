@@ -1,4 +1,4 @@
-//! The HTTP API over the engine: `POST /v1/check`, the Envoy ext_authz-compatible `/v1/authz/…`,
+//! The HTTP API over the engine: `POST /v1/check`, `POST /v1/explain`, the Envoy ext_authz-compatible `/v1/authz/…`,
 //! health, readiness, metrics and the live snapshot.
 //!
 //! The check, authz and snapshot APIs first establish the [`Caller`] (see [`super::auth`]):
@@ -75,6 +75,7 @@ pub fn admin_router<S: Store>(engine: Arc<Engine<S>>) -> Router {
 pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))
+        .route("/v1/explain", post(explain::<S>))
         .route("/v1/authz", any(authz::<S>))
         .route("/v1/authz/", any(authz::<S>))
         .route("/v1/authz/{*path}", any(authz::<S>))
@@ -155,6 +156,37 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Resu
     let decision = engine.check(&view).await;
     engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
+}
+
+/// Why each rule of the caller's namespace applies or not, with the decision a check would make
+/// now; the same body and caller rules as `/v1/check`, and it consumes nothing.
+async fn explain<S: Store>(
+    State(state): Shared<S>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let engine = &state.engine;
+    let caller = match state.auth.caller(&headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(engine.metrics(), error),
+    };
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_rejection(engine.metrics(), rejection),
+    };
+    let request = match CheckRequest::from_json(&body) {
+        Ok(request) => request,
+        Err(error) => return bad_request(engine.metrics(), error),
+    };
+    let view = match request.view(&caller) {
+        Ok(view) => view,
+        Err(error) => return forbidden(engine.metrics(), error, StatusCode::FORBIDDEN),
+    };
+    let live = engine.live();
+    let explanation = live.snapshot.explain(&view);
+    // A store that cannot read without consuming (Redis) leaves the decision unknown.
+    let verdict = engine.store().peek_for(view.namespace, None, &explanation.checks()).await.ok().flatten();
+    axum::Json(explanation.report(verdict.as_ref())).into_response()
 }
 
 /// Envoy's ext_authz HTTP service: the original method and path (after the `/v1/authz` prefix),

@@ -412,6 +412,21 @@ impl MemoryStore {
         self.check_scoped(self.scope(namespace), now, checks)
     }
 
+    /// What [`Self::check_at`] would decide at `now`, consuming nothing (for `sluice explain`
+    /// and `POST /v1/explain`). Each rule's state is read under its own shard's lock in turn, so
+    /// a concurrent request may be seen half-way: an answer to show, never one to enforce.
+    pub fn peek_at(&self, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
+        let decisions = checks
+            .iter()
+            .map(|check| {
+                let slot = self.slot_key(Scope::UNNAMED, check.rule, check.key);
+                let table = self.shards[self.shard_of(slot)].table.lock();
+                algorithm::check(check.limit, table.slots.get(&slot).map(|e| &e.state), now, check.cost)
+            })
+            .collect();
+        Verdict::from_decisions(checks, decisions)
+    }
+
     fn check_scoped(&self, scope: Scope, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
         let mut decisions = Vec::with_capacity(checks.len());
         let allowed = self.check_scoped_into(scope, now, checks, &mut decisions);
@@ -605,6 +620,15 @@ impl Store for MemoryStore {
     async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
         let now = now.unwrap_or_else(|| self.clock.now());
         Ok(self.check_at(now, checks))
+    }
+
+    async fn peek_for(
+        &self,
+        _namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Option<Verdict>, StoreError> {
+        Ok(Some(self.peek_at(now.unwrap_or_else(|| self.clock.now()), checks)))
     }
 
     /// The namespace is the scope the request's new keys are charged to under the key cap.

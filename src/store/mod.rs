@@ -81,6 +81,18 @@ pub trait Store: Send + Sync + 'static {
         self.check(now, checks)
     }
 
+    /// What [`Store::check_for`] would decide now, consuming nothing (`POST /v1/explain`);
+    /// `Ok(None)` from a store that cannot decide without consuming (the default).
+    fn peek_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Option<Verdict>, StoreError>> + Send {
+        let _ = (namespace, now, checks);
+        std::future::ready(Ok(None))
+    }
+
     /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
     fn status(&self) -> StoreStatus {
         StoreStatus::default()
@@ -128,6 +140,15 @@ impl<T: Store> Store for std::sync::Arc<T> {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
         (**self).check_for(namespace, now, checks)
+    }
+
+    fn peek_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> impl Future<Output = Result<Option<Verdict>, StoreError>> + Send {
+        (**self).peek_for(namespace, now, checks)
     }
 
     fn status(&self) -> StoreStatus {

@@ -1,0 +1,442 @@
+//! Replaying arrivals through a compiled snapshot and the real memory store, on a simulated
+//! clock: each arrival is decided at its own `now`, nothing sleeps.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hasher;
+use std::net::{IpAddr, Ipv6Addr};
+
+use serde::Serialize;
+
+use super::SimulateError;
+use super::arrivals::Arrival;
+use super::stats::{Bound, max_admitted_in_any_window, theoretical_bound};
+use crate::algorithm::{Decision, Micros};
+use crate::duration::MICROS_PER_MS;
+use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
+use crate::server::request::CheckRequest;
+use crate::store::RuleCheck;
+use crate::store::memory::MemoryStore;
+
+/// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
+/// that trace time 0 is a window boundary of every rule and timestamps look like real ones.
+const EPOCH_AROUND: Micros = 1_700_000_000_000_000;
+/// Simulated times must stay well inside what the algorithms compute exactly (2^53).
+const LATEST_START: Micros = 1 << 51;
+
+#[derive(Debug, Clone, Default)]
+pub struct ReplayOptions {
+    /// Trace time 0 is this long after a window boundary of every rule (`--start`).
+    pub start_offset: Micros,
+    /// Width of a timeline bucket; `None`: about a hundredth of the trace, rounded to 1-2-5.
+    pub bucket: Option<Micros>,
+}
+
+/// What one simulation measured.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SimulationReport {
+    /// The simulated Unix time of trace time 0, in microseconds.
+    pub start_unix_micros: Micros,
+    pub arrivals: u64,
+    /// From trace time 0 to the last arrival.
+    pub duration_ms: f64,
+    pub bucket_ms: f64,
+    pub rules: Vec<RuleReport>,
+    /// `--compare`: the same traffic through every algorithm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compare: Option<Vec<super::compare::Comparison>>,
+}
+
+/// One rule's numbers. Request counts are requests; `maxAdmittedInAnyWindow` and `bound` are
+/// cost (equal to requests when every cost is 1).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleReport {
+    pub policy: String,
+    pub rule: String,
+    pub algorithm: &'static str,
+    pub requests: u64,
+    pub per_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_delay_ms: Option<u64>,
+    pub shadow: bool,
+    /// Arrivals this rule matched.
+    pub offered: u64,
+    /// Of those, the ones this rule consumed for (the request was admitted).
+    pub admitted: u64,
+    /// `offered − admitted`: refused by this rule or by another rule of the same request.
+    pub denied: u64,
+    /// Refused by this rule's own decision (for a shadow rule: would have been).
+    pub denied_by_rule: u64,
+    pub admitted_cost: u64,
+    /// Distinct keys the rule counted.
+    pub keys: u64,
+    /// Admitted with a shaping delay (leakyBucket with maxDelay).
+    pub shaped: u64,
+    pub max_shaping_delay_ms: f64,
+    pub mean_shaping_delay_ms: f64,
+    /// The most admitted cost of one key in any window of `per` (sliding, half-open, exact to
+    /// the microsecond).
+    pub max_admitted_in_any_window: u64,
+    /// Its theoretical limit for this algorithm as Sluice implements it; `null` if none.
+    pub bound: Option<u64>,
+    pub bound_formula: &'static str,
+    /// Most consecutive refusals of one key.
+    pub longest_denial_run: u64,
+    /// From the first to the last refusal of that run.
+    pub longest_denial_run_ms: f64,
+    /// Time to recover after a burst: the longest time one key spent refused, from its first
+    /// refusal to its next admission; `null` when nothing was refused.
+    pub recovery_ms: Option<f64>,
+    /// Keys still refused at their last arrival (their recovery is not in the trace).
+    pub unrecovered_keys: u64,
+    pub timeline: Timeline,
+}
+
+/// Per time bucket of the report's `bucketMs`, from trace time 0.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Timeline {
+    pub offered: Vec<u64>,
+    pub admitted: Vec<u64>,
+    pub denied: Vec<u64>,
+    /// The lowest remaining quota any decision of the rule reported in the bucket (`null`:
+    /// no traffic).
+    pub remaining: Vec<Option<u64>>,
+}
+
+/// The template's headers with the keyed headers replaced by the arrival's key value.
+struct KeyedHeaders<'a> {
+    base: &'a BTreeMap<String, String>,
+    keyed: &'a [String],
+    value: Option<&'a str>,
+}
+
+impl StrMap for KeyedHeaders<'_> {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        match self.value {
+            Some(value) if self.keyed.iter().any(|k| k == key) => Some(value),
+            _ => self.base.get(key).map(String::as_str),
+        }
+    }
+}
+
+/// A key value that is not an IP address, as a stable client address: `fd00::/8` followed by a
+/// 64-bit FNV-1a hash of the value, so distinct keys get distinct addresses in practice.
+pub fn synthetic_client_ip(value: &str) -> IpAddr {
+    match value.parse::<IpAddr>() {
+        Ok(ip) => ip,
+        Err(_) => {
+            let mut hasher = Fnv1a::default();
+            hasher.write(value.as_bytes());
+            IpAddr::V6(Ipv6Addr::from((0xfd00_u128 << 112) | u128::from(hasher.finish())))
+        }
+    }
+}
+
+struct Fnv1a(u64);
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+impl Hasher for Fnv1a {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The simulated Unix time of trace time 0: a common boundary of every rule's windows (a
+/// multiple of each `per`), near [`EPOCH_AROUND`], plus `offset`.
+pub fn start_time(rules: &[&CompiledRule], offset: Micros) -> Result<Micros, SimulateError> {
+    let mut lcm: u64 = 1;
+    for rule in rules {
+        let per = rule.limit().per();
+        lcm = (lcm / gcd(lcm, per))
+            .checked_mul(per)
+            .filter(|&l| l <= LATEST_START)
+            .ok_or(SimulateError::NoCommonBoundary)?;
+    }
+    let near = EPOCH_AROUND.div_ceil(lcm) * lcm;
+    let base = if near <= LATEST_START { near } else { lcm };
+    base.checked_add(offset).filter(|&t| t <= LATEST_START).ok_or(SimulateError::NoCommonBoundary)
+}
+
+/// A 1-2-5 step at least `raw` and at least 1 ms.
+fn nice_bucket(raw: Micros) -> Micros {
+    let mut step = MICROS_PER_MS;
+    loop {
+        for factor in [1, 2, 5] {
+            if step * factor >= raw {
+                return step * factor;
+            }
+        }
+        step *= 10;
+    }
+}
+
+#[derive(Default)]
+struct KeyTrack {
+    /// Admitted (time, cost), in time order.
+    admitted: Vec<(Micros, u64)>,
+    /// First refusal of the current run, and its length.
+    run_start: Option<Micros>,
+    run_length: u64,
+}
+
+struct RuleTally<'s> {
+    rule: &'s CompiledRule,
+    keys: HashMap<String, KeyTrack>,
+    offered: u64,
+    admitted: u64,
+    denied_by_rule: u64,
+    admitted_cost: u64,
+    shaped: u64,
+    delay_total: Micros,
+    delay_max: Micros,
+    longest_run: (u64, Micros),
+    recovery: Option<Micros>,
+    timeline: Timeline,
+}
+
+impl RuleTally<'_> {
+    /// One decision of this rule at trace time `at` (denial runs and recovery are measured on
+    /// trace time, the same durations as on the simulated clock).
+    fn record(&mut self, key: &str, at: Micros, cost: u64, decision: &Decision, consumed: bool, bucket: usize) {
+        self.offered += 1;
+        self.timeline.offered[bucket] += 1;
+        let slot = &mut self.timeline.remaining[bucket];
+        *slot = Some(slot.map_or(decision.remaining, |r| r.min(decision.remaining)));
+        if !decision.allowed {
+            self.denied_by_rule += 1;
+        }
+        if !self.keys.contains_key(key) {
+            self.keys.insert(key.to_string(), KeyTrack::default());
+        }
+        let Some(track) = self.keys.get_mut(key) else { return };
+        if consumed {
+            self.admitted += 1;
+            self.admitted_cost += cost;
+            self.timeline.admitted[bucket] += 1;
+            if decision.delay > 0 {
+                self.shaped += 1;
+                self.delay_total += decision.delay;
+                self.delay_max = self.delay_max.max(decision.delay);
+            }
+            track.admitted.push((at, cost));
+            if let Some(start) = track.run_start.take() {
+                self.recovery = Some(self.recovery.unwrap_or(0).max(at - start));
+            }
+            track.run_length = 0;
+        } else {
+            self.timeline.denied[bucket] += 1;
+            let start = *track.run_start.get_or_insert(at);
+            track.run_length += 1;
+            if (track.run_length, at - start) > self.longest_run {
+                self.longest_run = (track.run_length, at - start);
+            }
+        }
+    }
+
+    fn report(self) -> RuleReport {
+        let limit = self.rule.limit();
+        let max_in_window =
+            self.keys.values().map(|track| max_admitted_in_any_window(&track.admitted, limit.per())).max().unwrap_or(0);
+        let unrecovered: Vec<&KeyTrack> = self.keys.values().filter(|t| t.run_start.is_some()).collect();
+        let Bound { value, formula } = theoretical_bound(limit);
+        let ms = |micros: Micros| micros as f64 / MICROS_PER_MS as f64;
+        RuleReport {
+            policy: self.rule.policy().to_string(),
+            rule: self.rule.name().to_string(),
+            algorithm: self.rule.algorithm().name(),
+            requests: limit.requests(),
+            per_ms: limit.per() / MICROS_PER_MS,
+            burst: self.rule.algorithm().uses_burst().then(|| limit.burst()),
+            max_delay_ms: limit.max_delay().map(|d| d / MICROS_PER_MS),
+            shadow: !self.rule.enforce(),
+            offered: self.offered,
+            admitted: self.admitted,
+            denied: self.offered - self.admitted,
+            denied_by_rule: self.denied_by_rule,
+            admitted_cost: self.admitted_cost,
+            keys: self.keys.len() as u64,
+            shaped: self.shaped,
+            max_shaping_delay_ms: ms(self.delay_max),
+            mean_shaping_delay_ms: if self.shaped == 0 { 0.0 } else { ms(self.delay_total) / self.shaped as f64 },
+            max_admitted_in_any_window: max_in_window,
+            bound: value,
+            bound_formula: formula,
+            longest_denial_run: self.longest_run.0,
+            longest_denial_run_ms: ms(self.longest_run.1),
+            recovery_ms: self.recovery.map(ms),
+            unrecovered_keys: unrecovered.len() as u64,
+            timeline: self.timeline,
+        }
+    }
+}
+
+/// Replays `arrivals` (sorted by time) through `snapshot` with a fresh memory store: each one is
+/// the `template` request with the arrival's key and cost, decided at its own simulated time.
+///
+/// The key value of an arrival replaces the value of every header that a rule of the request's
+/// namespace keys on, and becomes the client IP (itself if it is an IP address, else
+/// [`synthetic_client_ip`]) when a rule keys on `clientIP`. Arrivals without a key keep the
+/// template's values.
+pub fn replay(
+    snapshot: &Snapshot,
+    template: &CheckRequest,
+    arrivals: &[Arrival],
+    options: &ReplayOptions,
+) -> Result<SimulationReport, SimulateError> {
+    let namespace = template.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+    let rules: Vec<&CompiledRule> = snapshot.namespace_policies(namespace).iter().flat_map(|p| p.rules()).collect();
+    if rules.is_empty() {
+        return Err(SimulateError::NoRules(namespace.to_string()));
+    }
+    let start = start_time(&rules, options.start_offset)?;
+    let mut keyed: Vec<String> = rules.iter().flat_map(|r| r.keyed_headers()).map(str::to_string).collect();
+    keyed.sort();
+    keyed.dedup();
+    let keys_on_client_ip = rules.iter().any(|r| r.keys_on_client_ip());
+
+    let duration = arrivals.last().map_or(0, |a| a.at);
+    let bucket = options.bucket.filter(|&b| b > 0).unwrap_or_else(|| nice_bucket(duration.div_ceil(100)));
+    let buckets = (duration / bucket) as usize + 1;
+    let empty_timeline = || Timeline {
+        offered: vec![0; buckets],
+        admitted: vec![0; buckets],
+        denied: vec![0; buckets],
+        remaining: vec![None; buckets],
+    };
+    let index: HashMap<&str, usize> = rules.iter().enumerate().map(|(i, r)| (r.identity(), i)).collect();
+    let mut tallies: Vec<RuleTally<'_>> = rules
+        .iter()
+        .map(|&rule| RuleTally {
+            rule,
+            keys: HashMap::new(),
+            offered: 0,
+            admitted: 0,
+            denied_by_rule: 0,
+            admitted_cost: 0,
+            shaped: 0,
+            delay_total: 0,
+            delay_max: 0,
+            longest_run: (0, 0),
+            recovery: None,
+            timeline: empty_timeline(),
+        })
+        .collect();
+
+    // The store's own clock is never read: every decision passes its simulated `now`.
+    let store = MemoryStore::new(1 << 40);
+    let mut matched: Vec<Matched<'_>> = Vec::new();
+    let mut decisions: Vec<Decision> = Vec::new();
+    for arrival in arrivals {
+        let now = start + arrival.at;
+        let headers = KeyedHeaders { base: &template.headers, keyed: &keyed, value: arrival.key.as_deref() };
+        let client_ip = match (&arrival.key, keys_on_client_ip) {
+            (Some(key), true) => Some(synthetic_client_ip(key)),
+            _ => template.client_ip,
+        };
+        let request = RequestView {
+            namespace,
+            labels: &template.labels,
+            method: &template.method,
+            path: &template.path,
+            host: template.host.as_deref(),
+            client_ip,
+            headers: &headers,
+            cost: arrival.cost.or(template.cost).unwrap_or(1),
+        };
+        snapshot.resolve(&request, &mut matched);
+        if matched.is_empty() {
+            continue;
+        }
+        let checks: Vec<RuleCheck<'_>> = matched.iter().map(Matched::check).collect();
+        let allowed = store.check_into(now, &checks, &mut decisions);
+        let slot = (arrival.at / bucket) as usize;
+        for (m, decision) in matched.iter().zip(&decisions) {
+            let Some(&i) = index.get(m.rule.identity()) else { continue };
+            // The store consumes for a rule only when the request is admitted and the rule
+            // itself admits (a shadow rule that would refuse consumes nothing).
+            let consumed = allowed && decision.allowed;
+            tallies[i].record(&m.key, arrival.at, m.cost, decision, consumed, slot);
+        }
+    }
+    Ok(SimulationReport {
+        start_unix_micros: start,
+        arrivals: arrivals.len() as u64,
+        duration_ms: duration as f64 / MICROS_PER_MS as f64,
+        bucket_ms: bucket as f64 / MICROS_PER_MS as f64,
+        rules: tallies.into_iter().map(RuleTally::report).collect(),
+        compare: None,
+    })
+}
+
+impl SimulationReport {
+    /// The per-rule table for a terminal.
+    pub fn to_text(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{} arrivals over {:.3} s (trace time 0 = Unix {:.6} s, a window boundary of every rule)",
+            self.arrivals,
+            self.duration_ms / 1000.0,
+            self.start_unix_micros as f64 / 1e6
+        );
+        // One column for the rule names, as wide as the longest, so every row lines up.
+        let width = self.rules.iter().map(|r| r.policy.len() + r.rule.len() + 1).max().unwrap_or(0).max(24);
+        let _ = writeln!(
+            out,
+            "{:<width$} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11} {:>10} {:>11}",
+            "rule",
+            "algorithm",
+            "offered",
+            "admitted",
+            "denied",
+            "maxInWindow",
+            "bound",
+            "shaped",
+            "maxDelayMs",
+            "denialRun",
+            "recoveryMs"
+        );
+        for r in &self.rules {
+            let _ = writeln!(
+                out,
+                "{:<width$} {:<20} {:>9} {:>9} {:>9} {:>11} {:>9} {:>7} {:>11.3} {:>10} {:>11}",
+                format!("{}/{}", r.policy, r.rule),
+                r.algorithm,
+                r.offered,
+                r.admitted,
+                r.denied,
+                r.max_admitted_in_any_window,
+                r.bound.map_or_else(|| "-".to_string(), |b| b.to_string()),
+                r.shaped,
+                r.max_shaping_delay_ms,
+                r.longest_denial_run,
+                r.recovery_ms.map_or_else(|| "-".to_string(), |ms| format!("{ms:.3}")),
+            );
+        }
+        let _ = writeln!(out, "maxInWindow: most admitted cost of one key in any window of the rule's per; bound:");
+        for r in &self.rules {
+            let _ = writeln!(out, "  {}/{}: {}", r.policy, r.rule, r.bound_formula);
+        }
+        if let Some(compare) = &self.compare {
+            out.push_str(&super::compare::to_text(compare));
+        }
+        out
+    }
+}

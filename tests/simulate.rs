@@ -1,0 +1,286 @@
+//! `sluice simulate`: the design notes' worked examples, replayed through the real compiled
+//! policies and the real memory store on a simulated clock; bounds; the CLI's JSON, table and
+//! picture agree.
+
+use serde_json::Value;
+use sluice::policy::{Snapshot, compile, load_str};
+use sluice::server::request::CheckRequest;
+use sluice::simulate::{ReplayOptions, RuleReport, SimulationReport, parse_pattern, parse_trace, replay};
+
+fn policy(algorithm: &str, limit: &str) -> String {
+    format!(
+        r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: sim, namespace: default}}
+spec:
+  rules:
+    - name: per-key
+      key: [{{header: X-API-Key}}]
+      algorithm: {algorithm}
+      limit: {limit}
+"#
+    )
+}
+
+fn snapshot(yaml: &str) -> Snapshot {
+    let loaded = load_str(yaml, std::path::Path::new("sim.yaml")).expect("policy parses");
+    let compiled = compile(loaded.into_iter().map(|l| l.policy).collect());
+    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+    compiled.snapshot
+}
+
+fn simulate(yaml: &str, pattern: &str, bucket: Option<u64>) -> SimulationReport {
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let arrivals = parse_pattern(pattern).expect("pattern parses");
+    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket }).expect("replays")
+}
+
+fn only(report: &SimulationReport) -> &RuleReport {
+    assert_eq!(report.rules.len(), 1);
+    &report.rules[0]
+}
+
+/// The seed note's measurement: capacity 5 refilled at 10/s admits 5 of 20 immediate requests
+/// and 3 of 20 after 300 ms — for each bucket algorithm.
+#[test]
+fn capacity_5_at_10_per_second_admits_5_then_3() {
+    for algorithm in ["tokenBucket", "gcra", "leakyBucket"] {
+        let report = simulate(
+            &policy(algorithm, "{requests: 10, per: 1s, burst: 5}"),
+            "burst 20; burst 20 at 300ms",
+            Some(100_000),
+        );
+        let rule = only(&report);
+        assert_eq!((rule.offered, rule.admitted, rule.denied), (40, 8, 32), "{algorithm}");
+        assert_eq!(rule.timeline.admitted[..4], [5, 0, 0, 3], "{algorithm}");
+        assert_eq!(rule.timeline.denied[..4], [15, 0, 0, 17], "{algorithm}");
+        assert_eq!(rule.timeline.remaining[0], Some(0));
+        assert_eq!(rule.longest_denial_run, 17, "the run of refusals after the 3 admitted at 300 ms");
+        assert_eq!(rule.recovery_ms, Some(300.0), "refused at 0, admitted again at 300 ms");
+    }
+}
+
+/// Fixed windows admit 2N within one window length across a boundary (here within 1 ms).
+#[test]
+fn fixed_window_admits_two_n_across_a_boundary() {
+    let report = simulate(&policy("fixedWindow", "{requests: 100, per: 1m}"), "boundary 150 at 1m", None);
+    let rule = only(&report);
+    assert_eq!((rule.offered, rule.admitted), (300, 200));
+    assert_eq!(rule.max_admitted_in_any_window, 200);
+    assert_eq!(rule.bound, Some(200));
+    // Shifted by --start so the attack misses the boundary, it gets N.
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let shifted = replay(
+        &snapshot(&policy("fixedWindow", "{requests: 100, per: 1m}")),
+        &template,
+        &parse_pattern("boundary 150 at 1m").unwrap(),
+        &ReplayOptions { start_offset: 30_000_000, bucket: None },
+    )
+    .unwrap();
+    assert_eq!(only(&shifted).admitted, 100);
+}
+
+/// The sliding log never exceeds N in any window, whatever the traffic, and reaches it.
+#[test]
+fn sliding_log_never_exceeds_n_in_any_window() {
+    let traffic = "boundary 30 at 1s; steady 45/s for 5s from 1s; onoff 200/s on 150ms off 350ms for 4s from 6s; \
+                   burst 40 at 10999ms";
+    let report = simulate(&policy("slidingWindowLog", "{requests: 20, per: 1s}"), traffic, None);
+    let rule = only(&report);
+    assert_eq!(rule.max_admitted_in_any_window, 20);
+    assert_eq!(rule.bound, Some(20));
+    assert!(rule.admitted > 100 && rule.denied > 100, "{rule:?}");
+}
+
+/// The book's example: limit 7 per minute, previous window 5, current 3, 30% into the window:
+/// 3 + 5 × 0.7 = 6.5, floored to 6, so one more is admitted; the next is not.
+#[test]
+fn sliding_counter_book_example_is_admitted() {
+    let trace = "0\n1\n2\n3\n4\n60\n61\n62\n78\n78\n";
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let report = replay(
+        &snapshot(&policy("slidingWindowCounter", "{requests: 7, per: 1m}")),
+        &template,
+        &parse_trace(trace).unwrap(),
+        &ReplayOptions { start_offset: 0, bucket: Some(1_000_000) },
+    )
+    .unwrap();
+    let rule = only(&report);
+    assert_eq!((rule.admitted, rule.denied), (9, 1));
+    assert_eq!((rule.timeline.admitted[78], rule.timeline.denied[78]), (1, 1), "18 s = 30% into the second window");
+    assert_eq!(rule.timeline.remaining[78], Some(0));
+}
+
+/// Every algorithm stays within its bound on bursty many-client traffic, and the buckets reach
+/// theirs exactly under steady overload.
+#[test]
+fn measured_maxima_stay_within_the_bounds() {
+    let traffic =
+        "clients 30 600/s for 20s alpha 1.1 seed 3; burst 50 at 5s key client-1; boundary 20 at 10s key client-2";
+    for (algorithm, limit) in [
+        ("tokenBucket", "{requests: 10, per: 1s, burst: 5}"),
+        ("gcra", "{requests: 10, per: 1s}"),
+        ("leakyBucket", "{requests: 10, per: 1s, burst: 4}"),
+        ("leakyBucket", "{requests: 10, per: 1s, burst: 8, maxDelay: 300ms}"),
+        ("fixedWindow", "{requests: 10, per: 1s}"),
+        ("slidingWindowLog", "{requests: 10, per: 1s}"),
+        ("slidingWindowCounter", "{requests: 10, per: 1s}"),
+    ] {
+        let report = simulate(&policy(algorithm, limit), traffic, None);
+        let rule = only(&report);
+        let bound = rule.bound.expect("every algorithm has a bound");
+        assert!(rule.max_admitted_in_any_window <= bound, "{algorithm} {limit}: {rule:?}");
+        assert!(rule.keys >= 25, "many clients: {}", rule.keys);
+    }
+    for (algorithm, limit, bound) in [
+        ("tokenBucket", "{requests: 10, per: 1s, burst: 5}", 14),
+        ("gcra", "{requests: 10, per: 1s, burst: 5}", 14),
+        ("leakyBucket", "{requests: 10, per: 1s, burst: 8, maxDelay: 300ms}", 13),
+    ] {
+        let report = simulate(&policy(algorithm, limit), "steady 50/s for 5s", None);
+        let rule = only(&report);
+        assert_eq!((rule.max_admitted_in_any_window, rule.bound), (bound, Some(bound)), "{algorithm} {limit}");
+    }
+}
+
+#[test]
+fn leaky_bucket_shaping_reports_its_delays() {
+    let report =
+        simulate(&policy("leakyBucket", "{requests: 10, per: 1s, burst: 5, maxDelay: 300ms}"), "burst 10", None);
+    let rule = only(&report);
+    // Slots every 100 ms: waits of 0, 100, 200 and 300 ms pass, 400 ms is over maxDelay.
+    assert_eq!((rule.admitted, rule.shaped), (4, 3));
+    assert_eq!(rule.max_shaping_delay_ms, 300.0);
+    assert_eq!(rule.mean_shaping_delay_ms, 200.0);
+}
+
+#[test]
+fn trace_keys_replace_the_keyed_header_and_the_client_ip() {
+    let yaml = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: sim, namespace: shop}
+spec:
+  rules:
+    - name: per-key
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 2, per: 1s}
+    - name: per-ip
+      key: [{clientIP: true}]
+      algorithm: fixedWindow
+      limit: {requests: 3, per: 1s}
+"#;
+    let template =
+        CheckRequest::from_json(br#"{"namespace": "shop", "path": "/", "headers": {"x-api-key": "template"}}"#)
+            .unwrap();
+    let trace = "0 a\n0 a\n0 a\n0 b\n0 b\n0.5\n0.5\n0.5 203.0.113.7 2\n";
+    let report = replay(&snapshot(yaml), &template, &parse_trace(trace).unwrap(), &ReplayOptions::default()).unwrap();
+    let per_key = &report.rules[0];
+    assert_eq!(per_key.keys, 4, "a, b, the template's value, 203.0.113.7");
+    // a: 2 of 3; b: 2 of 2; template: 2 of 2, but per-ip (all template requests share no IP)
+    // admits them; the last costs 2.
+    assert_eq!(per_key.offered, 8);
+    let per_ip = &report.rules[1];
+    assert_eq!(per_ip.keys, 4, "a, b, none, and the address itself");
+    assert_eq!(per_key.admitted, 7);
+    assert_eq!(per_key.admitted_cost, 8);
+}
+
+fn sluice(args: &[&str]) -> String {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// The picture is drawn and non-empty, and its data (the --json output) is the printed table.
+#[test]
+fn the_picture_and_the_json_match_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "{}---{}",
+            policy("tokenBucket", "{requests: 10, per: 1s, burst: 5}"),
+            policy("fixedWindow", "{requests: 20, per: 2s}").replace("name: sim", "name: windows")
+        ),
+    )
+    .unwrap();
+    let svg = dir.path().join("timeline.svg");
+    let pattern = "burst 20; steady 25/s for 3s from 1s; boundary 15 at 4s; clients 20 100/s for 2s from 5s";
+    let file = file.to_str().unwrap();
+    let table = sluice(&["simulate", "--policies", file, "--pattern", pattern, "--svg", svg.to_str().unwrap()]);
+    let json: Value =
+        serde_json::from_str(&sluice(&["simulate", "--policies", file, "--pattern", pattern, "--json"])).unwrap();
+
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.len() > 5_000 && picture.starts_with("<svg"), "{} bytes", picture.len());
+    assert!(picture.contains("<text") && picture.contains("simulated time (s)") && picture.contains("admitted"));
+
+    let rules = json["rules"].as_array().unwrap();
+    assert_eq!(rules.len(), 2);
+    for rule in rules {
+        for field in ["policy", "rule", "algorithm", "offered", "admitted", "denied", "maxAdmittedInAnyWindow", "bound"]
+        {
+            assert!(rule.get(field).is_some(), "{field}");
+        }
+        let name = format!("{}/{}", rule["policy"].as_str().unwrap(), rule["rule"].as_str().unwrap());
+        let row: Vec<&str> =
+            table.lines().find(|l| l.starts_with(&name)).expect("a table row").split_whitespace().collect();
+        let number = |field: &str| rule[field].as_u64().unwrap().to_string();
+        assert_eq!(row[1], rule["algorithm"].as_str().unwrap());
+        assert_eq!(
+            row[2..7],
+            [
+                number("offered"),
+                number("admitted"),
+                number("denied"),
+                number("maxAdmittedInAnyWindow"),
+                number("bound")
+            ]
+        );
+        assert!(picture.contains(&name), "the picture has a panel for {name}");
+        let sum = |series: &str| {
+            rule["timeline"][series].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum::<u64>()
+        };
+        assert_eq!(
+            (sum("offered"), sum("admitted"), sum("denied")),
+            (rule["offered"].as_u64().unwrap(), rule["admitted"].as_u64().unwrap(), rule["denied"].as_u64().unwrap())
+        );
+    }
+}
+
+#[test]
+fn compare_runs_all_six_algorithms() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    std::fs::write(&file, policy("tokenBucket", "{requests: 10, per: 1s, burst: 5}")).unwrap();
+    let out =
+        sluice(&["simulate", "-p", file.to_str().unwrap(), "--pattern", "boundary 20 at 1s", "--compare", "--json"]);
+    let json: Value = serde_json::from_str(&out).unwrap();
+    let rows = json["compare"][0]["rows"].as_array().unwrap();
+    let algorithms: Vec<&str> = rows.iter().map(|r| r["algorithm"].as_str().unwrap()).collect();
+    assert_eq!(
+        algorithms,
+        ["tokenBucket", "gcra", "leakyBucket", "fixedWindow", "slidingWindowLog", "slidingWindowCounter"]
+    );
+    let max = |a: &str| rows.iter().find(|r| r["algorithm"] == a).unwrap()["maxAdmittedInAnyWindow"].as_u64().unwrap();
+    assert_eq!(max("fixedWindow"), 20, "2N across the boundary");
+    assert_eq!(max("slidingWindowLog"), 10);
+    assert_eq!(max("tokenBucket"), 5, "1 ms refills no token");
+    for row in rows {
+        assert!(row["maxAdmittedInAnyWindow"].as_u64() <= row["bound"].as_u64(), "{row}");
+    }
+}
+
+#[test]
+fn errors_are_named() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["simulate", "-p", "examples/policies", "--pattern", "steady 10/s"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("missing `for DURATION`"));
+}
