@@ -9,6 +9,7 @@
 //! Time: trace time 0 falls on a window boundary of every rule (a common multiple of their
 //! `per`, as windows are aligned to the Unix epoch), shifted by `--start`.
 
+pub mod accuracy;
 pub mod arrivals;
 pub mod compare;
 pub mod plot;
