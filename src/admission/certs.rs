@@ -485,6 +485,17 @@ fn to_pem(ders: &[Vec<u8>]) -> Vec<u8> {
     out.into_bytes()
 }
 
+/// The Secret's CA as it is written there (so a bundle of it alone is exactly `ca.crt`), then
+/// `others`.
+fn assemble(ca_pem: &str, others: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = ca_pem.as_bytes().to_vec();
+    if !out.ends_with(b"\n") {
+        out.push(b'\n');
+    }
+    out.extend(to_pem(others));
+    out
+}
+
 /// A caBundle and when it last gained a CA.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bundle {
@@ -510,19 +521,18 @@ pub fn next_bundle(current: &[u8], rotated_at: Option<SystemTime>, ca_pem: &str,
     let others: Vec<Vec<u8>> = present.iter().filter(|d| !ca.contains(d)).cloned().collect();
     if ca.iter().any(|d| !present.contains(d)) {
         let alive = |der: &Vec<u8>| inspect_der(der).is_ok_and(|c| c.not_after > unix(now));
-        let mut bundle = ca.clone();
-        bundle.extend(others.into_iter().filter(alive).take(MAX_BUNDLE.saturating_sub(ca.len())));
-        let rotated_at = (bundle.len() > ca.len()).then_some(now);
-        return Some(Bundle { pem: to_pem(&bundle), rotated_at });
+        let kept: Vec<Vec<u8>> = others.into_iter().filter(alive).take(MAX_BUNDLE.saturating_sub(ca.len())).collect();
+        let rotated_at = (!kept.is_empty()).then_some(now);
+        return Some(Bundle { pem: assemble(ca_pem, &kept), rotated_at });
     }
     if others.is_empty() {
         return None;
     }
     match rotated_at {
         // Several CAs and no record of when: start the overlap now rather than cut one off.
-        None => Some(Bundle { pem: to_pem(&present), rotated_at: Some(now) }),
+        None => Some(Bundle { pem: assemble(ca_pem, &others), rotated_at: Some(now) }),
         Some(at) if now.duration_since(at).is_ok_and(|d| d >= BUNDLE_OVERLAP) => {
-            Some(Bundle { pem: to_pem(&ca), rotated_at: None })
+            Some(Bundle { pem: assemble(ca_pem, &[]), rotated_at: None })
         }
         Some(_) => None,
     }
@@ -562,21 +572,23 @@ fn format_time(t: SystemTime) -> String {
 /// Brings the caBundle of every webhook in the named configurations in line with `ca_pem` (the
 /// Secret's CA, read just before) by [`next_bundle`]. An empty name skips one (cert-manager
 /// injects it); a missing configuration is only logged (the chart may create it after the
-/// operator starts; the next round patches it).
+/// operator starts; the next round patches it). True when a bundle gained `ca_pem` just now (or
+/// may have): the API server trusts it a moment later, not yet.
 pub async fn sync_ca_bundles(
     client: &Client,
     validating: &str,
     mutating: &str,
     ca_pem: &str,
     now: SystemTime,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
+    let mut added = false;
     if !validating.is_empty() {
-        sync_one::<ValidatingWebhookConfiguration>(client, validating, ca_pem, now).await?;
+        added |= sync_one::<ValidatingWebhookConfiguration>(client, validating, ca_pem, now).await?;
     }
     if !mutating.is_empty() {
-        sync_one::<MutatingWebhookConfiguration>(client, mutating, ca_pem, now).await?;
+        added |= sync_one::<MutatingWebhookConfiguration>(client, mutating, ca_pem, now).await?;
     }
-    Ok(())
+    Ok(added)
 }
 
 async fn sync_one<K: WebhookConfiguration>(
@@ -584,20 +596,20 @@ async fn sync_one<K: WebhookConfiguration>(
     name: &str,
     ca_pem: &str,
     now: SystemTime,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let api: Api<K> = Api::all(client.clone());
     let kind = K::kind(&());
     for _ in 0..3 {
         let Some(mut config) = api.get_opt(name).await? else {
             tracing::warn!(%kind, name, "webhook configuration not found; caBundle not set yet");
-            return Ok(());
+            return Ok(false);
         };
         let rotated_at =
             config.meta().annotations.as_ref().and_then(|a| a.get(ROTATED_AT_ANNOTATION)).and_then(|t| parse_time(t));
         let resource_version = config.meta().resource_version.clone();
         let mut hooks = config.client_configs();
         if hooks.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         // Every hook gets the same bundle; should they differ, start from all of their CAs.
         let mut current = Vec::new();
@@ -609,9 +621,11 @@ async fn sync_one<K: WebhookConfiguration>(
         let uniform = hooks.iter().all(|h| h.ca_bundle == first && h.ca_bundle.is_some());
         let bundle = match next_bundle(&current, rotated_at, ca_pem, now) {
             Some(bundle) => bundle,
-            None if uniform => return Ok(()),
+            None if uniform => return Ok(false),
             None => Bundle { pem: to_pem(&certificates(&current)), rotated_at },
         };
+        let present = certificates(&current);
+        let added = certificates(ca_pem.as_bytes()).iter().any(|d| !present.contains(d));
         for hook in hooks.iter_mut() {
             hook.ca_bundle = Some(ByteString(bundle.pem.clone()));
         }
@@ -629,14 +643,15 @@ async fn sync_one<K: WebhookConfiguration>(
         match api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
             Ok(_) => {
                 let cas = certificates(&bundle.pem).len();
-                tracing::info!(%kind, name, cas, "caBundle updated");
-                return Ok(());
+                tracing::info!(%kind, name, cas, added, "caBundle updated");
+                return Ok(added);
             }
             Err(kube::Error::Api(e)) if e.code == 409 => continue,
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(())
+    // Contended three times: the next round tries again; not known to trust the CA yet.
+    Ok(true)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -665,8 +680,11 @@ pub fn record_expiry(metrics: &Metrics, pair: &Keypair) {
 }
 
 /// Every [`RELOAD_INTERVAL`], in this order: reads the Secret; as the leader, renews or replaces
-/// it when [`plan`] says so (and recreates it when deleted); hot-swaps the served certificate
-/// when it changed; then brings caBundle in line with the CA just read. Ends when `stop` flips.
+/// it when [`plan`] says so (and recreates it when deleted); brings caBundle in line with the CA
+/// just read; then hot-swaps the served certificate when it changed, a certificate from a new CA
+/// only once caBundle held that CA before this round (the API server must trust a certificate
+/// before it is served; meanwhile the old one stays valid, the bundle keeping its CA). Ends when
+/// `stop` flips.
 pub async fn follow_secret(mut follower: Follower, mut stop: watch::Receiver<bool>) {
     let api: Api<Secret> = Api::namespaced(follower.client.clone(), &follower.policy.namespace);
     let mut ticker = tokio::time::interval(RELOAD_INTERVAL);
@@ -678,28 +696,33 @@ pub async fn follow_secret(mut follower: Follower, mut stop: watch::Receiver<boo
             _ = stop.wait_for(|s| *s) => return,
         }
         let leading = *follower.leading.borrow_and_update();
-        if let Some(pair) = read_and_renew(&api, &follower.policy, leading, &follower.metrics).await {
-            if pair != *follower.current.borrow() {
-                match follower
-                    .tls
-                    .reload_from_pem(pair.cert_pem.clone().into_bytes(), pair.key_pem.clone().into_bytes())
-                    .await
-                {
-                    Ok(()) => {
-                        let rotated = pair.ca_pem != follower.current.borrow().ca_pem;
-                        tracing::info!(ca_changed = rotated, "serving certificate reloaded from the Secret");
-                        record_expiry(&follower.metrics, &pair);
-                        follower.current.send_replace(pair.clone());
-                    }
-                    Err(error) => tracing::warn!(%error, "cannot load the certificate from the Secret"),
+        let Some(pair) = read_and_renew(&api, &follower.policy, leading, &follower.metrics).await else { continue };
+        let (validating, mutating) = &follower.ca_bundles;
+        let trusted =
+            match sync_ca_bundles(&follower.client, validating, mutating, &pair.ca_pem, SystemTime::now()).await {
+                Ok(added) => !added,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot keep the webhook configurations' caBundle current");
+                    false
                 }
+            };
+        let current = follower.current.borrow().clone();
+        if pair == current {
+            continue;
+        }
+        let new_ca = pair.ca_pem != current.ca_pem;
+        if new_ca && !trusted {
+            tracing::info!("new CA in the Secret: its certificate is served once caBundle trusts it (next round)");
+            continue;
+        }
+        match follower.tls.reload_from_pem(pair.cert_pem.clone().into_bytes(), pair.key_pem.clone().into_bytes()).await
+        {
+            Ok(()) => {
+                tracing::info!(new_ca, "serving certificate reloaded from the Secret");
+                record_expiry(&follower.metrics, &pair);
+                follower.current.send_replace(pair);
             }
-            let (validating, mutating) = &follower.ca_bundles;
-            if let Err(error) =
-                sync_ca_bundles(&follower.client, validating, mutating, &pair.ca_pem, SystemTime::now()).await
-            {
-                tracing::warn!(%error, "cannot keep the webhook configurations' caBundle current");
-            }
+            Err(error) => tracing::warn!(%error, "cannot load the certificate from the Secret"),
         }
     }
 }
@@ -861,7 +884,7 @@ mod tests {
         let new = generate_at(&h, at(T0 + 10)).unwrap();
         // An empty configuration gets the CA alone.
         let first = next_bundle(b"", None, &old.ca_pem, at(T0)).unwrap();
-        assert_eq!((certificates(&first.pem).len(), first.rotated_at), (1, None));
+        assert_eq!((first.pem.as_slice(), first.rotated_at), (old.ca_pem.as_bytes(), None), "exactly ca.crt");
         assert!(next_bundle(&first.pem, None, &old.ca_pem, at(T0 + 5)).is_none(), "steady state: no write");
 
         // The Secret's CA changes: new + old, and both certificates verify.
@@ -909,7 +932,7 @@ mod tests {
         assert_eq!(certificates(&next.pem), certificates(pair.ca_pem.as_bytes()));
         // Several CAs with no recorded rotation: the overlap starts now, nothing is cut off.
         let two = next_bundle(&bundle, None, &certificates_pem(&bundle, 0), at(T0 + 20)).unwrap();
-        assert_eq!(two.pem, to_pem(&certificates(&bundle)));
+        assert_eq!(certificates(&two.pem), certificates(&bundle));
         assert_eq!(two.rotated_at, Some(at(T0 + 20)));
         // A CA that does not parse is never written.
         assert!(next_bundle(&bundle, None, "not a certificate", at(T0)).is_none());

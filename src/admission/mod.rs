@@ -151,6 +151,9 @@ struct AppState {
     metrics: Arc<Metrics>,
 }
 
+/// How long the API server is given to trust a CA just added to caBundle.
+const CA_PROPAGATION: Duration = Duration::from_secs(2);
+
 /// Sets up certificates and serves the webhooks until `stop` flips.
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
@@ -166,7 +169,13 @@ pub async fn start(
     let resources = args.sidecar_resources();
     resources.check().map_err(Error::SidecarResources)?;
     let ca_pem = certificates.current.borrow().ca_pem.clone();
-    certs::sync_ca_bundles(&client, &args.validating_config, &args.mutating_config, &ca_pem, SystemTime::now()).await?;
+    let (validating, mutating) = (&args.validating_config, &args.mutating_config);
+    if certs::sync_ca_bundles(&client, validating, mutating, &ca_pem, SystemTime::now()).await? {
+        // We just put this CA into caBundle (a new Secret): the API server's webhook clients pick
+        // it up a moment later. Answering before would fail its calls, and a failed pod webhook
+        // lets pods through without the sidecar.
+        tokio::time::sleep(CA_PROPAGATION).await;
+    }
     let tls = certificates.tls.clone();
     let state = Arc::new(AppState {
         policies,
