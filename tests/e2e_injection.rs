@@ -484,3 +484,54 @@ async fn a_pod_created_while_the_operator_was_down_is_reported_once() {
     pods.delete("naked", &DeleteParams::default()).await.expect("delete");
     metric_becomes(&op, "sluice_pods_without_sidecar", 0.0, "the gauge drops").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_not_naming_the_webhook_host_is_replaced_keeping_its_ca() {
+    let _serial = SERIAL.lock().await;
+    let cp = cluster();
+    let client = cp.client().await;
+    let ns = "inject-replace";
+    namespace(&client, ns, json!({"sluice-e2e": "replace"})).await;
+    // A pair the operator made (its CA's key included), but for another name.
+    let pair = sluice::admission::certs::generate(&["sluice-webhook.elsewhere.svc".to_string()]).expect("certs");
+    delete_secret(cp);
+    let mut data = BTreeMap::new();
+    for (key, value) in [("ca.crt", &pair.ca_pem), ("tls.crt", &pair.cert_pem), ("tls.key", &pair.key_pem)] {
+        data.insert(key.to_string(), k8s_openapi::ByteString(value.clone().into_bytes()));
+    }
+    data.insert("ca.key".into(), k8s_openapi::ByteString(pair.ca_key_pem.clone().expect("CA key").into_bytes()));
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta { name: Some(SECRET.into()), ..Default::default() },
+        type_: Some("kubernetes.io/tls".into()),
+        data: Some(data),
+        ..Default::default()
+    };
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "sluice-system");
+    secrets.create(&PostParams::default(), &secret).await.expect("the stale Secret");
+    let port = free_port();
+    mutating_configuration(cp, vec![hook("inject.sluice.dev", port, "replace", json!({"sluice.dev/inject": "true"}))]);
+
+    // The operator (under deploy/rbac.yaml: update of this Secret only) replaces the serving
+    // certificate at startup, from the same CA, and serves it.
+    let op = operator(cp, "replace-1", ns, "e2e-inject-replace", port, &[]);
+    ready(&op).await;
+    let replaced = secrets.get(SECRET).await.expect("Secret");
+    assert_eq!(secret_field(&replaced, "ca.crt"), pair.ca_pem.as_bytes(), "same CA");
+    let cert = String::from_utf8(secret_field(&replaced, "tls.crt")).expect("PEM");
+    assert_ne!(cert, pair.cert_pem, "a new serving certificate");
+    let names = sluice::admission::certs::inspect(&cert).expect("certificate").names;
+    assert!(sluice::admission::certs::covers(&names, "127.0.0.1"), "{names:?}");
+    assert!(sluice::admission::certs::covers(&names, "sluice-webhook.elsewhere.svc"), "keeps its names: {names:?}");
+    serves_certificate_of(port, pair.ca_pem.as_bytes()).expect("served, verified by the CA for 127.0.0.1");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let labels = json!({"app": "web", "sluice.dev/inject": "true"});
+    injected_pod(&pods, "after-replace", |n| {
+        pod(n, labels.clone(), json!({}), json!([{"name": "app", "image": "app:1"}]))
+    })
+    .await;
+    assert_eq!(metric(&op, "sluice_certificate_renewals_total{reason=\"hosts\"}").await, Some(1.0));
+    let expiry = metric(&op, "sluice_certificate_expiry_timestamp_seconds").await.expect("expiry gauge");
+    let year_from_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("time").as_secs_f64()
+        + 365.0 * 86400.0;
+    assert!((expiry - year_from_now).abs() < 3600.0, "a year's validity: {expiry}");
+}
