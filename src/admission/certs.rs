@@ -446,9 +446,19 @@ pub async fn shared_keypair(client: &Client, policy: &SecretPolicy, metrics: &Me
         let renewal = plan(pair.as_ref().ok(), &policy.hosts, now);
         match renewal.reason() {
             Some(reason) if reason.urgent() => {
-                if let Some(new) = replace(&api, &secret, pair.as_ref().ok(), renewal, policy, now).await? {
-                    metrics.certificate_renewals.get_or_create(&ReasonLabels { reason: reason.as_str() }).inc();
-                    return Ok(new);
+                match replace(&api, &secret, pair.as_ref().ok(), renewal, policy, now).await {
+                    Ok(Some(new)) => {
+                        metrics.certificate_renewals.get_or_create(&ReasonLabels { reason: reason.as_str() }).inc();
+                        return Ok(new);
+                    }
+                    // Someone else wrote it first: read theirs.
+                    Ok(None) => {}
+                    // Not allowed (an older Role without update), or refused (an immutable Secret):
+                    // serve what is there rather than not at all, if it is a pair.
+                    Err(error) => {
+                        tracing::error!(%error, reason = reason.as_str(), secret = %policy.name, "cannot replace the certificate Secret");
+                        return pair.map_err(|_| error);
+                    }
                 }
             }
             _ => return pair,
