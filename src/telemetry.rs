@@ -81,11 +81,26 @@ pub struct Metrics {
     pub memory_evictions: Family<NamespaceLabels, Counter>,
     /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
     record_lock: parking_lot::Mutex<()>,
+    /// Unix time the served certificate (webhooks, check API TLS) expires.
+    pub certificate_expiry_seconds: Gauge,
+    /// Certificate Secret writes by this replica, by reason (`absent`, `expiring`, `hosts`, …).
+    pub certificate_renewals: Family<ReasonLabels, Counter>,
+    /// Pods the mutating webhook answered, by result (`injected`, `annotated`: already had the
+    /// sidecar, `skipped`: not labelled or the operator's namespace).
+    pub pod_admissions: Family<ResultLabels, Counter>,
+    /// Annotations the injecting webhook ignored (bad values; the defaults were used).
+    pub injection_warnings: Counter,
+    /// Pods labelled for injection that run without the sidecar (measured by the Lease holder;
+    /// 0 on the other replicas).
+    pub pods_without_sidecar: Gauge,
+    /// SidecarMissing Events this replica created (one per such pod, whichever replica leads).
+    pub sidecar_missing_events: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    /// `missing`, `invalid`, `unavailable` or `forbidden`.
+    /// A fixed vocabulary per metric, e.g. `missing`, `invalid`, `unavailable` or `forbidden`
+    /// for authentication failures.
     pub reason: &'static str,
 }
 
@@ -155,6 +170,42 @@ impl Metrics {
             "Live keys evicted by the key cap since start, by the namespace that owned them",
             memory_evictions.clone(),
         );
+        let certificate_expiry_seconds = Gauge::default();
+        registry.register(
+            "certificate_expiry_timestamp_seconds",
+            "Unix time the served webhook and check API certificate expires",
+            certificate_expiry_seconds.clone(),
+        );
+        let certificate_renewals = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "certificate_renewals",
+            "Certificate Secret writes by this replica, by reason (absent, expiring, ca_expiring, expired, hosts, unreadable)",
+            certificate_renewals.clone(),
+        );
+        let pod_admissions = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "pod_admissions",
+            "Pods answered by the injecting webhook, by result (injected, annotated, skipped)",
+            pod_admissions.clone(),
+        );
+        let injection_warnings = Counter::default();
+        registry.register(
+            "injection_warnings",
+            "Pod annotations the injecting webhook ignored for a default (bad values), returned as admission warnings",
+            injection_warnings.clone(),
+        );
+        let pods_without_sidecar = Gauge::default();
+        registry.register(
+            "pods_without_sidecar",
+            "Pods labelled sluice.dev/inject=true running without the sidecar (by the Lease holder; 0 elsewhere)",
+            pods_without_sidecar.clone(),
+        );
+        let sidecar_missing_events = Counter::default();
+        registry.register(
+            "sidecar_missing_events",
+            "SidecarMissing Events this replica created (one per pod labelled for injection found without the sidecar)",
+            sidecar_missing_events.clone(),
+        );
         let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
@@ -174,6 +225,12 @@ impl Metrics {
             token_reviews,
             memory_evictions,
             record_lock: parking_lot::Mutex::new(()),
+            certificate_expiry_seconds,
+            certificate_renewals,
+            pod_admissions,
+            injection_warnings,
+            pods_without_sidecar,
+            sidecar_missing_events,
         }
     }
 

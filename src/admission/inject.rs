@@ -1,17 +1,35 @@
 //! Sidecar injection for pods labelled `sluice.dev/inject: "true"`, as a pure function from the
-//! pod to a JSON patch.
+//! pod to a JSON patch and the admission warnings about the pod's annotations.
+//!
+//! The injected container passes Pod Security `restricted` (non-root, no privilege escalation,
+//! no capabilities, RuntimeDefault seccomp, read-only root), has requests and limits (operator
+//! defaults, per-pod annotations), and liveness and readiness probes on its admin port. Every
+//! injected pod is stamped [`INJECTED_ANNOTATION`], which is how the operator tells a labelled
+//! pod that slipped past the webhook (see `crate::operator::injection`).
+
+use std::collections::BTreeMap;
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EnvVar, EnvVarSource,
-    ObjectFieldSelector, Pod, ProjectedVolumeSource, ServiceAccountTokenProjection, Volume, VolumeMount,
-    VolumeProjection,
+    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 pub const INJECT_LABEL: &str = "sluice.dev/inject";
+/// Stamped on every pod the webhook injected (or found already carrying the sidecar): the image
+/// of its sidecar. A labelled pod without it was created while the webhook was not called.
+pub const INJECTED_ANNOTATION: &str = "sluice.dev/injected";
 pub const LISTEN_PORT_ANNOTATION: &str = "sluice.dev/listen-port";
 pub const UPSTREAM_PORT_ANNOTATION: &str = "sluice.dev/upstream-port";
+pub const ADMIN_PORT_ANNOTATION: &str = "sluice.dev/admin-port";
+pub const CPU_REQUEST_ANNOTATION: &str = "sluice.dev/sidecar-cpu-request";
+pub const CPU_LIMIT_ANNOTATION: &str = "sluice.dev/sidecar-cpu-limit";
+pub const MEMORY_REQUEST_ANNOTATION: &str = "sluice.dev/sidecar-memory-request";
+pub const MEMORY_LIMIT_ANNOTATION: &str = "sluice.dev/sidecar-memory-limit";
 pub const CONTAINER_NAME: &str = "sluice-sidecar";
 pub const PODINFO_VOLUME: &str = "sluice-podinfo";
 /// Where the sidecar reads its pod's labels (downward API file, updated when labels change).
@@ -21,6 +39,38 @@ pub const TOKEN_VOLUME: &str = "sluice-token";
 pub const TOKEN_DIR: &str = "/var/run/secrets/sluice";
 /// Lifetime asked for the projected token; the kubelet renews it at 80% of that.
 pub const TOKEN_LIFETIME_SECONDS: i64 = 3600;
+/// The sidecar's user and group: the image's (distroless `nonroot`).
+pub const RUN_AS: i64 = 65532;
+
+/// The sidecar's requests and limits; None leaves one unset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub cpu_request: Option<String>,
+    pub cpu_limit: Option<String>,
+    pub memory_request: Option<String>,
+    pub memory_limit: Option<String>,
+}
+
+impl Resources {
+    /// The operator's defaults must make a valid container by themselves.
+    pub fn check(&self) -> Result<(), String> {
+        for (what, request, limit) in
+            [("cpu", &self.cpu_request, &self.cpu_limit), ("memory", &self.memory_request, &self.memory_limit)]
+        {
+            for value in [request, limit].into_iter().flatten() {
+                if quantity_nanos(value).is_none() {
+                    return Err(format!("sidecar {what}: {value:?} is not a quantity"));
+                }
+            }
+            if let (Some(r), Some(l)) = (request, limit)
+                && quantity_nanos(r) > quantity_nanos(l)
+            {
+                return Err(format!("sidecar {what} request {r} is above its limit {l}"));
+            }
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct InjectConfig {
@@ -28,6 +78,9 @@ pub struct InjectConfig {
     pub endpoint: String,
     pub listen_port: u16,
     pub upstream_port: u16,
+    /// The sidecar's `/healthz`, `/readyz` and `/metrics` (probes).
+    pub admin_port: u16,
+    pub resources: Resources,
     /// Never injected: the operator must not depend on itself to start.
     pub operator_namespace: String,
     /// With the endpoint verifying ServiceAccount tokens: the audience of the projected token the
@@ -37,31 +90,286 @@ pub struct InjectConfig {
     pub endpoint_ca_pem: Option<String>,
 }
 
-fn port_annotation(pod: &Pod, name: &str, default: u16) -> u16 {
-    pod.metadata.annotations.as_ref().and_then(|a| a.get(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(default)
+/// What the webhook does with one pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Not labelled, in the operator's namespace, or already injected and stamped.
+    Skipped,
+    /// It already had the sidecar (written by hand, or admitted twice): only stamped.
+    Annotated,
+    Injected,
+}
+
+impl Outcome {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Skipped => "skipped",
+            Outcome::Annotated => "annotated",
+            Outcome::Injected => "injected",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Injection {
+    pub outcome: Outcome,
+    pub patch: Option<Patch>,
+    /// Annotations that were ignored for the defaults, and port clashes, for the user (admission
+    /// warnings; `kubectl` prints them).
+    pub warnings: Vec<String>,
+}
+
+impl Injection {
+    fn skipped() -> Injection {
+        Injection { outcome: Outcome::Skipped, patch: None, warnings: Vec::new() }
+    }
+}
+
+/// A Kubernetes quantity (`100m`, `64Mi`, `1.5`, `2e3`) in billionths of a unit (rounded up, as
+/// the API server rounds to nano precision), or None when `text` is not a non-negative quantity.
+pub fn quantity_nanos(text: &str) -> Option<u128> {
+    let text = text.strip_prefix('+').unwrap_or(text);
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, suffix) = text.split_at(split);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() || fraction.contains('.') || whole.len() + fraction.len() > 30 {
+        return None;
+    }
+    let (exp10, exp2): (i32, u32) = match suffix {
+        "" => (0, 0),
+        "n" => (-9, 0),
+        "u" => (-6, 0),
+        "m" => (-3, 0),
+        "k" => (3, 0),
+        "M" => (6, 0),
+        "G" => (9, 0),
+        "T" => (12, 0),
+        "P" => (15, 0),
+        "E" => (18, 0),
+        "Ki" => (0, 10),
+        "Mi" => (0, 20),
+        "Gi" => (0, 30),
+        "Ti" => (0, 40),
+        "Pi" => (0, 50),
+        "Ei" => (0, 60),
+        exponent => {
+            let digits = exponent.strip_prefix(['e', 'E'])?;
+            let unsigned = digits.strip_prefix(['+', '-']).unwrap_or(digits);
+            if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) || unsigned.len() > 3 {
+                return None;
+            }
+            (digits.parse().ok()?, 0)
+        }
+    };
+    let mantissa: u128 = format!("{whole}{fraction}").parse().ok()?;
+    let scale = exp10 + 9 - i32::try_from(fraction.len()).ok()?;
+    let value = mantissa.checked_mul(1u128.checked_shl(exp2)?)?;
+    if scale >= 0 {
+        value.checked_mul(10u128.checked_pow(u32::try_from(scale).ok()?)?)
+    } else {
+        let divisor = 10u128.checked_pow(scale.unsigned_abs())?;
+        Some(value.div_ceil(divisor))
+    }
+}
+
+fn annotation<'a>(pod: &'a Pod, name: &str) -> Option<&'a str> {
+    pod.metadata.annotations.as_ref().and_then(|a| a.get(name)).map(String::as_str)
+}
+
+fn port_annotation(pod: &Pod, name: &str, default: u16, warnings: &mut Vec<String>) -> u16 {
+    match annotation(pod, name) {
+        None => default,
+        Some(text) => match text.trim().parse::<u16>() {
+            Ok(port) if port != 0 => port,
+            _ => {
+                warnings.push(format!("{name}: {text:?} is not a port (1-65535); using {default}"));
+                default
+            }
+        },
+    }
+}
+
+/// One resource's request and limit: the annotations where they are valid quantities and keep
+/// request ≤ limit, the defaults otherwise (with a warning).
+fn request_and_limit(
+    pod: &Pod,
+    resource: &str,
+    (request_annotation, limit_annotation): (&str, &str),
+    (default_request, default_limit): (&Option<String>, &Option<String>),
+    warnings: &mut Vec<String>,
+) -> (Option<String>, Option<String>) {
+    let mut pick = |name: &str, default: &Option<String>| -> (Option<String>, bool) {
+        match annotation(pod, name) {
+            None => (default.clone(), false),
+            Some(text) if quantity_nanos(text.trim()).is_some() => (Some(text.trim().to_string()), true),
+            Some(text) => {
+                let fallback = default.as_deref().unwrap_or("none");
+                warnings.push(format!("{name}: {text:?} is not a quantity (e.g. 100m, 64Mi); using {fallback}"));
+                (default.clone(), false)
+            }
+        }
+    };
+    let (mut request, annotated_request) = pick(request_annotation, default_request);
+    let (mut limit, annotated_limit) = pick(limit_annotation, default_limit);
+    if let (Some(r), Some(l)) = (request.clone(), limit.clone())
+        && quantity_nanos(&r) > quantity_nanos(&l)
+    {
+        // The API server refuses a container whose request is above its limit; the defaults
+        // (checked at startup) never are.
+        if annotated_request {
+            request = default_request.clone();
+        }
+        if annotated_limit {
+            limit = default_limit.clone();
+        }
+        let show = |q: &Option<String>| q.clone().unwrap_or_else(|| "none".into());
+        warnings.push(format!(
+            "sidecar {resource} request {r} is above its limit {l} ({request_annotation} / {limit_annotation}); using request {} and limit {}",
+            show(&request),
+            show(&limit)
+        ));
+    }
+    (request, limit)
+}
+
+fn resources(pod: &Pod, defaults: &Resources, warnings: &mut Vec<String>) -> ResourceRequirements {
+    let (cpu_request, cpu_limit) = request_and_limit(
+        pod,
+        "cpu",
+        (CPU_REQUEST_ANNOTATION, CPU_LIMIT_ANNOTATION),
+        (&defaults.cpu_request, &defaults.cpu_limit),
+        warnings,
+    );
+    let (memory_request, memory_limit) = request_and_limit(
+        pod,
+        "memory",
+        (MEMORY_REQUEST_ANNOTATION, MEMORY_LIMIT_ANNOTATION),
+        (&defaults.memory_request, &defaults.memory_limit),
+        warnings,
+    );
+    let map = |cpu: Option<String>, memory: Option<String>| {
+        let mut m = BTreeMap::new();
+        if let Some(cpu) = cpu {
+            m.insert("cpu".to_string(), Quantity(cpu));
+        }
+        if let Some(memory) = memory {
+            m.insert("memory".to_string(), Quantity(memory));
+        }
+        (!m.is_empty()).then_some(m)
+    };
+    ResourceRequirements {
+        requests: map(cpu_request, memory_request),
+        limits: map(cpu_limit, memory_limit),
+        ..Default::default()
+    }
+}
+
+/// What Pod Security `restricted` asks of a container, and a read-only root filesystem (the
+/// sidecar writes nothing).
+fn security_context() -> SecurityContext {
+    SecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(RUN_AS),
+        run_as_group: Some(RUN_AS),
+        allow_privilege_escalation: Some(false),
+        privileged: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), ..Default::default() }),
+        seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+fn probe(path: &str, port: u16, period: i32, failures: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::Int(i32::from(port)),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        timeout_seconds: Some(1),
+        ..Default::default()
+    }
 }
 
 fn env(name: &str, value: &str) -> EnvVar {
     EnvVar { name: name.into(), value: Some(value.into()), ..Default::default() }
 }
 
-/// The patch that injects the sidecar, or None when the pod must be left alone: not labelled, in
-/// the operator's namespace, or already injected (admission may run twice on one pod).
-pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch> {
+fn add(path: &[&str], value: serde_json::Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation { path: PointerBuf::from_tokens(path.iter().copied()), value })
+}
+
+/// Stamps [`INJECTED_ANNOTATION`] (JSON patch cannot add to a map that does not exist).
+fn stamp(pod: &Pod, image: &str) -> PatchOperation {
+    match &pod.metadata.annotations {
+        Some(_) => add(&["metadata", "annotations", INJECTED_ANNOTATION], image.into()),
+        None => add(&["metadata", "annotations"], serde_json::json!({INJECTED_ANNOTATION: image})),
+    }
+}
+
+/// Port clashes the sidecar cannot fix: they are the user's to resolve.
+fn port_clashes(pod: &Pod, listen: u16, upstream: u16, admin: u16, warnings: &mut Vec<String>) {
+    if listen == admin {
+        warnings.push(format!("the sidecar's listen and admin ports are both {listen}: it will not start; set {LISTEN_PORT_ANNOTATION} or {ADMIN_PORT_ANNOTATION}"));
+    }
+    if upstream == listen || upstream == admin {
+        warnings.push(format!(
+            "the sidecar's upstream port {upstream} is one of its own ports; set {UPSTREAM_PORT_ANNOTATION} to the application's port"
+        ));
+    }
+    let containers = pod.spec.iter().flat_map(|s| s.containers.iter());
+    for container in containers {
+        for declared in container.ports.iter().flatten() {
+            for (what, port, annotation) in
+                [("listen", listen, LISTEN_PORT_ANNOTATION), ("admin", admin, ADMIN_PORT_ANNOTATION)]
+            {
+                if declared.container_port == i32::from(port) {
+                    warnings.push(format!(
+                        "container {} already uses port {port}, the sidecar's {what} port; set {annotation}",
+                        container.name
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// What admission does with `pod`: nothing when it must be left alone (not labelled, in the
+/// operator's namespace, or already injected: admission may run twice on one pod), the stamp
+/// alone when it already has the sidecar, otherwise the sidecar.
+pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
     let labelled = pod.metadata.labels.as_ref().and_then(|l| l.get(INJECT_LABEL)).is_some_and(|v| v == "true");
     if !labelled || namespace == config.operator_namespace {
-        return None;
+        return Injection::skipped();
     }
-    let spec = pod.spec.as_ref()?;
-    if spec.containers.iter().any(|c| c.name == CONTAINER_NAME) {
-        return None;
+    let Some(spec) = pod.spec.as_ref() else { return Injection::skipped() };
+    if let Some(existing) = spec.containers.iter().find(|c| c.name == CONTAINER_NAME) {
+        if annotation(pod, INJECTED_ANNOTATION).is_some() {
+            return Injection::skipped();
+        }
+        let image = existing.image.as_deref().unwrap_or("unknown");
+        return Injection {
+            outcome: Outcome::Annotated,
+            patch: Some(Patch(vec![stamp(pod, image)])),
+            warnings: vec![],
+        };
     }
-    let listen = port_annotation(pod, LISTEN_PORT_ANNOTATION, config.listen_port);
-    let upstream = port_annotation(pod, UPSTREAM_PORT_ANNOTATION, config.upstream_port);
+    let mut warnings = Vec::new();
+    let listen = port_annotation(pod, LISTEN_PORT_ANNOTATION, config.listen_port, &mut warnings);
+    let upstream = port_annotation(pod, UPSTREAM_PORT_ANNOTATION, config.upstream_port, &mut warnings);
+    let admin = port_annotation(pod, ADMIN_PORT_ANNOTATION, config.admin_port, &mut warnings);
+    port_clashes(pod, listen, upstream, admin, &mut warnings);
+    let resources = resources(pod, &config.resources, &mut warnings);
     let mut env_vars = vec![
         env("SLUICE_ENDPOINT", &config.endpoint),
         env("SLUICE_LISTEN", &format!("0.0.0.0:{listen}")),
         env("SLUICE_UPSTREAM", &format!("http://127.0.0.1:{upstream}")),
+        // Explicit, so the admin port is the one the probes use and never the binary's default.
+        env("SLUICE_ADMIN_LISTEN", &format!("0.0.0.0:{admin}")),
         env("SLUICE_LABELS_FILE", &format!("{PODINFO_PATH}/labels")),
         EnvVar {
             name: "SLUICE_NAMESPACE".into(),
@@ -123,44 +431,40 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Option<Patch>
         name: CONTAINER_NAME.into(),
         image: Some(config.image.clone()),
         args: Some(vec!["sidecar".into()]),
-        ports: Some(vec![ContainerPort {
-            name: Some("sluice-http".into()),
-            container_port: i32::from(listen),
-            ..Default::default()
-        }]),
+        ports: Some(vec![
+            ContainerPort { name: Some("sluice-http".into()), container_port: i32::from(listen), ..Default::default() },
+            ContainerPort { name: Some("sluice-admin".into()), container_port: i32::from(admin), ..Default::default() },
+        ]),
         env: Some(env_vars),
+        resources: Some(resources),
+        security_context: Some(security_context()),
+        // Liveness is the process only: failing it because the endpoint is away would restart
+        // the pod, which the failure modes exist to avoid. Ready once it serves.
+        liveness_probe: Some(probe("/healthz", admin, 10, 3)),
+        readiness_probe: Some(probe("/readyz", admin, 5, 2)),
         volume_mounts: Some(mounts),
         ..Default::default()
     };
-    let mut ops = vec![PatchOperation::Add(AddOperation {
-        path: PointerBuf::from_tokens(["spec", "containers", "-"]),
-        value: serde_json::to_value(container).ok()?,
-    })];
+    let mut ops = vec![
+        add(&["spec", "containers", "-"], serde_json::to_value(container).unwrap_or_default()),
+        stamp(pod, &config.image),
+    ];
     // A projected ServiceAccount token needs a named ServiceAccount. The API server's
     // ServiceAccount admission plugin names `default` before webhooks run; where it is off, say
     // what it would have.
     if config.token_audience.is_some() && spec.service_account_name.as_deref().is_none_or(str::is_empty) {
-        ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["spec", "serviceAccountName"]),
-            value: serde_json::Value::String("default".into()),
-        }));
+        ops.push(add(&["spec", "serviceAccountName"], "default".into()));
     }
     // JSON patch cannot append to an array that does not exist: create it when absent.
     match &spec.volumes {
         Some(v) if !v.is_empty() => {
             for volume in volumes {
-                ops.push(PatchOperation::Add(AddOperation {
-                    path: PointerBuf::from_tokens(["spec", "volumes", "-"]),
-                    value: serde_json::to_value(volume).ok()?,
-                }));
+                ops.push(add(&["spec", "volumes", "-"], serde_json::to_value(volume).unwrap_or_default()));
             }
         }
-        _ => ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["spec", "volumes"]),
-            value: serde_json::to_value(volumes).ok()?,
-        })),
+        _ => ops.push(add(&["spec", "volumes"], serde_json::to_value(volumes).unwrap_or_default())),
     }
-    Some(Patch(ops))
+    Injection { outcome: Outcome::Injected, patch: Some(Patch(ops)), warnings }
 }
 
 #[cfg(test)]
@@ -173,6 +477,13 @@ mod tests {
             endpoint: "http://sluice:8080".into(),
             listen_port: 15080,
             upstream_port: 8080,
+            admin_port: 15081,
+            resources: Resources {
+                cpu_request: Some("50m".into()),
+                cpu_limit: None,
+                memory_request: Some("64Mi".into()),
+                memory_limit: Some("256Mi".into()),
+            },
             operator_namespace: "sluice-system".into(),
             token_audience: Some("sluice".into()),
             endpoint_ca_pem: Some("-----BEGIN CERTIFICATE-----\n".into()),
@@ -191,46 +502,205 @@ mod tests {
         serde_json::from_value(value).expect("pod")
     }
 
+    fn annotated(annotations: serde_json::Value) -> Pod {
+        pod(true, serde_json::json!({"metadata": {"annotations": annotations}}))
+    }
+
     fn apply(pod: &Pod, patch: &Patch) -> Pod {
         let mut value = serde_json::to_value(pod).expect("json");
         json_patch::patch(&mut value, patch).expect("patch applies");
         serde_json::from_value(value).expect("pod")
     }
 
+    /// The injected pod and its sidecar container.
+    fn inject(pod: &Pod) -> (Pod, Container, Vec<String>) {
+        let injection = patch(pod, "tenant", &config());
+        assert_eq!(injection.outcome, Outcome::Injected);
+        let injected = apply(pod, injection.patch.as_ref().expect("patch"));
+        let sidecar =
+            injected.spec.as_ref().expect("spec").containers.iter().find(|c| c.name == CONTAINER_NAME).cloned();
+        (injected, sidecar.expect("sidecar"), injection.warnings)
+    }
+
+    fn env_value(c: &Container, name: &str) -> Option<String> {
+        c.env.iter().flatten().find(|e| e.name == name).and_then(|e| e.value.clone())
+    }
+
+    fn quantities(map: &Option<BTreeMap<String, Quantity>>) -> Vec<(String, String)> {
+        map.iter().flatten().map(|(k, v)| (k.clone(), v.0.clone())).collect()
+    }
+
     #[test]
     fn labelled_pod_gets_the_sidecar_once() {
         let original = pod(true, serde_json::json!({"metadata": {"annotations": {UPSTREAM_PORT_ANNOTATION: "9000"}}}));
-        let patch = patch(&original, "tenant", &config()).expect("injected");
-        let injected = apply(&original, &patch);
+        let (injected, sidecar, warnings) = inject(&original);
+        assert!(warnings.is_empty(), "{warnings:?}");
         let spec = injected.spec.as_ref().expect("spec");
-        let sidecar = spec.containers.iter().find(|c| c.name == CONTAINER_NAME).expect("sidecar");
-        let env = sidecar.env.as_ref().expect("env");
-        assert!(env.iter().any(|e| e.name == "SLUICE_UPSTREAM" && e.value.as_deref() == Some("http://127.0.0.1:9000")));
+        assert_eq!(env_value(&sidecar, "SLUICE_UPSTREAM").as_deref(), Some("http://127.0.0.1:9000"));
         assert!(spec.volumes.as_ref().is_some_and(|v| v.iter().any(|v| v.name == PODINFO_VOLUME)));
         let token = spec.volumes.as_ref().and_then(|v| v.iter().find(|v| v.name == TOKEN_VOLUME)).expect("token");
         let projection = token.projected.as_ref().and_then(|p| p.sources.as_ref()).expect("projected");
         let sa = projection[0].service_account_token.as_ref().expect("service account token");
         assert_eq!((sa.audience.as_deref(), sa.expiration_seconds), (Some("sluice"), Some(TOKEN_LIFETIME_SECONDS)));
-        assert!(
-            env.iter()
-                .any(|e| e.name == "SLUICE_TOKEN_FILE" && e.value.as_deref() == Some("/var/run/secrets/sluice/token"))
-        );
+        assert_eq!(env_value(&sidecar, "SLUICE_TOKEN_FILE").as_deref(), Some("/var/run/secrets/sluice/token"));
+        // Stamped, so a labelled pod without the stamp is known to have slipped past the webhook.
+        let annotations = injected.metadata.annotations.as_ref().expect("annotations");
+        assert_eq!(annotations.get(INJECTED_ANNOTATION).map(String::as_str), Some("sluice:test"));
+        assert_eq!(annotations.get(UPSTREAM_PORT_ANNOTATION).map(String::as_str), Some("9000"), "kept");
         // Idempotent: a second pass over the injected pod changes nothing.
-        assert!(super::patch(&injected, "tenant", &config()).is_none());
+        assert_eq!(super::patch(&injected, "tenant", &config()).outcome, Outcome::Skipped);
+    }
+
+    #[test]
+    fn the_sidecar_passes_pod_security_restricted() {
+        let (_, sidecar, _) = inject(&pod(true, serde_json::json!({})));
+        let sc = sidecar.security_context.expect("securityContext");
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert!(sc.run_as_user.is_some_and(|u| u != 0), "non-root user");
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.privileged, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.capabilities.and_then(|c| c.drop), Some(vec!["ALL".to_string()]));
+        assert_eq!(sc.seccomp_profile.map(|p| p.type_).as_deref(), Some("RuntimeDefault"));
+    }
+
+    #[test]
+    fn the_sidecar_has_default_resources_and_probes_on_its_admin_port() {
+        let (_, sidecar, _) = inject(&pod(true, serde_json::json!({})));
+        let resources = sidecar.resources.clone().expect("resources");
+        assert_eq!(quantities(&resources.requests), [("cpu".into(), "50m".into()), ("memory".into(), "64Mi".into())]);
+        assert_eq!(quantities(&resources.limits), [("memory".to_string(), "256Mi".to_string())]);
+        assert_eq!(env_value(&sidecar, "SLUICE_ADMIN_LISTEN").as_deref(), Some("0.0.0.0:15081"));
+        for (probe, path) in [(&sidecar.liveness_probe, "/healthz"), (&sidecar.readiness_probe, "/readyz")] {
+            let get = probe.as_ref().and_then(|p| p.http_get.clone()).expect("httpGet probe");
+            assert_eq!((get.path.as_deref(), get.port), (Some(path), IntOrString::Int(15081)));
+        }
+        let ports: Vec<_> = sidecar.ports.iter().flatten().map(|p| (p.name.clone(), p.container_port)).collect();
+        assert_eq!(ports, [(Some("sluice-http".into()), 15080), (Some("sluice-admin".into()), 15081)]);
+    }
+
+    #[test]
+    fn annotations_override_ports_and_resources() {
+        let original = annotated(serde_json::json!({
+            ADMIN_PORT_ANNOTATION: "19000", LISTEN_PORT_ANNOTATION: "19001",
+            CPU_REQUEST_ANNOTATION: "0.25", CPU_LIMIT_ANNOTATION: "1", MEMORY_REQUEST_ANNOTATION: "100M",
+            MEMORY_LIMIT_ANNOTATION: "1Gi",
+        }));
+        let (_, sidecar, warnings) = inject(&original);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(env_value(&sidecar, "SLUICE_ADMIN_LISTEN").as_deref(), Some("0.0.0.0:19000"));
+        assert_eq!(env_value(&sidecar, "SLUICE_LISTEN").as_deref(), Some("0.0.0.0:19001"));
+        let get = sidecar.readiness_probe.and_then(|p| p.http_get).expect("probe");
+        assert_eq!(get.port, IntOrString::Int(19000));
+        let resources = sidecar.resources.expect("resources");
+        assert_eq!(quantities(&resources.requests), [("cpu".into(), "0.25".into()), ("memory".into(), "100M".into())]);
+        assert_eq!(quantities(&resources.limits), [("cpu".into(), "1".into()), ("memory".into(), "1Gi".into())]);
+    }
+
+    #[test]
+    fn bad_annotations_fall_back_to_the_defaults_with_warnings() {
+        let original = annotated(serde_json::json!({
+            ADMIN_PORT_ANNOTATION: "70000", CPU_REQUEST_ANNOTATION: "lots", MEMORY_LIMIT_ANNOTATION: "-1Gi",
+        }));
+        let (_, sidecar, warnings) = inject(&original);
+        assert_eq!(env_value(&sidecar, "SLUICE_ADMIN_LISTEN").as_deref(), Some("0.0.0.0:15081"));
+        let resources = sidecar.resources.expect("resources");
+        assert_eq!(quantities(&resources.requests), [("cpu".into(), "50m".into()), ("memory".into(), "64Mi".into())]);
+        assert_eq!(quantities(&resources.limits), [("memory".to_string(), "256Mi".to_string())]);
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        assert!(warnings[0].contains(ADMIN_PORT_ANNOTATION) && warnings[0].contains("using 15081"), "{warnings:?}");
+        assert!(warnings.iter().any(|w| w.contains(CPU_REQUEST_ANNOTATION) && w.contains("\"lots\"")));
+        assert!(warnings.iter().any(|w| w.contains(MEMORY_LIMIT_ANNOTATION) && w.contains("using 256Mi")));
+    }
+
+    #[test]
+    fn a_request_above_its_limit_never_reaches_the_api_server() {
+        // Only the request annotated, above the default limit: the request falls back.
+        let (_, sidecar, warnings) = inject(&annotated(serde_json::json!({MEMORY_REQUEST_ANNOTATION: "1Gi"})));
+        let resources = sidecar.resources.expect("resources");
+        assert_eq!(quantities(&resources.requests)[1], ("memory".into(), "64Mi".into()));
+        assert_eq!(quantities(&resources.limits), [("memory".to_string(), "256Mi".to_string())]);
+        assert!(warnings.len() == 1 && warnings[0].contains("above its limit"), "{warnings:?}");
+        // Only the limit annotated, below the default request: the limit falls back.
+        let (_, sidecar, _) = inject(&annotated(serde_json::json!({MEMORY_LIMIT_ANNOTATION: "10Mi"})));
+        assert_eq!(quantities(&sidecar.resources.expect("resources").limits), [("memory".into(), "256Mi".into())]);
+        // Both annotated and inconsistent: both fall back.
+        let (_, sidecar, _) =
+            inject(&annotated(serde_json::json!({CPU_REQUEST_ANNOTATION: "2", CPU_LIMIT_ANNOTATION: "500m"})));
+        let resources = sidecar.resources.expect("resources");
+        assert_eq!(quantities(&resources.requests)[0], ("cpu".into(), "50m".into()));
+        assert!(quantities(&resources.limits).iter().all(|(k, _)| k != "cpu"));
+        // Equal values in different notations are consistent.
+        let (_, _, warnings) = inject(&annotated(
+            serde_json::json!({MEMORY_REQUEST_ANNOTATION: "1Gi", MEMORY_LIMIT_ANNOTATION: "1024Mi"}),
+        ));
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[test]
+    fn port_clashes_are_warned_about() {
+        let original = pod(
+            true,
+            serde_json::json!({"spec": {"containers": [{"name": "app", "image": "app", "ports": [{"containerPort": 15081}]}]}}),
+        );
+        let (_, _, warnings) = inject(&original);
+        assert!(warnings.len() == 1 && warnings[0].contains("container app already uses port 15081"), "{warnings:?}");
+        let (_, _, warnings) = inject(&annotated(serde_json::json!({LISTEN_PORT_ANNOTATION: "15081"})));
+        assert!(warnings.iter().any(|w| w.contains("will not start")), "{warnings:?}");
+    }
+
+    #[test]
+    fn a_pod_with_a_sidecar_of_its_own_is_only_stamped() {
+        let original = pod(
+            true,
+            serde_json::json!({"spec": {"containers": [{"name": "app", "image": "app"}, {"name": CONTAINER_NAME, "image": "mine:1"}]}}),
+        );
+        let injection = patch(&original, "tenant", &config());
+        assert_eq!(injection.outcome, Outcome::Annotated);
+        let stamped = apply(&original, injection.patch.as_ref().expect("patch"));
+        assert_eq!(stamped.spec.as_ref().expect("spec").containers.len(), 2);
+        let annotations = stamped.metadata.annotations.expect("annotations");
+        assert_eq!(annotations.get(INJECTED_ANNOTATION).map(String::as_str), Some("mine:1"));
     }
 
     #[test]
     fn unlabelled_and_operator_namespace_pods_are_untouched() {
-        assert!(patch(&pod(false, serde_json::json!({})), "tenant", &config()).is_none());
-        assert!(patch(&pod(true, serde_json::json!({})), "sluice-system", &config()).is_none());
+        assert!(patch(&pod(false, serde_json::json!({})), "tenant", &config()).patch.is_none());
+        assert!(patch(&pod(true, serde_json::json!({})), "sluice-system", &config()).patch.is_none());
     }
 
     #[test]
     fn existing_volumes_are_kept() {
         let original = pod(true, serde_json::json!({"spec": {"volumes": [{"name": "data", "emptyDir": {}}]}}));
-        let injected = apply(&original, &patch(&original, "tenant", &config()).expect("injected"));
+        let (injected, _, _) = inject(&original);
         let names: Vec<_> =
             injected.spec.expect("spec").volumes.expect("volumes").into_iter().map(|v| v.name).collect();
         assert_eq!(names, ["data", PODINFO_VOLUME, TOKEN_VOLUME]);
+    }
+
+    #[test]
+    fn quantities_parse_as_the_api_server_reads_them() {
+        let q = |s| quantity_nanos(s);
+        assert_eq!(q("1"), Some(1_000_000_000));
+        assert_eq!(q("100m"), Some(100_000_000));
+        assert_eq!(q("0.1"), q("100m"));
+        assert_eq!(q("1Ki"), Some(1024 * 1_000_000_000));
+        assert_eq!(q("1Gi"), q("1024Mi"));
+        assert_eq!(q("1e3"), q("1k"));
+        assert_eq!(q("1E"), Some(10u128.pow(27)));
+        assert_eq!(q("1n"), Some(1));
+        assert_eq!(q("0.1n"), Some(1), "rounded up to nano precision");
+        assert_eq!(q(".5"), Some(500_000_000));
+        assert_eq!(q("+2"), q("2"));
+        for bad in ["", "abc", "-1", "1.2.3", "1Kb", "1 Gi", "Gi", ".", "1e", "1e+", "1ee3", "1e1000"] {
+            assert_eq!(q(bad), None, "{bad:?}");
+        }
+        assert!(
+            Resources { memory_request: Some("2Gi".into()), memory_limit: Some("1Gi".into()), ..Default::default() }
+                .check()
+                .is_err()
+        );
+        assert!(Resources { cpu_request: Some("x".into()), ..Default::default() }.check().is_err());
+        assert!(config().resources.check().is_ok());
     }
 }

@@ -5,7 +5,7 @@
 //!   admission warnings.
 //! - [`inject`]: the sidecar for pods labelled `sluice.dev/inject: "true"`.
 //! - [`certs`]: the serving certificate, generated at startup, shared by replicas through a
-//!   Secret, and its CA patched into the webhook configurations' caBundle.
+//!   Secret, renewed by the leader, and its CA kept in the webhook configurations' caBundle.
 //!
 //! The handlers are thin: parse the AdmissionReview, call a pure function, answer.
 
@@ -15,7 +15,7 @@ pub mod validate;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::extract::State;
 use axum::routing::post;
@@ -30,6 +30,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::policy::RateLimitPolicy;
+use crate::telemetry::{Metrics, ResultLabels};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -41,6 +42,22 @@ pub enum Error {
     IncompleteSecret(String, &'static str),
     #[error("TLS configuration: {0}")]
     Tls(std::io::Error),
+    #[error("secret {0} does not exist (--generate-certificates=false: something else must write it)")]
+    MissingSecret(String),
+    #[error("secret {0} kept changing while it was being written; giving up")]
+    SecretContention(String),
+    #[error("--sidecar-*-request/limit: {0}")]
+    SidecarResources(String),
+}
+
+/// A resource quantity flag: empty leaves it unset.
+fn quantity_flag(text: &str) -> Result<String, String> {
+    let text = text.trim();
+    if text.is_empty() || inject::quantity_nanos(text).is_some() {
+        Ok(text.to_string())
+    } else {
+        Err(format!("{text:?} is not a quantity (e.g. 100m, 64Mi), nor empty"))
+    }
 }
 
 /// Webhook flags of `sluice operator`.
@@ -83,15 +100,62 @@ pub struct WebhookArgs {
     /// Application port the sidecar forwards to unless the pod's `sluice.dev/upstream-port` annotation says otherwise.
     #[arg(long = "sidecar-upstream-port", env = "SLUICE_SIDECAR_UPSTREAM_PORT", default_value_t = 8080)]
     pub sidecar_upstream_port: u16,
+    /// Port of the sidecar's /healthz, /readyz and /metrics (its probes) unless the pod's
+    /// `sluice.dev/admin-port` annotation says otherwise. Next to the proxy's 15080, and none of
+    /// the ports Istio's or Linkerd's sidecars use (Istio's health and metrics are 15021, 15090).
+    #[arg(long = "sidecar-admin-port", env = "SLUICE_SIDECAR_ADMIN_PORT", default_value_t = 15081, value_parser = clap::value_parser!(u16).range(1..))]
+    pub sidecar_admin_port: u16,
+    /// The sidecar's CPU request unless `sluice.dev/sidecar-cpu-request` says otherwise; empty: none.
+    #[arg(long = "sidecar-cpu-request", env = "SLUICE_SIDECAR_CPU_REQUEST", default_value = "50m", value_parser = quantity_flag)]
+    pub sidecar_cpu_request: String,
+    /// The sidecar's CPU limit unless `sluice.dev/sidecar-cpu-limit` says otherwise; empty (the
+    /// default): none, so a busy proxy is never throttled in the request path.
+    #[arg(long = "sidecar-cpu-limit", env = "SLUICE_SIDECAR_CPU_LIMIT", default_value = "", value_parser = quantity_flag)]
+    pub sidecar_cpu_limit: String,
+    /// The sidecar's memory request unless `sluice.dev/sidecar-memory-request` says otherwise; empty: none.
+    #[arg(long = "sidecar-memory-request", env = "SLUICE_SIDECAR_MEMORY_REQUEST", default_value = "64Mi", value_parser = quantity_flag)]
+    pub sidecar_memory_request: String,
+    /// The sidecar's memory limit unless `sluice.dev/sidecar-memory-limit` says otherwise; empty: none.
+    #[arg(long = "sidecar-memory-limit", env = "SLUICE_SIDECAR_MEMORY_LIMIT", default_value = "256Mi", value_parser = quantity_flag)]
+    pub sidecar_memory_limit: String,
+    /// Create, renew and replace the certificate Secret (a CA of 10 years, a serving certificate
+    /// of 1 year renewed by the leader). false: only read it, when cert-manager or other tooling
+    /// writes it.
+    #[arg(long = "generate-certificates", env = "SLUICE_GENERATE_CERTIFICATES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub generate_certificates: bool,
+    /// With --webhook-listen: watch the metadata of pods labelled `sluice.dev/inject=true` and
+    /// report those running without the sidecar (a SidecarMissing Event and a metric, by the leader).
+    #[arg(long = "report-missing-sidecars", env = "SLUICE_REPORT_MISSING_SIDECARS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub report_missing_sidecars: bool,
+}
+
+impl WebhookArgs {
+    /// The injected sidecar's default requests and limits.
+    pub fn sidecar_resources(&self) -> inject::Resources {
+        let set = |s: &String| (!s.is_empty()).then(|| s.clone());
+        inject::Resources {
+            cpu_request: set(&self.sidecar_cpu_request),
+            cpu_limit: set(&self.sidecar_cpu_limit),
+            memory_request: set(&self.sidecar_memory_request),
+            memory_limit: set(&self.sidecar_memory_limit),
+        }
+    }
 }
 
 struct AppState {
     policies: Vec<Store<RateLimitPolicy>>,
     client: Client,
     inject: inject::InjectConfig,
+    /// With the check API on TLS: the pair served now, whose CA injected sidecars get.
+    endpoint_ca: Option<watch::Receiver<certs::Keypair>>,
+    metrics: Arc<Metrics>,
 }
 
+/// How long the API server is given to trust a CA just added to caBundle.
+const CA_PROPAGATION: Duration = Duration::from_secs(2);
+
 /// Sets up certificates and serves the webhooks until `stop` flips.
+#[allow(clippy::too_many_arguments)]
 pub async fn start(
     client: Client,
     args: &WebhookArgs,
@@ -99,10 +163,19 @@ pub async fn start(
     sidecar: SidecarTrust<'_>,
     certificates: &Certificates,
     policies: Vec<Store<RateLimitPolicy>>,
+    metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
-    let keypair = &certificates.keypair;
-    certs::patch_ca_bundles(&client, &args.validating_config, &args.mutating_config, keypair.ca_pem.as_bytes()).await?;
+    let resources = args.sidecar_resources();
+    resources.check().map_err(Error::SidecarResources)?;
+    let ca_pem = certificates.current.borrow().ca_pem.clone();
+    let (validating, mutating) = (&args.validating_config, &args.mutating_config);
+    if certs::sync_ca_bundles(&client, validating, mutating, &ca_pem, SystemTime::now()).await? {
+        // We just put this CA into caBundle (a new Secret): the API server's webhook clients pick
+        // it up a moment later. Answering before would fail its calls, and a failed pod webhook
+        // lets pods through without the sidecar.
+        tokio::time::sleep(CA_PROPAGATION).await;
+    }
     let tls = certificates.tls.clone();
     let state = Arc::new(AppState {
         policies,
@@ -112,10 +185,14 @@ pub async fn start(
             endpoint: args.sidecar_endpoint.clone(),
             listen_port: args.sidecar_listen_port,
             upstream_port: args.sidecar_upstream_port,
+            admin_port: args.sidecar_admin_port,
+            resources,
             operator_namespace: operator_namespace.to_string(),
             token_audience: sidecar.token_audience.map(str::to_string),
-            endpoint_ca_pem: sidecar.verify_endpoint.then(|| keypair.ca_pem.clone()),
+            endpoint_ca_pem: None,
         },
+        endpoint_ca: sidecar.verify_endpoint.then(|| certificates.current.clone()),
+        metrics,
     });
     let app = Router::new()
         .route("/validate-policy", post(validate_policy))
@@ -156,32 +233,45 @@ pub struct SidecarTrust<'a> {
 /// configuration built from it, reloaded in place when the Secret changes. The webhooks and the
 /// check API serve the same certificate.
 pub struct Certificates {
-    pub keypair: certs::Keypair,
+    /// The pair served now.
+    pub current: watch::Receiver<certs::Keypair>,
     pub tls: RustlsConfig,
 }
 
 impl Certificates {
-    /// Reads (or creates) the shared keypair and starts following the Secret, so every replica
-    /// serves the current pair; `args`' webhook configuration names get its CA in caBundle.
-    pub async fn load(client: &Client, args: &WebhookArgs, operator_namespace: &str) -> Result<Certificates, Error> {
-        let keypair = certs::shared_keypair(client, operator_namespace, &args.secret, &args.hosts).await?;
+    /// Reads (or creates, or replaces when it cannot serve) the shared keypair and starts
+    /// following the Secret until `stop` flips, so every replica serves the current pair, the
+    /// leader (`leading`) renews it before it expires, and `args`' webhook configurations keep
+    /// its CA in caBundle.
+    pub async fn load(
+        client: &Client,
+        args: &WebhookArgs,
+        operator_namespace: &str,
+        leading: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
+        stop: watch::Receiver<bool>,
+    ) -> Result<Certificates, Error> {
+        let policy = certs::SecretPolicy {
+            namespace: operator_namespace.to_string(),
+            name: args.secret.clone(),
+            hosts: args.hosts.clone(),
+            generate: args.generate_certificates,
+        };
+        let keypair = certs::shared_keypair(client, &policy, &metrics).await?;
         let tls = RustlsConfig::from_pem(keypair.cert_pem.clone().into_bytes(), keypair.key_pem.clone().into_bytes())
             .await
             .map_err(Error::Tls)?;
+        certs::record_expiry(&metrics, &keypair);
         let ca_bundles = if args.webhook_listen.is_some() {
             (args.validating_config.clone(), args.mutating_config.clone())
         } else {
             (String::new(), String::new())
         };
-        tokio::spawn(certs::follow_secret(
-            client.clone(),
-            operator_namespace.to_string(),
-            args.secret.clone(),
-            keypair.clone(),
-            tls.clone(),
-            ca_bundles,
-        ));
-        Ok(Certificates { keypair, tls })
+        let (current, receiver) = watch::channel(keypair);
+        let follower =
+            certs::Follower { client: client.clone(), policy, ca_bundles, tls: tls.clone(), current, leading, metrics };
+        tokio::spawn(certs::follow_secret(follower, stop));
+        Ok(Certificates { current: receiver, tls })
     }
 }
 
@@ -259,7 +349,29 @@ async fn mutate_pod(
         return Json(response.into_review());
     };
     let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
-    match inject::patch(pod, &namespace, &state.inject) {
+    let injection = match &state.endpoint_ca {
+        // The CA of the pair served now: a rotation reaches pods injected from then on.
+        Some(current) => {
+            let mut config = state.inject.clone();
+            config.endpoint_ca_pem = Some(current.borrow().ca_pem.clone());
+            inject::patch(pod, &namespace, &config)
+        }
+        None => inject::patch(pod, &namespace, &state.inject),
+    };
+    state.metrics.pod_admissions.get_or_create(&ResultLabels { result: injection.outcome.as_str() }).inc();
+    if !injection.warnings.is_empty() {
+        // Pods are mostly created by controllers, which drop admission warnings: log them too.
+        let pod_name = pod.metadata.name.clone().or_else(|| pod.metadata.generate_name.clone()).unwrap_or_default();
+        for warning in &injection.warnings {
+            tracing::warn!(namespace = %namespace, pod = %pod_name, "{warning}");
+        }
+        state.metrics.injection_warnings.inc_by(injection.warnings.len() as u64);
+    }
+    let mut response = response;
+    if !injection.warnings.is_empty() {
+        response.warnings = Some(injection.warnings);
+    }
+    match injection.patch {
         None => Json(response.into_review()),
         Some(patch) => match response.clone().with_patch(patch) {
             Ok(patched) => Json(patched.into_review()),

@@ -6,9 +6,11 @@
 //! - [`status`]: what each policy's status should say; written by the leader only, with
 //!   server-side apply under one field manager, plus Kubernetes Events.
 //! - [`leader`]: a `coordination.k8s.io/v1` Lease decides the leader.
+//! - [`injection`]: the leader reports pods labelled for injection that run without the sidecar.
 //! - The admission webhooks live in [`crate::admission`] and are started from here.
 
 pub mod controller;
+pub mod injection;
 pub mod leader;
 pub mod status;
 pub mod tokenreview;
@@ -166,7 +168,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         tracing::warn!("authentication is off: any caller may spend or block any namespace's limits");
     }
     let auth = Auth::new(verifiers);
-    let (engine, memory) = role::engine(&args.store, clock, metrics).await?;
+    let (engine, memory) = role::engine(&args.store, clock, metrics.clone()).await?;
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -177,13 +179,36 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?),
         None => None,
     };
+    let (stop, stopped) = watch::channel(false);
+    // Joined before the certificates, whose renewal is the leader's.
+    let (leading, lease_task) =
+        leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration)
+            .await?;
     let certificates = if args.webhook.webhook_listen.is_some() || args.check_api_tls {
-        Some(admission::Certificates::load(&client, &args.webhook, &args.operator_namespace).await?)
+        let (webhook, namespace) = (&args.webhook, &args.operator_namespace);
+        Some(
+            admission::Certificates::load(
+                &client,
+                webhook,
+                namespace,
+                leading.clone(),
+                metrics.clone(),
+                stopped.clone(),
+            )
+            .await?,
+        )
     } else {
         None
     };
+    let audit = (args.webhook.webhook_listen.is_some() && args.webhook.report_missing_sidecars).then(|| {
+        let config = injection::AuditConfig {
+            namespaces: args.namespaces.clone(),
+            operator_namespace: args.operator_namespace.clone(),
+            identity: identity.clone(),
+        };
+        tokio::spawn(injection::audit(client.clone(), config, metrics.clone(), leading.clone(), stopped.clone()))
+    });
 
-    let (stop, stopped) = watch::channel(false);
     let reflectors = controller::Reflectors::start(client.clone(), &args.namespaces, stopped.clone());
     let (outcomes_tx, outcomes) = watch::channel(None);
     let compiler = tokio::spawn(controller::compile_loop(
@@ -194,9 +219,6 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         outcomes_tx,
         stopped.clone(),
     ));
-    let (leading, lease_task) =
-        leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration)
-            .await?;
     let writer =
         tokio::spawn(status::status_loop(client.clone(), identity.clone(), outcomes, leading, stopped.clone()));
 
@@ -213,6 +235,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
                 sidecar_trust,
                 certificates,
                 reflectors.readers.clone(),
+                metrics.clone(),
                 stopped.clone(),
             )
             .await?,
@@ -237,9 +260,13 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     shutdown.await;
     tracing::info!("shutting down");
     let _ = stop.send(true);
-    // Dropping the election's receiver (inside the status loop) releases the Lease, so a graceful
-    // stop hands leadership over at once instead of after the lease duration.
+    // Dropping the election's receivers (the status loop's, the audit's, the certificate
+    // follower's: all end on stop) releases the Lease, so a graceful stop hands leadership over
+    // at once instead of after the lease duration.
     let _ = writer.await;
+    if let Some(audit) = audit {
+        let _ = audit.await;
+    }
     let _ = lease_task.await;
     let served = server.await;
     let _ = tokio::join!(compiler, sweeper, reflectors.task);

@@ -59,7 +59,8 @@ pub struct SidecarArgs {
     /// How long one check may take before the failure mode decides.
     #[arg(long, env = "SLUICE_ENDPOINT_TIMEOUT", default_value = "100ms", value_parser = crate::duration::parse_positive_std_duration)]
     pub endpoint_timeout: Duration,
-    /// Address of /healthz and /metrics.
+    /// Address of /healthz, /readyz and /metrics (the injecting webhook sets it: port 15081 or
+    /// the pod's `sluice.dev/admin-port`).
     #[arg(long, env = "SLUICE_ADMIN_LISTEN", default_value = "0.0.0.0:9091")]
     pub admin_listen: SocketAddr,
     /// Reverse proxies in front of the sidecar whose X-Forwarded-For entries are trusted.

@@ -35,11 +35,12 @@ pub enum SidecarError {
     Admin(std::io::Error),
 }
 
-/// `/healthz` and `/metrics`. Health reports the sidecar process only: failing it because the
-/// endpoint is down would restart or unroute the application, which the failure modes exist to
-/// prevent.
+/// `/healthz`, `/readyz` and `/metrics`. Health and readiness report the sidecar process only:
+/// failing them because the endpoint is down would restart or unroute the application, which the
+/// failure modes exist to prevent. The admin server starts after the proxy's listener is bound,
+/// so answering `/readyz` means the proxy accepts connections.
 pub fn admin_router(metrics: Arc<SidecarMetrics>) -> Router {
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route(
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(|| async { "ready\n" })).route(
         "/metrics",
         get(move || {
             let metrics = metrics.clone();
@@ -71,7 +72,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let admin_address =
         admin.local_addr().map_err(|source| SidecarError::Listen { address: config.admin_listen, source })?;
     tracing::info!(%address, upstream = %config.upstream, endpoint = %config.check_uri, namespace = %config.namespace, "sidecar listening");
-    tracing::info!(admin = %admin_address, "sidecar admin (healthz, metrics) listening");
+    tracing::info!(admin = %admin_address, "sidecar admin (healthz, readyz, metrics) listening");
 
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
@@ -94,5 +95,21 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tower::ServiceExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_admin_port_answers_the_injected_probes() {
+        for path in ["/healthz", "/readyz", "/metrics"] {
+            let request = axum::http::Request::get(path).body(axum::body::Body::empty()).expect("request");
+            let response = admin_router(Arc::new(SidecarMetrics::new())).oneshot(request).await.expect("response");
+            assert_eq!(response.status(), 200, "{path}");
+        }
     }
 }
