@@ -39,6 +39,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         result.admitted_exact,
         100.0 * result.admitted_exact as f64 / result.decisions.max(1) as f64
     );
+    let admitted_estimate = result.admitted_exact + result.wrongly_admitted - result.wrongly_refused;
+    println!(
+        "admitted by the counter: {admitted_estimate} ({:+.3}% against the log)",
+        100.0 * (admitted_estimate as f64 / result.admitted_exact.max(1) as f64 - 1.0)
+    );
     println!(
         "wrong: {} ({:.4}%): wrongly admitted {} ({:.4}%), wrongly refused {} ({:.4}%)",
         result.wrong(),
@@ -68,8 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn class_label(class: i32) -> String {
-    let (low, high) = (2f64.powi(class), 2f64.powi(class + 1));
-    format!("{low:.3}–{high:.3}")
+    format!("2^{class} – 2^{}", class + 1)
 }
 
 fn draw(result: &Accuracy, path: &str) -> Result<(), Box<dyn std::error::Error>> {
@@ -108,7 +112,12 @@ fn draw(result: &Accuracy, path: &str) -> Result<(), Box<dyn std::error::Error>>
         }))?
         .label("wrong share per rate class")
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.mix(0.6).filled()));
-    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.9)).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.9))
+        .draw()?;
     root.present()?;
     Ok(())
 }
