@@ -78,8 +78,11 @@ fn tokens_file() -> tempfile::NamedTempFile {
 }
 
 fn main() {
+    // As `sluice serve` runs: a subscriber at `info`, so debug spans are disabled callsites.
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new("info")).init();
     let dirs: Vec<String> = std::env::args().skip(1).collect();
-    let iterations = 300_000;
+    // CHECK_COST_ITERATIONS makes a short run for instruction counts under valgrind.
+    let iterations = std::env::var("CHECK_COST_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(300_000);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
         let bodies = bodies(100_000);
