@@ -12,13 +12,13 @@ use prometheus_client::registry::Registry;
 
 /// `allowed` (the rule admitted the request), `limited` (an enforcing rule refused it) or
 /// `would_limit` (a shadow rule would have refused it).
-pub type Outcome = &'static str;
+pub type RuleOutcome = &'static str;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     pub policy: String,
     pub rule: String,
-    pub outcome: Outcome,
+    pub outcome: RuleOutcome,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -145,7 +145,11 @@ impl Metrics {
             store_circuit_open.clone(),
         );
         let live_keys = Gauge::default();
-        registry.register("memory_live_keys", "Keys held by the in-memory store", live_keys.clone());
+        registry.register(
+            "memory_live_keys",
+            "Keys held in this process's memory (the memory store, or the local fallback with Redis)",
+            live_keys.clone(),
+        );
         let evicted_keys = Gauge::default();
         registry.register(
             "memory_evicted_keys",

@@ -92,7 +92,7 @@ pub struct InjectConfig {
 
 /// What the webhook does with one pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum PodOutcome {
     /// Not labelled, in the operator's namespace, or already injected and stamped.
     Skipped,
     /// It already had the sidecar (written by hand, or admitted twice): only stamped.
@@ -100,20 +100,20 @@ pub enum Outcome {
     Injected,
 }
 
-impl Outcome {
+impl PodOutcome {
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
-            Outcome::Skipped => "skipped",
-            Outcome::Annotated => "annotated",
-            Outcome::Injected => "injected",
+            PodOutcome::Skipped => "skipped",
+            PodOutcome::Annotated => "annotated",
+            PodOutcome::Injected => "injected",
         }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct Injection {
-    pub outcome: Outcome,
+    pub outcome: PodOutcome,
     pub patch: Option<Patch>,
     /// Annotations that were ignored for the defaults, and port clashes, for the user (admission
     /// warnings; `kubectl` prints them).
@@ -122,7 +122,7 @@ pub struct Injection {
 
 impl Injection {
     fn skipped() -> Injection {
-        Injection { outcome: Outcome::Skipped, patch: None, warnings: Vec::new() }
+        Injection { outcome: PodOutcome::Skipped, patch: None, warnings: Vec::new() }
     }
 }
 
@@ -353,7 +353,7 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         }
         let image = existing.image.as_deref().unwrap_or("unknown");
         return Injection {
-            outcome: Outcome::Annotated,
+            outcome: PodOutcome::Annotated,
             patch: Some(Patch(vec![stamp(pod, image)])),
             warnings: vec![],
         };
@@ -464,7 +464,7 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         }
         _ => ops.push(add(&["spec", "volumes"], serde_json::to_value(volumes).unwrap_or_default())),
     }
-    Injection { outcome: Outcome::Injected, patch: Some(Patch(ops)), warnings }
+    Injection { outcome: PodOutcome::Injected, patch: Some(Patch(ops)), warnings }
 }
 
 #[cfg(test)]
@@ -515,7 +515,7 @@ mod tests {
     /// The injected pod and its sidecar container.
     fn inject(pod: &Pod) -> (Pod, Container, Vec<String>) {
         let injection = patch(pod, "tenant", &config());
-        assert_eq!(injection.outcome, Outcome::Injected);
+        assert_eq!(injection.outcome, PodOutcome::Injected);
         let injected = apply(pod, injection.patch.as_ref().expect("patch"));
         let sidecar =
             injected.spec.as_ref().expect("spec").containers.iter().find(|c| c.name == CONTAINER_NAME).cloned();
@@ -548,7 +548,7 @@ mod tests {
         assert_eq!(annotations.get(INJECTED_ANNOTATION).map(String::as_str), Some("sluice:test"));
         assert_eq!(annotations.get(UPSTREAM_PORT_ANNOTATION).map(String::as_str), Some("9000"), "kept");
         // Idempotent: a second pass over the injected pod changes nothing.
-        assert_eq!(super::patch(&injected, "tenant", &config()).outcome, Outcome::Skipped);
+        assert_eq!(super::patch(&injected, "tenant", &config()).outcome, PodOutcome::Skipped);
     }
 
     #[test]
@@ -656,7 +656,7 @@ mod tests {
             serde_json::json!({"spec": {"containers": [{"name": "app", "image": "app"}, {"name": CONTAINER_NAME, "image": "mine:1"}]}}),
         );
         let injection = patch(&original, "tenant", &config());
-        assert_eq!(injection.outcome, Outcome::Annotated);
+        assert_eq!(injection.outcome, PodOutcome::Annotated);
         let stamped = apply(&original, injection.patch.as_ref().expect("patch"));
         assert_eq!(stamped.spec.as_ref().expect("spec").containers.len(), 2);
         let annotations = stamped.metadata.annotations.expect("annotations");

@@ -310,8 +310,9 @@ async fn validate_policy(
 }
 
 impl AppState {
-    /// The other policies of `namespace`: from the reflector when it watches that namespace, else
-    /// listed from the API server (an operator limited to some namespaces still validates all).
+    /// The other policies of `namespace`: from the reflector when it holds any of them; otherwise
+    /// (a namespace outside `--namespaces`, or one with no policy yet) listed from the API server,
+    /// so an operator limited to some namespaces still validates all.
     async fn namespace_policies(&self, namespace: &str) -> Vec<RateLimitPolicy> {
         let cached: Vec<RateLimitPolicy> = self
             .policies

@@ -76,14 +76,14 @@ impl Reflectors {
 
 /// What one compile produced, for the status writer.
 #[derive(Debug, Default)]
-pub struct Outcome {
+pub struct CompileOutcome {
     /// Version of the snapshot this compile produced, which is now live in the engine.
     pub version: String,
     /// Every policy the reflectors held, with what the snapshot holds of it.
     pub policies: Vec<PolicyOutcome>,
 }
 
-/// One policy in a compile [`Outcome`].
+/// One policy in a compile [`CompileOutcome`].
 #[derive(Debug, Clone)]
 pub struct PolicyOutcome {
     /// The object as the reflector held it (current generation, persisted status).
@@ -203,7 +203,7 @@ impl Compiler {
     /// valid, else the last accepted one persisted in its status (validated again: if this
     /// operator no longer accepts it, nothing of the policy is enforced). `None` when that is
     /// exactly what the previous call compiled.
-    pub fn run(&mut self, policies: Vec<Arc<RateLimitPolicy>>) -> Option<(Snapshot, Outcome)> {
+    pub fn run(&mut self, policies: Vec<Arc<RateLimitPolicy>>) -> Option<(Snapshot, CompileOutcome)> {
         let mut validity = HashMap::with_capacity(policies.len());
         let choices: Vec<Choice> = policies
             .into_iter()
@@ -256,7 +256,7 @@ impl Compiler {
         let live: HashSet<String> = outcomes.iter().map(|o| o.policy.uid().unwrap_or_default()).collect();
         self.accepted.retain(|uid, _| live.contains(uid));
         let version = compiled.snapshot.version().to_string();
-        Some((compiled.snapshot, Outcome { version, policies: outcomes }))
+        Some((compiled.snapshot, CompileOutcome { version, policies: outcomes }))
     }
 
     /// The newer of the persisted `status.lastAccepted` and the generation this replica last
@@ -282,7 +282,7 @@ pub async fn compile_loop<S: RateStore>(
     readers: Vec<Store<RateLimitPolicy>>,
     changed: Arc<Notify>,
     debounce: Duration,
-    outcomes: watch::Sender<Option<Arc<Outcome>>>,
+    outcomes: watch::Sender<Option<Arc<CompileOutcome>>>,
     mut stop: watch::Receiver<bool>,
 ) {
     for reader in &readers {
@@ -331,7 +331,7 @@ pub async fn compile_loop<S: RateStore>(
 
 /// Swaps `snapshot` into the engine unless it is the live one already (a policy falling back to
 /// its last accepted generation leaves the version unchanged), and logs what fell back.
-fn install<S: RateStore>(engine: &Engine<S>, snapshot: Snapshot, outcome: &Outcome) {
+fn install<S: RateStore>(engine: &Engine<S>, snapshot: Snapshot, outcome: &CompileOutcome) {
     let mut fell_back = 0;
     for p in &outcome.policies {
         if let (Some(errors), Enforced::LastAccepted(enforced)) = (&p.rejected, &p.enforced) {
@@ -392,7 +392,7 @@ mod tests {
         p
     }
 
-    fn run(compiler: &mut Compiler, policies: Vec<RateLimitPolicy>) -> (Snapshot, Outcome) {
+    fn run(compiler: &mut Compiler, policies: Vec<RateLimitPolicy>) -> (Snapshot, CompileOutcome) {
         compiler.run(policies.into_iter().map(Arc::new).collect()).expect("compiled")
     }
 

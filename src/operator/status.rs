@@ -12,7 +12,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use super::FIELD_MANAGER;
-use super::controller::{Enforced, Outcome, PolicyOutcome};
+use super::controller::{CompileOutcome, Enforced, PolicyOutcome};
 use crate::policy::{RateLimitPolicy, RateLimitPolicyStatus};
 
 pub const ACCEPTED: &str = "Accepted";
@@ -123,7 +123,7 @@ fn essence(status: &RateLimitPolicyStatus) -> impl PartialEq + use<> {
 pub async fn status_loop(
     client: Client,
     identity: String,
-    mut outcomes: watch::Receiver<Option<Arc<Outcome>>>,
+    mut outcomes: watch::Receiver<Option<Arc<CompileOutcome>>>,
     mut leading: watch::Receiver<bool>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -166,7 +166,7 @@ pub async fn status_loop(
 async fn apply_all(
     client: &Client,
     recorder: &Recorder,
-    outcome: &Outcome,
+    outcome: &CompileOutcome,
     written: &mut HashMap<String, (Option<i64>, RateLimitPolicyStatus)>,
 ) -> bool {
     let mut failed = false;

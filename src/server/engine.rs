@@ -142,6 +142,19 @@ impl<S: Store> Engine<S> {
         &self.store
     }
 
+    /// The store's self-description, with this process's memory in it: the local fallback's
+    /// keys and evictions when the store is shared (a shared store holds no keys here).
+    pub fn store_status(&self) -> crate::store::StoreStatus {
+        let mut status = self.store.status();
+        if let Some(fallback) = &self.fallback {
+            let memory = fallback.store.status();
+            status.live_keys = memory.live_keys;
+            status.evicted_keys = memory.evicted_keys;
+            status.evicted_keys_by_namespace = memory.evicted_keys_by_namespace;
+        }
+        status
+    }
+
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }

@@ -348,7 +348,7 @@ async fn readyz<S: Store>(State(state): Shared<S>) -> Response {
 
 async fn metrics<S: Store>(State(state): Shared<S>) -> Response {
     let engine = &state.engine;
-    let status = engine.store().status();
+    let status = engine.store_status();
     let metrics = engine.metrics();
     metrics.record_store_status(&status);
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], engine.metrics().encode())
@@ -391,7 +391,7 @@ async fn snapshot<S: Store>(State(state): Shared<S>, request_headers: HeaderMap)
         view: part.view(),
         sources: part.sources(),
         last_reload_error: engine.last_error(),
-        store: engine.store().status(),
+        store: engine.store_status(),
     };
     ([(header::ETAG, etag)], axum::Json(body)).into_response()
 }
