@@ -9,7 +9,7 @@ use crate::algorithm::Micros;
 use crate::clock::Clock;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
-use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore};
+use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, with_password};
 use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
@@ -112,27 +112,6 @@ impl StoreArgs {
         }
         Ok(std::env::var("SLUICE_REDIS_PASSWORD").ok().filter(|p| !p.is_empty()))
     }
-}
-
-/// Puts `password` into `url` unless the URL already carries credentials.
-fn with_password(url: &str, password: Option<&str>) -> String {
-    let Some(password) = password else { return url.to_string() };
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    if rest[..authority_end].contains('@') {
-        return url.to_string();
-    }
-    let encoded: String = password
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect();
-    format!("{scheme}://:{encoded}@{rest}")
 }
 
 impl Store for Backend {

@@ -403,17 +403,56 @@ pub fn classify(error: &RedisError) -> (StoreError, bool) {
 /// `scheme://user:secret@host/…` → `scheme://user:***@host/…`; URLs without a password are
 /// returned as they are.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else { return url.to_string() };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else { return url.to_string() };
-    let userinfo = &rest[..at];
+    let Some(parts) = UrlParts::of(url) else { return url.to_string() };
+    let Some(userinfo) = parts.userinfo else { return url.to_string() };
     let redacted = match userinfo.find(':') {
         Some(colon) => format!("{}:***", &userinfo[..colon]),
         // `redis://secret@host` puts the password where a user would be.
         None => "***".to_string(),
     };
-    format!("{}{}{}", &url[..scheme_end + 3], redacted, &rest[at..])
+    format!("{}{redacted}@{}", parts.scheme, parts.after_userinfo)
+}
+
+/// `scheme://[userinfo@]host…` split where credentials go: the one reading of a Redis URL's
+/// authority for putting a password in ([`with_password`]) and taking it out ([`redact_url`]).
+pub struct UrlParts<'a> {
+    /// Up to and including `://`.
+    pub scheme: &'a str,
+    pub userinfo: Option<&'a str>,
+    /// The host and everything after it.
+    pub after_userinfo: &'a str,
+}
+
+impl<'a> UrlParts<'a> {
+    pub fn of(url: &'a str) -> Option<UrlParts<'a>> {
+        let scheme_end = url.find("://")? + 3;
+        let rest = &url[scheme_end..];
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (userinfo, after_userinfo) = match rest[..authority_end].rfind('@') {
+            Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+            None => (None, rest),
+        };
+        Some(UrlParts { scheme: &url[..scheme_end], userinfo, after_userinfo })
+    }
+}
+
+/// Puts `password` into `url` unless the URL already carries credentials.
+pub fn with_password(url: &str, password: Option<&str>) -> String {
+    let (Some(password), Some(parts)) = (password, UrlParts::of(url)) else { return url.to_string() };
+    if parts.userinfo.is_some() {
+        return url.to_string();
+    }
+    let encoded: String = password
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    format!("{}:{encoded}@{}", parts.scheme, parts.after_userinfo)
 }
 
 #[cfg(test)]
