@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use regex_automata::meta::Regex;
-use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;
@@ -186,6 +185,17 @@ impl CompiledRule {
         RuleCheck { rule: self.id, limit: &self.limit, key, cost, enforce: self.enforce() }
     }
     /// Human description of the key, e.g. `header x-api-key, clientIP`.
+    /// `per` as the policy wrote it (`/v1/snapshot` shows it so).
+    pub fn per_text(&self) -> &str {
+        &self.per_text
+    }
+    /// `maxDelay` as the policy wrote it.
+    pub fn max_delay_text(&self) -> Option<&str> {
+        self.max_delay_text.as_deref()
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
     pub fn key_description(&self) -> String {
         if self.key.is_empty() {
             return "(one shared counter)".to_string();
@@ -515,10 +525,6 @@ impl Snapshot {
     pub fn header_names(&self) -> &[String] {
         &self.header_names
     }
-    /// A serializable summary of the whole snapshot.
-    pub fn view(&self) -> SnapshotView {
-        self.part(None).view()
-    }
 }
 
 /// Some namespaces' policies of a snapshot, in the snapshot's order.
@@ -542,63 +548,4 @@ impl<'s> SnapshotPart<'s> {
     pub fn header_names(&self) -> Vec<String> {
         if self.whole { self.snapshot.header_names.clone() } else { header_names_of(self.policies()) }
     }
-    /// A serializable summary for `GET /v1/snapshot`.
-    pub fn view(&self) -> SnapshotView {
-        SnapshotView {
-            version: self.version(),
-            policies: self.policies().map(|p| p.qualified.clone()).collect(),
-            rules: self
-                .policies()
-                .flat_map(|p| &p.rules)
-                .map(|r| RuleView {
-                    policy: r.policy.clone(),
-                    rule: r.name.clone(),
-                    id: format!("{:016x}", r.id),
-                    algorithm: r.limit.algorithm(),
-                    requests: r.limit.requests(),
-                    per: r.per_text.clone(),
-                    burst: r.limit.algorithm().uses_burst().then(|| r.limit.burst()),
-                    max_delay: r.max_delay_text.clone(),
-                    cost: r.cost,
-                    mode: r.mode,
-                    on_store_failure: r.on_store_failure,
-                    key: r.key_description(),
-                })
-                .collect(),
-            header_names: self.header_names(),
-        }
-    }
-}
-
-/// What `GET /v1/snapshot` shows.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct SnapshotView {
-    pub version: String,
-    /// `namespace/name` of each policy in force.
-    pub policies: Vec<String>,
-    pub rules: Vec<RuleView>,
-    pub header_names: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct RuleView {
-    pub policy: String,
-    pub rule: String,
-    /// The rule's `RuleId` in hex.
-    pub id: String,
-    pub algorithm: Algorithm,
-    pub requests: u64,
-    /// As written in the policy.
-    pub per: String,
-    /// Effective capacity of the bucket algorithms; absent for window algorithms.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub burst: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_delay: Option<String>,
-    pub cost: u64,
-    pub mode: Mode,
-    pub on_store_failure: FailureMode,
-    pub key: String,
 }

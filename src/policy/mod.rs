@@ -12,9 +12,7 @@ pub mod matching;
 pub mod path;
 pub mod validate;
 
-pub use compile::{
-    Compiled, CompiledPolicy, CompiledRule, Rejected, RuleView, Snapshot, SnapshotPart, SnapshotView, compile, rule_id,
-};
+pub use compile::{Compiled, CompiledPolicy, CompiledRule, Rejected, Snapshot, SnapshotPart, compile, rule_id};
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule,
     RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,

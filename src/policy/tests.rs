@@ -399,7 +399,7 @@ fn version_is_order_independent_and_tracks_numbers_but_rule_id_does_not() {
 }
 
 #[test]
-fn snapshot_view_and_header_names() {
+fn snapshot_header_names() {
     let p = with_rules(
         "ns",
         "p",
@@ -414,18 +414,6 @@ fn snapshot_view_and_header_names() {
     );
     let s = compile(vec![p]).snapshot;
     assert_eq!(s.header_names(), ["x-api-key", "x-tenant"]);
-    let v = serde_json::to_value(s.view()).unwrap();
-    assert_eq!(v["policies"][0], "ns/p");
-    let r = &v["rules"][0];
-    assert_eq!(r["policy"], "ns/p");
-    assert_eq!(r["rule"], "r");
-    assert_eq!(r["algorithm"], "tokenBucket");
-    assert_eq!(r["requests"], 10);
-    assert_eq!(r["per"], "1s");
-    assert_eq!(r["burst"], 5);
-    assert_eq!(r["mode"], "shadow");
-    assert_eq!(r["onStoreFailure"], "deny");
-    assert_eq!(r["key"], "header x-api-key, clientIP");
 }
 
 // ---------- matching ----------
