@@ -7,10 +7,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redis::{AsyncCommands, Value};
 use sluice::algorithm::{self, Algorithm, Decision, Limit, Micros, State};
+use sluice::clock::FakeClock;
 use sluice::store::breaker::{BreakerConfig, BreakerState};
 use sluice::store::keys::state_key;
 use sluice::store::redis::{RedisConfig, RedisStore};
@@ -390,16 +392,22 @@ async fn usable_through_the_store_trait() {
 
 /// Redis killed: calls fail within the deadline, the breaker opens and then fails calls at once;
 /// Redis back on the same port: decisions resume by themselves and the breaker closes.
+///
+/// The outage runs on tokio's paused clock (the deadline is a tokio timer) and the breaker on a
+/// fake clock, so no assertion depends on how fast the machine is.
 #[tokio::test]
 async fn outage_fails_fast_and_recovers() {
     let mut server = RedisServer::start();
+    let clock = FakeClock::new(T0);
     let mut config = RedisConfig::single(server.url());
     config.timeout = Duration::from_millis(50);
     config.breaker = BreakerConfig { failure_threshold: 3, cool_down: Duration::from_millis(300) };
-    let store = RedisStore::connect(config).await.unwrap();
+    let deadline = config.timeout;
+    let cool_down = config.breaker.cool_down.as_micros() as Micros;
+    let store = RedisStore::connect_with_clock(config, Arc::new(clock.clone())).await.unwrap();
     let l = limit(Algorithm::Gcra, 1_000, SEC, None, None);
     let c = [check(1, &l, b"k", 1, true)];
-    // Warm up: the first call connects and loads the script on a slow debug build.
+    // Warm up, in real time: the first call connects and loads the script on a slow debug build.
     let mut warm = Err(StoreError::Timeout(0));
     for _ in 0..50 {
         warm = store.check_tagged("outage", None, &c).await;
@@ -411,51 +419,60 @@ async fn outage_fails_fast_and_recovers() {
     assert_eq!(store.breaker_state(), BreakerState::Closed);
 
     server.kill();
+    // From here tokio's time moves only to its next timer: a call bounded by its deadline takes
+    // at most the deadline (to the timer wheel's millisecond), however loaded the machine.
+    tokio::time::pause();
     let mut failures = 0;
     while store.breaker_state() == BreakerState::Closed {
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let result = store.check_tagged("outage", None, &c).await;
         let elapsed = started.elapsed();
         assert!(matches!(result, Err(StoreError::Timeout(_) | StoreError::Unavailable(_))), "{result:?}");
-        assert!(elapsed < Duration::from_millis(250), "took {elapsed:?} with a 50 ms deadline");
+        assert!(elapsed <= deadline + Duration::from_millis(1), "took {elapsed:?} with a 50 ms deadline");
         failures += 1;
         assert!(failures <= 3, "breaker did not open after 3 failures");
     }
     assert_eq!(store.breaker_state(), BreakerState::Open);
-    let started = Instant::now();
-    let fast = store.check_tagged("outage", None, &c).await;
+    // The open breaker answers without touching the network: the call completes on its first
+    // poll, without waiting for anything.
+    let fast = store.check_tagged("outage", None, &c).now_or_never().expect("open breaker must not wait");
     assert!(matches!(&fast, Err(StoreError::Unavailable(m)) if m.contains("breaker")), "{fast:?}");
-    // Well under the 50 ms deadline: the open breaker answers without touching the network.
-    assert!(started.elapsed() < Duration::from_millis(40), "open breaker must not wait");
+    // No time passes on the store's clock: the breaker stays open, whatever the wall clock does.
+    assert_eq!(store.breaker_state(), BreakerState::Open);
+    tokio::time::resume();
 
     server.restart();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let give_up = Instant::now() + Duration::from_secs(10);
     loop {
+        // Each attempt after a full cool-down: the probe the breaker lets through.
+        clock.advance(cool_down);
         if let Ok(v) = store.check_tagged("outage", None, &c).await {
             assert!(v.allowed);
             break;
         }
-        assert!(Instant::now() < deadline, "decisions did not resume after Redis came back");
+        assert!(Instant::now() < give_up, "decisions did not resume after Redis came back");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(store.breaker_state(), BreakerState::Closed);
 }
 
 /// A store whose Redis never existed still constructs (the process must start and apply
-/// failure modes), and reports the outage as an error, not a hang.
-#[tokio::test]
+/// failure modes), and reports the outage as an error, not a hang: within the deadline, on
+/// tokio's paused clock.
+#[tokio::test(start_paused = true)]
 async fn unreachable_redis_is_an_error_not_a_hang() {
     let port = support::redis_server::free_port(false);
     let mut config = RedisConfig::single(format!("redis://:secret@127.0.0.1:{port}"));
     config.timeout = Duration::from_millis(50);
+    let deadline = config.timeout;
     let store = RedisStore::connect(config).await.expect("lazy connect");
     assert!(!format!("{store:?}").contains("secret"));
     let l = limit(Algorithm::Gcra, 10, SEC, None, None);
-    let started = Instant::now();
+    let started = tokio::time::Instant::now();
     let result = store.check_tagged("nowhere", None, &[check(1, &l, b"k", 1, true)]).await;
     assert!(result.is_err());
     assert!(!result.unwrap_err().to_string().contains("secret"));
-    assert!(started.elapsed() < Duration::from_millis(250));
+    assert!(started.elapsed() <= deadline + Duration::from_millis(1), "{:?}", started.elapsed());
 }
 
 /// TTLs are the time until pristine rounded UP to whole milliseconds (a key must never expire

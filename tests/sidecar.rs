@@ -20,6 +20,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use bytes::Bytes;
 use hyper::body::Frame;
+use sluice::clock::FakeClock;
+use sluice::sidecar::decide::{Decider, Decision};
+use sluice::sidecar::metrics::SidecarMetrics;
+use sluice::sidecar::{Config, OnFailure};
 use support::SluiceProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc};
@@ -437,36 +441,21 @@ async fn untrusted_forwarded_for_cannot_choose_the_key() {
     assert_eq!(by_ip("198.51.100.4").await.unwrap().status(), 429, "both are the loopback peer");
 }
 
+/// Fail open and fail closed without a snapshot, through the real binary. How many requests
+/// wait for the dead endpoint is [`the_breaker_makes_a_dead_endpoint_cheap`]'s job, in-process
+/// on tokio's paused clock: measured here in wall time it would depend on the machine's load.
 #[tokio::test]
-async fn dead_endpoint_without_snapshot_allows_or_denies_and_the_breaker_makes_it_cheap() {
+async fn dead_endpoint_without_snapshot_allows_or_denies() {
     let (up, state) = start_upstream().await;
-    // A black hole: accepts connections and never answers, so each check waits for the timeout.
-    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hole_addr = hole.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((socket, _)) = hole.accept().await {
-            held.push(socket);
-        }
-    });
-    // A long timeout, so that "waited for the endpoint" cannot be confused with a slow machine.
-    let allow =
-        start_sidecar_with_timeout(up, &format!("http://{hole_addr}"), "1s", &["--on-endpoint-failure", "allow"]);
+    let hole = black_hole().await;
+    let allow = start_sidecar(up, &format!("http://{hole}"), &["--on-endpoint-failure", "allow"]);
     let c = client();
-    let mut slow = 0;
     for _ in 0..8 {
-        let started = Instant::now();
         let r = get_with_key(&c, &allow.url("/limited/x"), "k").await;
         assert_eq!(r.status(), 200, "fail open");
-        if started.elapsed() >= Duration::from_millis(900) {
-            slow += 1;
-        }
     }
-    // Five failures open the breaker (1 s cool-down); after that no request waits for the timeout.
-    assert_eq!(slow, 5, "requests that waited for the dead endpoint");
-    let started = Instant::now();
+    // Five failures open the breaker; it stays open (or half-open) while the endpoint is dead.
     assert_eq!(get_with_key(&c, &allow.url("/limited/x"), "k").await.status(), 200);
-    assert!(started.elapsed() < Duration::from_millis(500), "breaker open: {:?}", started.elapsed());
     allow.await_metric("\nsluice_sidecar_endpoint_circuit_open 1\n").await;
     assert_eq!(state.hits.load(Ordering::SeqCst), 9);
 
@@ -475,6 +464,79 @@ async fn dead_endpoint_without_snapshot_allows_or_denies_and_the_breaker_makes_i
     assert_eq!(r.status(), 429, "fail closed");
     assert_eq!(r.headers()["retry-after"], "1");
     assert_eq!(state.hits.load(Ordering::SeqCst), 9, "denied requests do not reach the app");
+}
+
+/// A black hole: accepts connections and never answers, so each check waits for the timeout.
+async fn black_hole() -> SocketAddr {
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = hole.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    addr
+}
+
+/// The sidecar's decision for one request, made as the proxy makes it before any snapshot said
+/// which headers a check carries; returns how long it took on tokio's (paused) clock.
+async fn decide_without_snapshot(decider: &Decider) -> Duration {
+    let started = tokio::time::Instant::now();
+    let decision = match decider.check_headers(&HeaderMap::new()).await {
+        Ok(None) => decider.undecidable(),
+        other => panic!("no snapshot can have been fetched: {other:?}"),
+    };
+    assert!(matches!(decision, Decision::Allow { .. }), "fail open: {decision:?}");
+    started.elapsed()
+}
+
+/// The breaker in front of a dead endpoint, in-process: the endpoint timeout is a tokio timer on
+/// the paused clock (which moves only to the next timer) and the breaker runs on a fake clock,
+/// so the count of requests that waited is exact whatever the machine's load.
+#[tokio::test(start_paused = true)]
+async fn the_breaker_makes_a_dead_endpoint_cheap() {
+    let hole = black_hole().await;
+    let endpoint = |path: &str| format!("http://{hole}{path}").parse().unwrap();
+    let timeout = Duration::from_secs(1);
+    let config = Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        upstream: "127.0.0.1:1".parse().unwrap(),
+        check_uri: endpoint("/v1/check"),
+        snapshot_uri: endpoint("/v1/snapshot"),
+        namespace: "tenant-acme".into(),
+        labels: [("app".to_string(), "web".to_string())].into(),
+        on_failure: OnFailure::Allow,
+        endpoint_timeout: timeout,
+        trusted_hops: 0,
+        snapshot_interval: Duration::from_millis(100),
+        token_file: None,
+        endpoint_ca: None,
+    };
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    let metrics = Arc::new(SidecarMetrics::new());
+    let decider = Decider::with_clock(&config, metrics.clone(), Arc::new(clock.clone())).unwrap();
+
+    let mut waited = 0;
+    for _ in 0..8 {
+        let elapsed = decide_without_snapshot(&decider).await;
+        if elapsed >= timeout {
+            waited += 1;
+        } else {
+            assert_eq!(elapsed, Duration::ZERO, "either the whole timeout or nothing");
+        }
+    }
+    // Five failures open the breaker (1 s cool-down); after that no request waits for the timeout.
+    assert_eq!(waited, 5, "requests that waited for the dead endpoint");
+    assert_eq!(decide_without_snapshot(&decider).await, Duration::ZERO, "breaker open");
+    let page = metrics.encode();
+    assert!(page.contains("\nsluice_sidecar_endpoint_circuit_open 1\n"), "{page}");
+
+    // The cool-down is over on the breaker's clock: one probe waits, fails and reopens it.
+    clock.advance(1_000_000);
+    assert!(decide_without_snapshot(&decider).await >= timeout, "the probe waits for the endpoint");
+    assert_eq!(decide_without_snapshot(&decider).await, Duration::ZERO, "open again after the failed probe");
 }
 
 #[tokio::test]

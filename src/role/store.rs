@@ -81,7 +81,7 @@ impl StoreArgs {
         if self.fallback_replicas == 0 {
             return Err(BackendError::NoReplicas);
         }
-        let memory = Arc::new(MemoryStore::with_clock(self.max_keys, clock));
+        let memory = Arc::new(MemoryStore::with_clock(self.max_keys, clock.clone()));
         let password = self.password()?;
         let endpoint = match (&self.redis, self.redis_cluster.is_empty()) {
             (Some(url), _) => RedisEndpoint::Single(with_password(url, password.as_deref())),
@@ -100,7 +100,7 @@ impl StoreArgs {
             config.tls_root_ca =
                 Some(std::fs::read(path).map_err(|error| BackendError::File { path: path.clone(), error })?);
         }
-        let redis = RedisStore::connect(config).await?;
+        let redis = RedisStore::connect_with_clock(config, clock).await?;
         Ok(BuiltBackend { backend: Backend::Redis(redis), memory })
     }
 

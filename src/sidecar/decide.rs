@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use super::config::{Config, OnFailure};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
-use crate::clock::SystemClock;
+use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::server::engine::{CheckResponse, Engine};
 use crate::store::breaker::{Breaker, BreakerConfig};
@@ -249,13 +249,23 @@ pub struct Decider {
     credential: Option<Credential>,
     /// The last snapshot fetched, enforced locally while the endpoint is away.
     local: Engine<Arc<MemoryStore>>,
+    /// The breaker's and the local fallback's time, and the check timings.
+    clock: Arc<dyn Clock>,
     metrics: Arc<SidecarMetrics>,
 }
 
 impl Decider {
     pub fn new(config: &Config, metrics: Arc<SidecarMetrics>) -> Result<Decider, super::SidecarError> {
+        Decider::with_clock(config, metrics, Arc::new(SystemClock))
+    }
+
+    /// [`Decider::new`] on `clock` (the process's clock, or a test's).
+    pub fn with_clock(
+        config: &Config,
+        metrics: Arc<SidecarMetrics>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Decider, super::SidecarError> {
         let client = endpoint_client(config)?;
-        let clock = Arc::new(SystemClock);
         let store = Arc::new(MemoryStore::with_clock(LOCAL_MAX_KEYS, clock.clone()));
         Ok(Decider {
             client,
@@ -269,7 +279,8 @@ impl Decider {
             header_filter: ArcSwap::from_pointee(HeaderFilter::Unknown),
             first_snapshot: tokio::sync::Mutex::new(()),
             credential: config.token_file.clone().map(Credential::new),
-            local: Engine::new(store, clock, Arc::new(Metrics::new())),
+            local: Engine::new(store, clock.clone(), Arc::new(Metrics::new())),
+            clock,
             metrics,
         })
     }
@@ -290,19 +301,19 @@ impl Decider {
             let _one = self.first_snapshot.lock().await;
             // Behind the breaker like a check: a dead endpoint costs five waits, not one per request.
             if matches!(**self.header_filter.load(), HeaderFilter::Unknown)
-                && let Some(permit) = self.breaker.try_acquire(Instant::now())
+                && let Some(permit) = self.breaker.try_acquire(self.clock.now())
             {
                 let fetched = tokio::time::timeout(self.timeout, self.fetch_snapshot(None))
                     .await
                     .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)));
                 match fetched {
-                    Ok(_) => permit.success(Instant::now()),
+                    Ok(_) => permit.success(self.clock.now()),
                     Err(error) => {
-                        permit.failure(Instant::now());
+                        permit.failure(self.clock.now());
                         tracing::debug!(%error, "first snapshot not available");
                     }
                 }
-                let open = self.breaker.state(Instant::now()) != crate::store::breaker::BreakerState::Closed;
+                let open = self.breaker.state(self.clock.now()) != crate::store::breaker::BreakerState::Closed;
                 self.metrics.breaker_open.set(i64::from(open));
             }
         }
@@ -351,7 +362,7 @@ impl Decider {
     }
 
     pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
-        let started = Instant::now();
+        let started = self.clock.now();
         let error = match self.breaker.try_acquire(started) {
             None => {
                 self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: "breaker_open" }).inc();
@@ -362,11 +373,11 @@ impl Decider {
                     Ok(outcome) => outcome,
                     Err(_) => Err(EndpointError::Timeout(self.timeout)),
                 };
-                let now = Instant::now();
+                let now = self.clock.now();
                 match outcome {
                     Ok(decision) => {
                         permit.success(now);
-                        self.metrics.check_seconds.observe(now.duration_since(started).as_secs_f64());
+                        self.metrics.check_seconds.observe(now.saturating_sub(started) as f64 / 1e6);
                         self.metrics.breaker_open.set(0);
                         self.count(Source::Endpoint, &decision);
                         return decision;
@@ -393,7 +404,7 @@ impl Decider {
                 }
             }
         };
-        let open = self.breaker.state(Instant::now()) != crate::store::breaker::BreakerState::Closed;
+        let open = self.breaker.state(self.clock.now()) != crate::store::breaker::BreakerState::Closed;
         self.metrics.breaker_open.set(i64::from(open));
         if let Some(error) = &error {
             tracing::debug!(%error, "endpoint check failed; falling back");

@@ -5,11 +5,14 @@
 //! consecutive failures the breaker opens and calls fail at once; after `cool_down` one call is
 //! let through as a probe (half-open); its success closes the breaker, its failure opens it again.
 //!
-//! Time is passed in (`Instant`) so the state machine is tested without sleeping.
+//! Time is passed in, read by the caller from its [`crate::clock::Clock`] (the clock every
+//! decision uses), so the state machine and its users are tested without sleeping.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
+
+use crate::duration::Micros;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BreakerConfig {
@@ -54,14 +57,23 @@ impl std::fmt::Display for BreakerState {
 
 #[derive(Debug)]
 enum Phase {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { probing: bool },
+    Closed {
+        failures: u32,
+    },
+    /// Opened at `since` (the clock's time).
+    Open {
+        since: Micros,
+    },
+    HalfOpen {
+        probing: bool,
+    },
 }
 
 #[derive(Debug)]
 pub struct Breaker {
     config: BreakerConfig,
+    /// `config.cool_down` on the clock's scale.
+    cool_down: Micros,
     phase: Mutex<Phase>,
 }
 
@@ -79,15 +91,23 @@ pub struct Permit<'a> {
 impl Breaker {
     pub fn new(config: BreakerConfig) -> Breaker {
         let config = BreakerConfig { failure_threshold: config.failure_threshold.max(1), ..config };
-        Breaker { config, phase: Mutex::new(Phase::Closed { failures: 0 }) }
+        let cool_down = Micros::try_from(config.cool_down.as_micros()).unwrap_or(Micros::MAX);
+        Breaker { config, cool_down, phase: Mutex::new(Phase::Closed { failures: 0 }) }
+    }
+
+    /// Whether a breaker opened at `since` is still cooling down at `now`. The clock is the wall
+    /// clock (not monotonic): a step back ends the cool-down, because one probe costs less than
+    /// a breaker held open for as long as the step.
+    fn cooling(&self, since: Micros, now: Micros) -> bool {
+        now.checked_sub(since).is_some_and(|open_for| open_for < self.cool_down)
     }
 
     /// A permit to call the store, or `None` when the call must fail fast.
-    pub fn try_acquire(&self, now: Instant) -> Option<Permit<'_>> {
+    pub fn try_acquire(&self, now: Micros) -> Option<Permit<'_>> {
         let mut phase = self.phase.lock();
         let probe = match *phase {
             Phase::Closed { .. } => false,
-            Phase::Open { until } if now < until => return None,
+            Phase::Open { since } if self.cooling(since, now) => return None,
             Phase::Open { .. } | Phase::HalfOpen { probing: false } => {
                 *phase = Phase::HalfOpen { probing: true };
                 true
@@ -97,31 +117,31 @@ impl Breaker {
         Some(Permit { breaker: self, probe, reported: false })
     }
 
-    pub fn state(&self, now: Instant) -> BreakerState {
+    pub fn state(&self, now: Micros) -> BreakerState {
         match *self.phase.lock() {
             Phase::Closed { .. } => BreakerState::Closed,
-            Phase::Open { until } if now < until => BreakerState::Open,
+            Phase::Open { since } if self.cooling(since, now) => BreakerState::Open,
             Phase::Open { .. } | Phase::HalfOpen { .. } => BreakerState::HalfOpen,
         }
     }
 
-    fn record(&self, probe: bool, ok: bool, now: Instant) {
+    fn record(&self, probe: bool, ok: bool, now: Micros) {
         let mut phase = self.phase.lock();
         *phase = match (&*phase, ok) {
             (_, true) => Phase::Closed { failures: 0 },
             (Phase::Closed { failures }, false) => {
                 let failures = failures + 1;
                 if failures >= self.config.failure_threshold {
-                    Phase::Open { until: now + self.config.cool_down }
+                    Phase::Open { since: now }
                 } else {
                     Phase::Closed { failures }
                 }
             }
             // A failed probe reopens; a call admitted before the breaker opened that fails
             // late must not extend or re-arm anything.
-            (Phase::HalfOpen { .. }, false) if probe => Phase::Open { until: now + self.config.cool_down },
+            (Phase::HalfOpen { .. }, false) if probe => Phase::Open { since: now },
             (Phase::HalfOpen { probing }, false) => Phase::HalfOpen { probing: *probing },
-            (Phase::Open { until }, false) => Phase::Open { until: *until },
+            (Phase::Open { since }, false) => Phase::Open { since: *since },
         };
     }
 
@@ -134,12 +154,12 @@ impl Breaker {
 }
 
 impl Permit<'_> {
-    pub fn success(mut self, now: Instant) {
+    pub fn success(mut self, now: Micros) {
         self.reported = true;
         self.breaker.record(self.probe, true, now);
     }
 
-    pub fn failure(mut self, now: Instant) {
+    pub fn failure(mut self, now: Micros) {
         self.reported = true;
         self.breaker.record(self.probe, false, now);
     }
@@ -157,9 +177,11 @@ impl Drop for Permit<'_> {
 mod tests {
     use super::*;
 
-    fn breaker() -> (Breaker, Instant) {
+    const MS: Micros = 1_000;
+
+    fn breaker() -> (Breaker, Micros) {
         let b = Breaker::new(BreakerConfig { failure_threshold: 3, cool_down: Duration::from_millis(100) });
-        (b, Instant::now())
+        (b, 1_700_000_000_000_000)
     }
 
     #[test]
@@ -173,7 +195,7 @@ mod tests {
         assert_eq!(b.state(t), BreakerState::Closed);
         b.try_acquire(t).unwrap().failure(t);
         assert_eq!(b.state(t), BreakerState::Open);
-        assert!(b.try_acquire(t + Duration::from_millis(99)).is_none(), "fails fast while open");
+        assert!(b.try_acquire(t + 99 * MS).is_none(), "fails fast while open");
     }
 
     #[test]
@@ -182,7 +204,7 @@ mod tests {
         for _ in 0..3 {
             b.try_acquire(t).unwrap().failure(t);
         }
-        let later = t + Duration::from_millis(100);
+        let later = t + 100 * MS;
         assert_eq!(b.state(later), BreakerState::HalfOpen);
         let probe = b.try_acquire(later).expect("probe");
         assert!(b.try_acquire(later).is_none(), "only one probe at a time");
@@ -197,11 +219,11 @@ mod tests {
         for _ in 0..3 {
             b.try_acquire(t).unwrap().failure(t);
         }
-        let later = t + Duration::from_millis(150);
+        let later = t + 150 * MS;
         b.try_acquire(later).expect("probe").failure(later);
         assert_eq!(b.state(later), BreakerState::Open);
-        assert!(b.try_acquire(later + Duration::from_millis(99)).is_none());
-        assert!(b.try_acquire(later + Duration::from_millis(100)).is_some());
+        assert!(b.try_acquire(later + 99 * MS).is_none());
+        assert!(b.try_acquire(later + 100 * MS).is_some());
     }
 
     #[test]
@@ -210,7 +232,7 @@ mod tests {
         for _ in 0..3 {
             b.try_acquire(t).unwrap().failure(t);
         }
-        let later = t + Duration::from_millis(100);
+        let later = t + 100 * MS;
         drop(b.try_acquire(later).expect("probe"));
         assert_eq!(b.state(later), BreakerState::HalfOpen);
         assert!(b.try_acquire(later).is_some(), "a new probe may go");
@@ -223,12 +245,25 @@ mod tests {
         for _ in 0..3 {
             b.try_acquire(t).unwrap().failure(t);
         }
-        let later = t + Duration::from_millis(100);
+        let later = t + 100 * MS;
         let probe = b.try_acquire(later).expect("probe");
         slow.failure(later);
         assert_eq!(b.state(later), BreakerState::HalfOpen);
         probe.success(later);
         assert_eq!(b.state(later), BreakerState::Closed);
+    }
+
+    #[test]
+    fn a_clock_stepping_back_ends_the_cool_down_with_one_probe() {
+        let (b, t) = breaker();
+        for _ in 0..3 {
+            b.try_acquire(t).unwrap().failure(t);
+        }
+        let earlier = t - 3_600_000 * MS;
+        assert_eq!(b.state(earlier), BreakerState::HalfOpen, "not open for the hour the clock stepped back");
+        b.try_acquire(earlier).expect("probe").failure(earlier);
+        assert_eq!(b.state(earlier + 99 * MS), BreakerState::Open, "a full cool-down from the new time");
+        assert!(b.try_acquire(earlier + 100 * MS).is_some());
     }
 
     #[test]

@@ -10,10 +10,11 @@
 //! Failure handling stops at an error: each call has a deadline ([`StoreError::Timeout`]) and a
 //! circuit breaker fails calls at once while Redis is known to be down
 //! ([`StoreError::Unavailable`]). Applying each rule's `on_store_failure` to that error is the
-//! caller's job, since only the caller has the local fallback store.
+//! caller's job, since only the caller has the local fallback store. The breaker runs on the
+//! injected [`Clock`]; the decisions themselves use Redis `TIME` (or the `now` passed in).
 
-use std::sync::LazyLock;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
@@ -24,6 +25,7 @@ use super::breaker::{Breaker, BreakerConfig, BreakerState};
 use super::keys::{self, DEFAULT_TAG};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
+use crate::clock::{Clock, SystemClock};
 
 /// The decision script: the shared prelude, one file per algorithm, then the entry point.
 pub const SCRIPT_SOURCE: &str = concat!(
@@ -133,6 +135,8 @@ struct ClusterState {
 pub struct RedisStore {
     connection: Connection,
     breaker: Breaker,
+    /// The breaker's time (its cool-down).
+    clock: Arc<dyn Clock>,
     timeout: Duration,
     endpoint: String,
 }
@@ -152,6 +156,14 @@ impl RedisStore {
     /// succeeds while Redis is down (decisions then fail until it is back); it fails only on an
     /// unusable configuration (a malformed URL). Must run inside a Tokio runtime.
     pub async fn connect(config: RedisConfig) -> Result<RedisStore, RedisConfigError> {
+        RedisStore::connect_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    /// [`RedisStore::connect`] with the breaker on `clock` (the process's clock, or a test's).
+    pub async fn connect_with_clock(
+        config: RedisConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<RedisStore, RedisConfigError> {
         let endpoint = config.endpoint.redacted();
         // Only the error's category: its detail may echo the URL, password included.
         let invalid =
@@ -192,7 +204,7 @@ impl RedisStore {
                 Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
             }
         };
-        Ok(RedisStore { connection, breaker: Breaker::new(config.breaker), timeout: config.timeout, endpoint })
+        Ok(RedisStore { connection, breaker: Breaker::new(config.breaker), clock, timeout: config.timeout, endpoint })
     }
 
     /// The endpoint with any password redacted.
@@ -202,7 +214,7 @@ impl RedisStore {
 
     /// For metrics and status: `closed`, `open` or `halfOpen`.
     pub fn breaker_state(&self) -> BreakerState {
-        self.breaker.state(Instant::now())
+        self.breaker.state(self.clock.now())
     }
 
     /// Decides `checks` atomically in the cluster slot of `tag` (the request's namespace).
@@ -218,7 +230,7 @@ impl RedisStore {
         if checks.is_empty() {
             return Ok(Verdict { allowed: true, decisions: Vec::new() });
         }
-        let Some(permit) = self.breaker.try_acquire(Instant::now()) else {
+        let Some(permit) = self.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
         let mut invocation = SCRIPT.prepare_invoke();
@@ -240,22 +252,22 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.timeout, call).await {
             Err(_elapsed) => {
-                permit.failure(Instant::now());
+                permit.failure(self.clock.now());
                 Err(StoreError::Timeout(self.timeout.as_millis() as u64))
             }
             Ok(Err(error)) => {
                 let (error, store_down) = classify(&error);
                 if store_down {
-                    permit.failure(Instant::now());
+                    permit.failure(self.clock.now());
                 } else {
                     // Redis answered: it is up, whatever went wrong with this call.
-                    permit.success(Instant::now());
+                    permit.success(self.clock.now());
                 }
                 tracing::debug!(endpoint = %self.endpoint, %error, "redis decision failed");
                 Err(error)
             }
             Ok(Ok(reply)) => {
-                permit.success(Instant::now());
+                permit.success(self.clock.now());
                 parse_reply(&reply, checks.len())
             }
         }
