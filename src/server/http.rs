@@ -135,19 +135,25 @@ fn forbidden(metrics: &crate::telemetry::Metrics, error: Forbidden, status: Stat
     error_response(status, error.to_string())
 }
 
+/// The verified caller and its parsed check body: what `/v1/check` and `/v1/explain` both start
+/// from, or the 4xx that ends the request.
+async fn caller_and_request<S: Store>(
+    state: &ApiState<S>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Caller, CheckRequest), Response> {
+    let metrics = state.engine.metrics();
+    let caller = state.auth.caller(headers).await.map_err(|error| auth_failure(metrics, error))?;
+    let body = body.map_err(|rejection| body_rejection(metrics, rejection))?;
+    let request = CheckRequest::from_json(&body).map_err(|error| bad_request(metrics, error))?;
+    Ok((caller, request))
+}
+
 async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let engine = &state.engine;
-    let caller = match state.auth.caller(&headers).await {
-        Ok(caller) => caller,
-        Err(error) => return auth_failure(engine.metrics(), error),
-    };
-    let body = match body {
-        Ok(body) => body,
-        Err(rejection) => return body_rejection(engine.metrics(), rejection),
-    };
-    let request = match CheckRequest::from_json(&body) {
-        Ok(request) => request,
-        Err(error) => return bad_request(engine.metrics(), error),
+    let (caller, request) = match caller_and_request(&state, &headers, body).await {
+        Ok(parsed) => parsed,
+        Err(response) => return response,
     };
     let view = match request.view(&caller) {
         Ok(view) => view,
@@ -166,17 +172,9 @@ async fn explain<S: Store>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let engine = &state.engine;
-    let caller = match state.auth.caller(&headers).await {
-        Ok(caller) => caller,
-        Err(error) => return auth_failure(engine.metrics(), error),
-    };
-    let body = match body {
-        Ok(body) => body,
-        Err(rejection) => return body_rejection(engine.metrics(), rejection),
-    };
-    let request = match CheckRequest::from_json(&body) {
-        Ok(request) => request,
-        Err(error) => return bad_request(engine.metrics(), error),
+    let (caller, request) = match caller_and_request(&state, &headers, body).await {
+        Ok(parsed) => parsed,
+        Err(response) => return response,
     };
     let view = match request.view(&caller) {
         Ok(view) => view,
