@@ -92,13 +92,15 @@ impl TokenReviewer {
             return hit.verdict.clone();
         }
         let cell = self.in_flight.lock().entry(digest).or_default().clone();
+        // The entry goes when this request is done or dropped (a client hanging up mid-review
+        // must not leave entries behind: distinct tokens would grow the map without bound).
+        let _in_flight = InFlight { reviewer: self, digest, cell: cell.clone() };
         let (verdict, expires_at) = cell.get_or_init(|| self.review(token)).await.clone();
         // Cached before the in-flight entry goes, so a request arriving in between finds it. An
         // outage is nobody's verdict: the next request asks again.
         if !matches!(verdict, Err(AuthError::Unavailable(_))) {
             self.remember(digest, verdict.clone(), expires_at);
         }
-        self.in_flight.lock().remove(&digest);
         verdict
     }
 
@@ -159,6 +161,22 @@ impl TokenReviewer {
 
     fn count(&self, result: &'static str) {
         self.metrics.token_reviews.get_or_create(&ResultLabels { result }).inc();
+    }
+}
+
+/// Removes a review's in-flight entry on drop, unless a newer review of the token took its place.
+struct InFlight<'a> {
+    reviewer: &'a TokenReviewer,
+    digest: [u8; 32],
+    cell: Arc<Review>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self.reviewer.in_flight.lock();
+        if in_flight.get(&self.digest).is_some_and(|current| Arc::ptr_eq(current, &self.cell)) {
+            in_flight.remove(&self.digest);
+        }
     }
 }
 
