@@ -1,0 +1,293 @@
+//! The check API's HTTP contract (`/v1/check`, ext_authz, errors, metrics) on the real router,
+//! in-process through `tower::ServiceExt::oneshot`: no binary, no port. What needs a process
+//! (start-up, reload of files, signals) is in tests/serve.rs.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use sluice::clock::SystemClock;
+use sluice::server::engine::Engine;
+use sluice::server::http;
+use sluice::store::memory::MemoryStore;
+use sluice::telemetry::Metrics;
+use tower::ServiceExt;
+
+const POLICY: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: orders-api, namespace: tenant-acme}
+spec:
+  selector: {matchLabels: {app: orders}}
+  rules:
+    - name: per-api-key
+      match: {methods: [POST], paths: [{prefix: /orders}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 3, per: 1h}
+    - name: trial
+      key: [{clientIP: true}]
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1h}
+      mode: shadow
+---
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: shaping, namespace: tenant-acme}
+spec:
+  selector: {matchLabels: {app: batch}}
+  rules:
+    - name: smooth
+      algorithm: leakyBucket
+      limit: {requests: 10, per: 1s, burst: 5, maxDelay: 1s}
+"#;
+
+fn order(key: &str) -> Value {
+    json!({"namespace": "tenant-acme", "labels": {"app": "orders"}, "method": "POST", "path": "/orders/1",
+           "host": "api.example.com", "clientIp": "203.0.113.7", "headers": {"x-api-key": key}})
+}
+
+/// The router of `sluice serve` over a memory store, authentication off.
+struct Api {
+    router: axum::Router,
+}
+
+/// One answer, read whole.
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Api {
+    fn new(policies: &str) -> Api {
+        let loaded = sluice::policy::load_str(policies, std::path::Path::new("policies.yaml")).expect("policies");
+        let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
+        assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+        let clock = Arc::new(SystemClock);
+        let store = Arc::new(MemoryStore::with_clock(100_000, clock.clone()));
+        let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));
+        engine.install(Arc::new(compiled.snapshot));
+        Api { router: http::router(engine) }
+    }
+
+    /// Sends `request` as if from 127.0.0.1 (the server records the peer for ext_authz).
+    async fn send(&self, mut request: Request<Body>) -> Reply {
+        request.extensions_mut().insert(ConnectInfo(SocketAddr::from(([127, 0, 0, 1], 40000))));
+        let response = self.router.clone().oneshot(request).await.expect("infallible");
+        let (parts, body) = response.into_parts();
+        Reply { status: parts.status, headers: parts.headers, body: body.collect().await.expect("body").to_bytes() }
+    }
+
+    async fn get(&self, path: &str) -> Reply {
+        self.send(Request::get(path).body(Body::empty()).unwrap()).await
+    }
+
+    async fn post_body(&self, path: &str, body: Vec<u8>) -> Reply {
+        self.send(Request::post(path).header("content-type", "application/json").body(Body::from(body)).unwrap()).await
+    }
+
+    /// `POST /v1/check` that must answer 200; its JSON.
+    async fn check(&self, body: &Value) -> Value {
+        let reply = self.post_body("/v1/check", serde_json::to_vec(body).unwrap()).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        reply.json()
+    }
+}
+
+#[tokio::test]
+async fn check_api_contract_limits_and_headers() {
+    let api = Api::new(POLICY);
+
+    let first = api.check(&order("k1")).await;
+    assert_eq!(first["allowed"], true);
+    assert_eq!(first["status"], 200);
+    assert_eq!(first["retryAfterMs"], Value::Null);
+    assert_eq!(first["delayMs"], 0);
+    let rules = first["rules"].as_array().unwrap();
+    assert_eq!(rules.len(), 2);
+    assert_eq!(rules[0]["policy"], "tenant-acme/orders-api");
+    assert_eq!(rules[0]["rule"], "per-api-key");
+    assert_eq!(rules[0]["limit"], 3);
+    assert_eq!(rules[0]["remaining"], 2);
+    assert_eq!(rules[0]["shadow"], false);
+    assert!(rules[0]["resetMs"].as_u64().unwrap() > 0);
+    assert_eq!(rules[1]["shadow"], true);
+    let h = &first["headers"];
+    assert_eq!(h["RateLimit-Policy"], r#""orders-api/per-api-key";q=3;w=3600"#);
+    assert!(h["RateLimit"].as_str().unwrap().starts_with(r#""orders-api/per-api-key";r=2;t="#));
+    assert_eq!(h["X-RateLimit-Limit"], "3");
+    assert_eq!(h["X-RateLimit-Remaining"], "2");
+    let reset: u64 = h["X-RateLimit-Reset"].as_str().unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(reset > now && reset <= now + 3600, "X-RateLimit-Reset is Unix seconds: {reset}");
+    assert!(h.get("Retry-After").is_none());
+
+    // The shadow rule (1 per hour per client IP) would already limit the second request.
+    let second = api.check(&order("k1")).await;
+    assert_eq!(second["allowed"], true);
+    assert_eq!(second["rules"][1]["allowed"], false, "shadow reports would-have-limited");
+
+    api.check(&order("k1")).await;
+    let denied = api.check(&order("k1")).await;
+    assert_eq!(denied["allowed"], false);
+    assert_eq!(denied["status"], 429);
+    assert_eq!(denied["headers"]["X-RateLimit-Remaining"], "0");
+    let retry_ms = denied["retryAfterMs"].as_u64().unwrap();
+    assert!(retry_ms > 0 && retry_ms <= 3_600_000);
+    let retry_s: u64 = denied["headers"]["Retry-After"].as_str().unwrap().parse().unwrap();
+    assert_eq!(retry_s, retry_ms.div_ceil(1000));
+
+    // Another key has its own counter.
+    assert_eq!(api.check(&order("k2")).await["allowed"], true);
+
+    // Not matching: another namespace, unselected labels, another method, another path.
+    for body in [
+        json!({"namespace": "other", "labels": {"app": "orders"}, "method": "POST", "path": "/orders/1", "headers": {"x-api-key": "k1"}}),
+        json!({"namespace": "tenant-acme", "labels": {"app": "web"}, "method": "POST", "path": "/orders/1", "headers": {"x-api-key": "k1"}}),
+        json!({"path": "/orders/1"}),
+    ] {
+        let r = api.check(&body).await;
+        assert_eq!(r["allowed"], true);
+        assert_eq!(r["rules"], json!([]), "{body}");
+        assert_eq!(r["headers"], json!({}));
+    }
+    let get = json!({"namespace": "tenant-acme", "labels": {"app": "orders"}, "method": "GET", "path": "/orders/1", "headers": {"x-api-key": "k1"}});
+    let r = api.check(&get).await;
+    assert_eq!(r["rules"].as_array().unwrap().len(), 1, "only the shadow rule matches GET");
+    let elsewhere = json!({"namespace": "tenant-acme", "labels": {"app": "orders"}, "method": "POST", "path": "/ordersX", "headers": {"x-api-key": "k1"}});
+    assert_eq!(api.check(&elsewhere).await["rules"].as_array().unwrap().len(), 1);
+
+    // Metrics count decisions by policy, rule and outcome, and would-have-limited shadows.
+    let metrics = api.get("/metrics").await.text();
+    assert!(
+        metrics.contains(
+            r#"sluice_decisions_total{policy="tenant-acme/orders-api",rule="per-api-key",outcome="limited"} 1"#
+        ),
+        "{metrics}"
+    );
+    assert!(metrics.contains(r#"outcome="would_limit""#), "{metrics}");
+    assert!(metrics.contains("sluice_check_duration_seconds_bucket"));
+    assert!(!metrics.contains("203.0.113.7") && !metrics.contains("k1"), "no label from keys or clients");
+}
+
+#[tokio::test]
+async fn leaky_bucket_shaping_returns_a_delay() {
+    let api = Api::new(POLICY);
+    let body = json!({"namespace": "tenant-acme", "labels": {"app": "batch"}, "path": "/jobs"});
+    let delays: Vec<u64> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(api.check(&body).await["delayMs"].as_u64().unwrap());
+        }
+        v
+    };
+    assert_eq!(delays[0], 0);
+    assert!(delays[1] > 50 && delays[2] > delays[1], "successive requests wait longer: {delays:?}");
+}
+
+#[tokio::test]
+async fn bad_input_gets_400_with_a_reason_never_5xx() {
+    let api = Api::new(POLICY);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("non-JSON", b"hello".to_vec(), "invalid JSON"),
+        ("empty", Vec::new(), "empty body"),
+        ("wrong type", br#"{"path": 5}"#.to_vec(), "path: invalid type"),
+        ("negative cost", br#"{"path": "/", "cost": -1}"#.to_vec(), "cost: "),
+        ("fractional cost", br#"{"path": "/", "cost": 0.5}"#.to_vec(), "cost: "),
+        ("bad IP", br#"{"path": "/", "clientIp": "1.2.3"}"#.to_vec(), "clientIp: "),
+        ("non-string header", br#"{"path": "/", "headers": {"a": ["x"]}}"#.to_vec(), "headers.a: "),
+        ("unknown field", br#"{"path": "/", "clientIP": "1.2.3.4"}"#.to_vec(), "unknown field"),
+        (
+            "deep nesting",
+            format!(r#"{{"path": "/", "labels": {}{}}}"#, "[".repeat(50_000), "]".repeat(50_000)).into_bytes(),
+            "",
+        ),
+    ];
+    for (name, body, needle) in cases {
+        let r = api.post_body("/v1/check", body).await;
+        let status = r.status.as_u16();
+        let v: Value = serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{name}: not JSON: {e}"));
+        assert!(status == 400 || status == 413, "{name}: {status}");
+        let error = v["error"].as_str().unwrap_or_else(|| panic!("{name}: no error field: {v}"));
+        assert!(error.contains(needle), "{name}: {error}");
+    }
+    let huge = format!(r#"{{"path": "/", "headers": {{"a": "{}"}}}}"#, "x".repeat(200_000));
+    let r = api.post_body("/v1/check", huge.into_bytes()).await;
+    assert_eq!(r.status, 413);
+    assert!(r.json()["error"].as_str().unwrap().contains("larger than"));
+    let r = api.get("/v1/check").await;
+    assert_eq!(r.status, 405);
+    let r = api.get("/nope").await;
+    assert_eq!(r.status, 404);
+    // Still serving after all that.
+    assert_eq!(api.check(&order("after")).await["allowed"], true);
+}
+
+#[tokio::test]
+async fn envoy_ext_authz_mode_answers_200_or_429_with_headers() {
+    let api = Api::new(POLICY);
+    let send = || {
+        api.send(
+            Request::post("/v1/authz/orders/9?x=1")
+                .header("host", "api.example.com")
+                .header("x-api-key", "authz")
+                .header("x-sluice-namespace", "tenant-acme")
+                .header("x-sluice-labels", "app=orders")
+                .header("x-forwarded-for", "198.51.100.1, 10.0.0.1")
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+    for _ in 0..3 {
+        let r = send().await;
+        assert_eq!(r.status, 200);
+        assert!(r.headers.contains_key("ratelimit-policy"));
+    }
+    let r = send().await;
+    assert_eq!(r.status, 429);
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(r.headers["x-ratelimit-remaining"], "0");
+    let bad = api.send(Request::get("/v1/authz/x").header("x-sluice-cost", "-3").body(Body::empty()).unwrap()).await;
+    assert_eq!(bad.status, 400);
+}
+
+#[tokio::test]
+async fn ext_authz_denial_status_can_be_403_for_nginx() {
+    let api = Api::new(POLICY);
+    let send = |deny_status: &'static str| {
+        api.send(
+            Request::post("/v1/authz/orders/9")
+                .header("x-api-key", "nginx")
+                .header("x-sluice-namespace", "tenant-acme")
+                .header("x-sluice-labels", "app=orders")
+                .header("x-sluice-deny-status", deny_status)
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+    for _ in 0..3 {
+        assert_eq!(send("403").await.status, 200, "allowed stays 200");
+    }
+    let r = send("403").await;
+    assert_eq!(r.status, 403);
+    assert!(r.headers.contains_key("retry-after"), "the headers nginx copies are there");
+    assert_eq!(send("429").await.status, 429);
+    assert_eq!(send("401").await.status, 401);
+    let bad = send("500").await;
+    assert_eq!(bad.status, 400);
+    assert!(bad.text().contains("x-sluice-deny-status"));
+}
