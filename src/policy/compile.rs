@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;
 use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
-use super::validate::{ValidationErrors, build_limit, compile_regex, validate};
+use super::validate::{CompiledRegexes, ValidationErrors, build_limit, compile_regex, validate_keeping_regexes};
 use crate::algorithm::{Algorithm, Limit};
 use crate::rule::{RuleCheck, RuleId};
 
@@ -335,7 +335,7 @@ fn single_error(path: &str, message: String) -> ValidationErrors {
 }
 
 fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, ValidationErrors> {
-    validate(policy)?;
+    let mut regexes = validate_keeping_regexes(policy)?;
     let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| super::DEFAULT_NAMESPACE.to_string());
     let name = policy.metadata.name.clone().unwrap_or_default();
     let qualified = format!("{namespace}/{name}");
@@ -362,11 +362,12 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     }
     let mut rules = Vec::with_capacity(policy.spec.rules.len());
     for (i, rule) in policy.spec.rules.iter().enumerate() {
-        rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"))?);
+        rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"), &mut regexes)?);
     }
     // The hash covers what the policy says, not bookkeeping such as resourceVersion, so a re-list
     // of unchanged objects yields the same version.
     let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
+    debug_assert!(regexes.is_empty(), "validation and compile name regexes differently: {:?}", regexes.keys());
     Ok(CompiledPolicy { namespace, name, qualified, selector, rules, canonical })
 }
 
@@ -375,16 +376,24 @@ fn compile_rule(
     namespace: &str,
     policy: &str,
     path: &str,
+    validated: &mut CompiledRegexes,
 ) -> Result<CompiledRule, ValidationErrors> {
     let mut errs = ValidationErrors::default();
     // Validation already passed, so these only fail if validate and compile disagree; report
     // rather than panic.
     let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
-    let regex = |pattern: &str, field: String, errs: &mut ValidationErrors| match compile_regex(pattern) {
-        Ok(re) => Some(re),
-        Err(m) => {
-            errs.errors.push(super::validate::FieldError { path: field, message: m });
-            None
+    // Each regex was compiled once by validation; take it from there.
+    let mut regex = |pattern: &str, field: String, errs: &mut ValidationErrors| {
+        let compiled = match validated.remove(&field) {
+            Some(re) => Ok(re),
+            None => compile_regex(pattern),
+        };
+        match compiled {
+            Ok(re) => Some(re),
+            Err(m) => {
+                errs.errors.push(super::validate::FieldError { path: field, message: m });
+                None
+            }
         }
     };
     let mut matcher = RuleMatch::default();

@@ -87,12 +87,28 @@ pub fn policy_files<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>, LoadErr
 
 /// Loads, parses and validates every policy under `paths` (files or directories).
 pub fn load_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<LoadedPolicy>, LoadErrors> {
+    read_paths(paths, Validate::Each)
+}
+
+/// [`load_paths`] without validating the policies: for a caller that compiles them next (compile
+/// validates each once) and reports its rejections with [`LoadedPolicy::file`] and `document`.
+pub fn parse_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<LoadedPolicy>, LoadErrors> {
+    read_paths(paths, Validate::Later)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Validate {
+    Each,
+    Later,
+}
+
+fn read_paths<P: AsRef<Path>>(paths: &[P], validate: Validate) -> Result<Vec<LoadedPolicy>, LoadErrors> {
     let files = policy_files(paths)?;
     let mut loaded = Vec::new();
     let mut errors = Vec::new();
     for file in files {
         match std::fs::read_to_string(&file) {
-            Ok(text) => match load_str(&text, &file) {
+            Ok(text) => match read_str(&text, &file, validate) {
                 Ok(policies) => loaded.extend(policies),
                 Err(LoadErrors(e)) => errors.extend(e),
             },
@@ -119,6 +135,10 @@ pub fn load_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<LoadedPolicy>, Load
 
 /// Parses and validates the documents of one file's text; `file` only names it in errors.
 pub fn load_str(text: &str, file: &Path) -> Result<Vec<LoadedPolicy>, LoadErrors> {
+    read_str(text, file, Validate::Each)
+}
+
+fn read_str(text: &str, file: &Path, validate_each: Validate) -> Result<Vec<LoadedPolicy>, LoadErrors> {
     let mut loaded = Vec::new();
     let mut errors = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
@@ -140,7 +160,7 @@ pub fn load_str(text: &str, file: &Path) -> Result<Vec<LoadedPolicy>, LoadErrors
                 if policy.metadata.namespace.as_deref().is_none_or(str::is_empty) {
                     policy.metadata.namespace = Some(super::DEFAULT_NAMESPACE.to_string());
                 }
-                match validate(&policy) {
+                match if validate_each == Validate::Each { validate(&policy) } else { Ok(()) } {
                     Ok(()) => loaded.push(LoadedPolicy { file: file.to_path_buf(), document, policy }),
                     Err(errs) => errors.push(LoadError::Invalid {
                         file: file.to_path_buf(),

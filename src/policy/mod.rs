@@ -18,7 +18,7 @@ pub use crd::{
     RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
 };
 pub use explain::{ExplainReport, Explanation};
-pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, policy_files};
+pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files};
 pub use matching::{Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
 pub use validate::{FieldError, ValidationErrors, validate, warnings};
 

@@ -21,7 +21,13 @@ const LOG_WARN_REQUESTS: u64 = 100;
 
 /// The regexes of one policy in order: field path and compiled size (0 for one that does not
 /// compile, or that was not compiled because the policy already has too many).
-type RegexSizes = Vec<(String, usize)>;
+/// The policy's regexes by field path, with their compiled size (0 when not compiled: past the
+/// count budget, or invalid) and the compiled regex, which compile then uses instead of building
+/// it again.
+type RegexSizes = Vec<(String, usize, Option<Regex>)>;
+
+/// Compiled regexes of a validated policy, by field path (`spec.rules[0].match.paths[1].regex`).
+pub(super) type CompiledRegexes = std::collections::HashMap<String, Regex>;
 
 /// One problem in a policy, at a field path such as `spec.rules[1].limit.per`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -63,6 +69,11 @@ impl ValidationErrors {
 
 /// Checks a policy and reports every problem with its field path.
 pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
+    validate_keeping_regexes(policy).map(drop)
+}
+
+/// [`validate`], handing back the regexes it compiled to check them.
+pub(super) fn validate_keeping_regexes(policy: &RateLimitPolicy) -> Result<CompiledRegexes, ValidationErrors> {
     let mut errs = ValidationErrors::default();
     match policy.metadata.name.as_deref() {
         None | Some("") => errs.push("metadata.name", "required"),
@@ -90,7 +101,10 @@ pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
         }
     }
     check_regex_budget(&regexes, &mut errs);
-    if errs.is_empty() { Ok(()) } else { Err(errs) }
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    Ok(regexes.into_iter().filter_map(|(path, _, re)| Some((path, re?))).collect())
 }
 
 /// The policy's regex budget: how many regexes (the CRD's CEL counts them too) and their
@@ -107,10 +121,10 @@ fn check_regex_budget(regexes: &RegexSizes, errs: &mut ValidationErrors) {
             ),
         );
     }
-    let total: usize = regexes.iter().map(|(_, size)| size).sum();
+    let total: usize = regexes.iter().map(|(_, size, _)| size).sum();
     if total > MAX_REGEX_BYTES_PER_POLICY {
         let mut sum = 0;
-        if let Some((path, size)) = regexes.iter().find(|(_, size)| {
+        if let Some((path, size, _)) = regexes.iter().find(|(_, size, _)| {
             sum += size;
             sum > MAX_REGEX_BYTES_PER_POLICY
         }) {
@@ -272,14 +286,14 @@ fn validate_path_match(p: &PathMatch, path: &str, regexes: &mut RegexSizes, errs
 /// for `sluice serve`, which no CEL checked, may hold thousands.
 fn check_regex(pattern: &str, path: String, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     if regexes.len() >= MAX_REGEXES_PER_POLICY {
-        regexes.push((path, 0));
+        regexes.push((path, 0, None));
         return;
     }
     match compile_regex(pattern) {
-        Ok(re) => regexes.push((path, re.memory_usage())),
+        Ok(re) => regexes.push((path, re.memory_usage(), Some(re))),
         Err(m) => {
             errs.push(path.clone(), m);
-            regexes.push((path, 0));
+            regexes.push((path, 0, None));
         }
     }
 }

@@ -13,18 +13,31 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::engine::Engine;
-use crate::policy::{LoadErrors, Snapshot, compile, load_paths, policy_files};
+use std::collections::HashMap;
+
+use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files};
 use crate::store::Store;
 
 /// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
-/// naming the file, the document and the field, so a typo never silently drops a policy.
+/// naming the file, the document and the field, so a typo never silently drops a policy. Each
+/// policy is validated (and its regexes compiled) once, by the compile.
 pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
-    let loaded = load_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
-    let compiled = compile(loaded.into_iter().map(|l| l.policy).collect());
-    if let Some(rejected) = compiled.rejected.first() {
-        return Err(format!("policy {}: {}", rejected.policy, rejected.errors));
+    let parsed = parse_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
+    let origins: HashMap<String, (PathBuf, usize)> =
+        parsed.iter().map(|l| (l.policy.qualified_name(), (l.file.clone(), l.document))).collect();
+    let compiled = compile(parsed.into_iter().map(|l| l.policy).collect());
+    if compiled.rejected.is_empty() {
+        return Ok(compiled.snapshot);
     }
-    Ok(compiled.snapshot)
+    let errors = compiled
+        .rejected
+        .into_iter()
+        .map(|rejected| {
+            let (file, document) = origins.get(&rejected.policy).cloned().unwrap_or_default();
+            LoadError::Invalid { file, document, policy: rejected.policy, errors: rejected.errors }
+        })
+        .collect();
+    Err(LoadErrors(errors).to_string())
 }
 
 /// A digest of the policy files' names and contents: a change in any of them means reload.
