@@ -1,47 +1,16 @@
 //! `sluice serve` as a process: start-up, hot reload of files, SIGTERM. The HTTP contract itself is
 //! tested in-process (tests/http_contract.rs).
 
+#[path = "support/check_api.rs"]
+mod check_api;
 #[path = "support/sluice_process.rs"]
 mod support;
 
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use check_api::{POLICY, order};
+use serde_json::Value;
 use support::{SluiceProcess, run_to_end};
-
-const POLICY: &str = r#"
-apiVersion: sluice.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {name: orders-api, namespace: tenant-acme}
-spec:
-  selector: {matchLabels: {app: orders}}
-  rules:
-    - name: per-api-key
-      match: {methods: [POST], paths: [{prefix: /orders}]}
-      key: [{header: X-API-Key}]
-      algorithm: fixedWindow
-      limit: {requests: 3, per: 1h}
-    - name: trial
-      key: [{clientIP: true}]
-      algorithm: fixedWindow
-      limit: {requests: 1, per: 1h}
-      mode: shadow
----
-apiVersion: sluice.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {name: shaping, namespace: tenant-acme}
-spec:
-  selector: {matchLabels: {app: batch}}
-  rules:
-    - name: smooth
-      algorithm: leakyBucket
-      limit: {requests: 10, per: 1s, burst: 5, maxDelay: 1s}
-"#;
-
-fn order(key: &str) -> Value {
-    json!({"namespace": "tenant-acme", "labels": {"app": "orders"}, "method": "POST", "path": "/orders/1",
-           "host": "api.example.com", "clientIp": "203.0.113.7", "headers": {"x-api-key": key}})
-}
 
 fn start(dir: &std::path::Path) -> SluiceProcess {
     SluiceProcess::start(&[
