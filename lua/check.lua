@@ -14,7 +14,8 @@
 --
 -- All-or-nothing: phase 1 decides every rule without writing. The request is allowed when every
 -- enforcing rule allowed it (shadow rules never deny). Only then does phase 2 consume, in each
--- rule whose own decision allowed; a denial writes nothing anywhere. Every key written gets a
+-- rule whose own decision allowed; a denial writes nothing anywhere, and every rule then reports
+-- its unchanged state. Every key written gets a
 -- PEXPIRE equal to the time until its state is pristine, in this same script, so no key can be
 -- left without a TTL.
 
@@ -84,6 +85,18 @@ for i, key in ipairs(KEYS) do
   decisions[i] = { ok, remaining, reset_after, retry_after, delay }
   if r.enforce and not ok then
     allowed = false
+  end
+end
+
+-- Nothing will be consumed: a rule that had room reports its state as it stands, not as it
+-- would have been after this request.
+if not allowed then
+  for i = 1, #KEYS do
+    if decisions[i][1] then
+      local r = rules[i]
+      local ok, remaining, reset_after, retry_after, delay = r.module.check(r, states[i], now, 0)
+      decisions[i] = { ok, remaining, reset_after, retry_after, delay }
+    end
   end
 end
 

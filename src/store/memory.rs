@@ -396,6 +396,15 @@ impl MemoryStore {
                     self.consume(guard, slot, check, now);
                 }
             }
+        } else {
+            // Nothing was consumed: a rule that had room reports its state as it stands, not as
+            // it would have been after this request.
+            for ((check, &(slot, shard)), decision) in checks.iter().zip(slots.iter()).zip(decisions.iter_mut()) {
+                if decision.allowed {
+                    let state = guards[guard_of(shard)].as_ref().and_then(|g| g.slots.get(&slot)).map(|e| &e.state);
+                    *decision = algorithm::check(check.limit, state, now, 0);
+                }
+            }
         }
         allowed
     }
