@@ -68,13 +68,35 @@ fn each_cel_rule_catches_its_mistake() {
         ("a header match needs exactly one", rule("    match: {headers: [{name: x}]}\n")),
         ("a key part needs exactly one", rule("    key: [{header: x, clientIP: true}]\n")),
         ("are written as `NAME: true`", rule("    key: [{path: false}]\n")),
+        // `namespace` is a CEL reserved word, reached as `__namespace__`.
+        ("are written as `NAME: true`", rule("    key: [{namespace: false}]\n")),
         ("missing only applies", rule("    key: [{path: true, missing: skip}]\n")),
+        ("a descriptor entry takes at most one", rule("    match: {descriptor: [{key: a, exact: x, prefix: y}]}\n")),
+        (
+            "match.descriptor cannot be combined",
+            rule("    match: {methods: [GET], descriptor: [{key: a}]}\n"),
+        ),
+        ("a descriptor key part needs an entry", rule("    key: [{descriptor: a}]\n")),
+        (
+            "a descriptor key part needs an entry",
+            rule("    match: {descriptor: [{key: a}]}\n    key: [{descriptor: b}]\n"),
+        ),
+        (
+            "a rule matching descriptors keys only",
+            rule("    match: {descriptor: [{key: a}]}\n    key: [{header: x-api-key}]\n"),
+        ),
     ];
     for (want, spec) in cases {
         let errors = cel_errors(spec);
         assert!(errors.contains(want), "expected {want:?} for\n{spec}got: {errors}");
     }
     assert_eq!(cel_errors(&rule("    key: [{header: X-Key, missing: skip}, {clientIP: true}]\n    cost: 10\n")), "");
+    assert_eq!(
+        cel_errors(&rule(
+            "    match: {descriptor: [{key: generic_key, exact: api}, {key: path, notIn: [/a], notPrefix: [/b]}]}\n    key: [{descriptor: path}, {namespace: true}, {literal: x}]\n"
+        )),
+        ""
+    );
 }
 
 /// The budgets CEL can count: slidingWindowLog requests per window and regexes per policy
@@ -112,7 +134,7 @@ fn cel_enforces_the_budgets_it_can_count() {
     );
     let errors = cel_errors(&over);
     assert!(
-        errors.contains("at most 64 regexes per policy (match.paths and match.headers of all rules together)")
+        errors.contains("at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together)")
             && errors.contains("spec.rules"),
         "{errors}"
     );

@@ -102,6 +102,18 @@ pub(super) struct RuleMatch {
     pub(super) paths: Vec<PathMatcher>,
     pub(super) hosts: Vec<HostMatcher>,
     pub(super) headers: Vec<HeaderMatcher>,
+    /// Non-empty: the rule applies to rate limit descriptors with exactly these entries, and to
+    /// nothing else.
+    pub(super) descriptor: Vec<DescriptorEntryMatcher>,
+}
+
+#[derive(Debug)]
+pub(super) struct DescriptorEntryMatcher {
+    pub(super) key: String,
+    /// `Present(true)`: any value.
+    pub(super) test: HeaderTest,
+    pub(super) not_in: Vec<String>,
+    pub(super) not_prefix: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -144,6 +156,8 @@ pub(super) enum KeySource {
     Path,
     Method,
     Host,
+    /// The value of the descriptor entry with this key.
+    Descriptor(String),
     Literal(String),
 }
 
@@ -211,6 +225,7 @@ impl CompiledRule {
                 KeySource::Path => "path".to_string(),
                 KeySource::Method => "method".to_string(),
                 KeySource::Host => "host".to_string(),
+                KeySource::Descriptor(key) => format!("descriptor {key}"),
                 KeySource::Literal(text) => format!("literal {text:?}"),
             })
             .collect::<Vec<_>>()
@@ -434,6 +449,26 @@ fn compile_rule(
             };
             matcher.headers.push(HeaderMatcher { name: h.name.to_ascii_lowercase(), test });
         }
+        for (j, entry) in m.descriptor.iter().enumerate() {
+            let test = if let Some(v) = &entry.exact {
+                HeaderTest::Exact(v.clone())
+            } else if let Some(v) = &entry.prefix {
+                HeaderTest::Prefix(v.clone())
+            } else if let Some(v) = &entry.regex {
+                match regex(v, format!("{path}.match.descriptor[{j}].regex"), &mut errs) {
+                    Some(re) => HeaderTest::Regex(re),
+                    None => continue,
+                }
+            } else {
+                HeaderTest::Present(true)
+            };
+            matcher.descriptor.push(DescriptorEntryMatcher {
+                key: entry.key.clone(),
+                test,
+                not_in: entry.not_in.clone(),
+                not_prefix: entry.not_prefix.clone(),
+            });
+        }
     }
     let key = rule.key.iter().map(key_source).collect();
     let (Some(limit), true) = (limit, errs.is_empty()) else {
@@ -470,6 +505,8 @@ fn key_source(k: &KeyPart) -> KeySource {
         KeySource::Method
     } else if k.host.is_some() {
         KeySource::Host
+    } else if let Some(key) = &k.descriptor {
+        KeySource::Descriptor(key.clone())
     } else {
         KeySource::Literal(k.literal.clone().unwrap_or_default())
     }

@@ -22,9 +22,14 @@ pub const MAX_NAME_LEN: usize = 63;
 pub const MAX_HEADER_NAME_LEN: usize = 256;
 pub const MAX_LITERAL_LEN: usize = 256;
 pub const MAX_DURATION_LEN: usize = 32;
+/// Entries of one Envoy rate limit descriptor a rule matches (Envoy's own descriptors are a few
+/// entries deep).
+pub const MAX_DESCRIPTOR_ENTRIES: usize = 8;
+/// Length of a descriptor entry's key.
+pub const MAX_DESCRIPTOR_KEY_LEN: usize = 256;
 
-/// Budget per policy: regexes (`match.paths[].regex` and `match.headers[].regex` of all rules
-/// together). Every regex is compiled by the webhook, every replica and every sidecar, and
+/// Budget per policy: regexes (`match.paths[].regex`, `match.headers[].regex` and
+/// `match.descriptor[].regex` of all rules together). Every regex is compiled by the webhook, every replica and every sidecar, and
 /// each request a rule sees runs its regexes. The CRD's CEL enforces the count; only
 /// [`super::validate`] (webhook, compile, `sluice serve`) can measure the compiled size.
 pub const MAX_REGEXES_PER_POLICY: usize = 64;
@@ -58,7 +63,9 @@ fn log_cap_rule() -> CelRule {
 
 /// The message of the regex count budget, shared by CEL and `validate`.
 pub(crate) fn regex_count_message() -> String {
-    format!("at most {MAX_REGEXES_PER_POLICY} regexes per policy (match.paths and match.headers of all rules together)")
+    format!(
+        "at most {MAX_REGEXES_PER_POLICY} regexes per policy (match.paths, match.headers and match.descriptor of all rules together)"
+    )
 }
 
 /// CEL: at most [`MAX_REGEXES_PER_POLICY`] regexes in the policy (reported at `spec.rules`).
@@ -67,9 +74,10 @@ fn regex_count_rule() -> CelRule {
         format!("(has(r.match.{list}) ? r.match.{list}.filter({var}, has({var}.regex)).size() : 0)")
     };
     CelRule::new(format!(
-        "self.rules.map(r, has(r.match) ? {} + {} : 0).sum() <= {MAX_REGEXES_PER_POLICY}",
+        "self.rules.map(r, has(r.match) ? {} + {} + {} : 0).sum() <= {MAX_REGEXES_PER_POLICY}",
         count("paths", "p"),
-        count("headers", "h")
+        count("headers", "h"),
+        count("descriptor", "d")
     ))
     .message(kube::core::Message::Message(regex_count_message()))
     .field_path(".rules")
@@ -130,8 +138,9 @@ pub struct RateLimitPolicySpec {
     /// (for example per API key or per client IP). At least one rule, at most 64; names unique.
     ///
     /// Budget per policy, so that one policy cannot burden the shared system: at most 64 rules;
-    /// at most 64 regexes (match.paths and match.headers of all rules together), compiled to at
-    /// most 1 MiB in total and 256 KiB each; slidingWindowLog at most 1000 requests per window.
+    /// at most 64 regexes (match.paths, match.headers and match.descriptor of all rules
+    /// together), compiled to at most 1 MiB in total and 256 KiB each; slidingWindowLog at most
+    /// 1000 requests per window.
     /// The regex sizes are measured by the admission webhook (and `sluice serve`), not by the
     /// schema.
     #[schemars(length(min = 1, max = MAX_RULES))]
@@ -146,6 +155,8 @@ pub struct RateLimitPolicySpec {
 #[x_kube(validation = CelRule::new("!has(self.limit.maxDelay) || self.algorithm == 'leakyBucket'").message("limit.maxDelay is only used by leakyBucket"))]
 #[x_kube(validation = CelRule::new("!has(self.cost) || self.cost <= (has(self.limit.burst) ? self.limit.burst : self.limit.requests)").message("cost must not exceed limit.burst (or limit.requests when there is no burst): such a request could never be admitted"))]
 #[x_kube(validation = log_cap_rule())]
+#[x_kube(validation = CelRule::new("self.key.all(k, !has(k.descriptor) || (has(self.match) && has(self.match.descriptor) && self.match.descriptor.exists(e, e.key == k.descriptor)))").message("a descriptor key part needs an entry with that key in match.descriptor"))]
+#[x_kube(validation = CelRule::new("!has(self.match) || !has(self.match.descriptor) || size(self.match.descriptor) == 0 || self.key.all(k, !has(k.header) && !has(k.clientIP) && !has(k.path) && !has(k.method) && !has(k.host))").message("a rule matching descriptors keys only on descriptor, namespace and literal parts: a descriptor carries no HTTP request"))]
 #[serde(rename_all = "camelCase")]
 pub struct PolicyRule {
     /// Name of the rule, unique within the policy: lowercase letters, digits and '-', at most
@@ -163,8 +174,9 @@ pub struct PolicyRule {
 
     /// How matching requests are grouped into counters: the values of these parts, in order,
     /// form the counter's key. Each part is an object with exactly one of `header: NAME`,
-    /// `clientIP: true`, `namespace: true`, `path: true`, `method: true`, `host: true` or
-    /// `literal: TEXT`. Empty: one counter shared by every matching request.
+    /// `clientIP: true`, `namespace: true`, `path: true`, `method: true`, `host: true`,
+    /// `descriptor: KEY` (rules matching descriptors only) or `literal: TEXT`. Empty: one
+    /// counter shared by every matching request.
     ///
     /// Example: `key: [{header: X-API-Key}]` counts each API key separately.
     #[serde(default)]
@@ -220,6 +232,7 @@ pub enum Mode {
 
 /// Conditions on a request; all present lists must match.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = CelRule::new("!has(self.descriptor) || size(self.descriptor) == 0 || ((!has(self.methods) || size(self.methods) == 0) && (!has(self.paths) || size(self.paths) == 0) && (!has(self.hosts) || size(self.hosts) == 0) && (!has(self.headers) || size(self.headers) == 0))").message("match.descriptor cannot be combined with methods, paths, hosts or headers: a descriptor carries no HTTP request"))]
 #[serde(rename_all = "camelCase")]
 pub struct Match {
     /// HTTP methods (case-insensitive), e.g. `[GET, HEAD]`. Empty: any method.
@@ -250,6 +263,55 @@ pub struct Match {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub headers: Vec<HeaderMatch>,
+
+    /// For Envoy's rate limit service (gRPC `ShouldRateLimit`): the rule applies to a request
+    /// descriptor whose entries are exactly these, in this order (as a path through an
+    /// envoyproxy/ratelimit descriptor tree). Each entry names its `key` and optionally tests its
+    /// value. A rule with `descriptor` applies only to descriptors, never to HTTP checks, and
+    /// cannot also match methods, paths, hosts or headers; a rule without it never applies to a
+    /// descriptor. The descriptor's domain is the namespace of the policy.
+    ///
+    /// Example: `descriptor: [{key: remote_address}]` matches every descriptor
+    /// `[(remote_address, <any value>)]`; with `key: [{descriptor: remote_address}]` each address
+    /// gets its own counter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_DESCRIPTOR_ENTRIES))]
+    pub descriptor: Vec<DescriptorEntryMatch>,
+}
+
+/// One entry of a rate limit descriptor: its key, and at most one of exact, prefix or regex on
+/// its value, plus values it must not have.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = CelRule::new("[has(self.exact), has(self.prefix), has(self.regex)].filter(x, x).size() <= 1").message("a descriptor entry takes at most one of exact, prefix or regex"))]
+#[serde(rename_all = "camelCase")]
+pub struct DescriptorEntryMatch {
+    /// The entry's key, compared exactly, e.g. `remote_address`, `generic_key`, `header_match`.
+    #[schemars(length(min = 1, max = MAX_DESCRIPTOR_KEY_LEN))]
+    pub key: String,
+    /// The whole value, compared exactly (case-sensitive). Absent (with prefix and regex): any
+    /// value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
+    pub exact: Option<String>,
+    /// The start of the value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
+    pub prefix: Option<String>,
+    /// An RE2 regular expression that must match the whole value. Counts against the policy's
+    /// regex budget (see `spec.rules`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_PATTERN_LEN))]
+    pub regex: Option<String>,
+    /// Values the entry must not have, compared exactly: how a catch-all rule leaves the
+    /// values that have rules of their own to them (envoyproxy/ratelimit's most specific match
+    /// wins, e.g. an `unlimited` value beside a per-value default).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
+    pub not_in: Vec<String>,
+    /// Prefixes the value must not start with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_MATCH_ITEMS))]
+    pub not_prefix: Vec<String>,
 }
 
 /// One path condition: exactly one of exact, prefix or regex.
@@ -302,8 +364,8 @@ pub struct HeaderMatch {
 
 /// One part of a counter key: exactly one source field.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[x_kube(validation = CelRule::new("[has(self.header), has(self.clientIP), has(self.namespace), has(self.path), has(self.method), has(self.host), has(self.literal)].filter(x, x).size() == 1").message("a key part needs exactly one of header, clientIP, namespace, path, method, host or literal"))]
-#[x_kube(validation = CelRule::new("(!has(self.clientIP) || self.clientIP) && (!has(self.namespace) || self.namespace) && (!has(self.path) || self.path) && (!has(self.method) || self.method) && (!has(self.host) || self.host)").message("clientIP, namespace, path, method and host key parts are written as `NAME: true`"))]
+#[x_kube(validation = CelRule::new("[has(self.header), has(self.clientIP), has(self.__namespace__), has(self.path), has(self.method), has(self.host), has(self.descriptor), has(self.literal)].filter(x, x).size() == 1").message("a key part needs exactly one of header, clientIP, namespace, path, method, host, descriptor or literal"))]
+#[x_kube(validation = CelRule::new("(!has(self.clientIP) || self.clientIP) && (!has(self.__namespace__) || self.__namespace__) && (!has(self.path) || self.path) && (!has(self.method) || self.method) && (!has(self.host) || self.host)").message("clientIP, namespace, path, method and host key parts are written as `NAME: true`"))]
 #[x_kube(validation = CelRule::new("!has(self.missing) || has(self.header) || has(self.clientIP)").message("missing only applies to header and clientIP key parts"))]
 #[serde(rename_all = "camelCase")]
 pub struct KeyPart {
@@ -327,6 +389,11 @@ pub struct KeyPart {
     /// `host: true`: the host name, lowercased, without port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<bool>,
+    /// `descriptor: KEY`: the value of the descriptor entry with this key (rules with
+    /// `match.descriptor` naming that key only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DESCRIPTOR_KEY_LEN))]
+    pub descriptor: Option<String>,
     /// A fixed text, e.g. to keep counters of two rules apart by name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_LITERAL_LEN))]

@@ -186,6 +186,25 @@ fn describe_rule_failure(
             };
             format!("headers[{i}]: {name} is {}; the rule needs {needs}", quoted(req.headers.get_str(name)))
         }
+        RuleMismatch::Kind if req.descriptor.is_none() => {
+            "match.descriptor: the rule applies to Envoy rate limit descriptors, not HTTP requests".to_string()
+        }
+        RuleMismatch::Kind => "the rule applies to HTTP requests, not to rate limit descriptors".to_string(),
+        RuleMismatch::DescriptorLength => format!(
+            "match.descriptor: the descriptor has {} entries; the rule needs {}",
+            req.descriptor.map_or(0, |d| d.entry_count()),
+            rule.matcher.descriptor.len()
+        ),
+        RuleMismatch::DescriptorEntry(i) => {
+            let entry = req.descriptor.and_then(|d| d.entry(i));
+            let wanted = rule.matcher.descriptor.get(i).map_or("", |e| e.key.as_str());
+            match entry {
+                Some((key, value)) => {
+                    format!("match.descriptor[{i}]: entry ({key}, {value:?}) does not pass the rule's entry {wanted}")
+                }
+                None => format!("match.descriptor[{i}]: no such entry"),
+            }
+        }
     }
 }
 
@@ -197,6 +216,7 @@ fn describe_key_source(source: &KeySource) -> String {
         KeySource::Path => "path".to_string(),
         KeySource::Method => "method".to_string(),
         KeySource::Host => "host".to_string(),
+        KeySource::Descriptor(key) => format!("descriptor {key}"),
         KeySource::Literal(_) => "literal".to_string(),
     }
 }
@@ -570,6 +590,7 @@ spec:
                                     client_ip,
                                     headers,
                                     cost: 2,
+                                    descriptor: None,
                                 };
                                 let mut resolved = Vec::new();
                                 snapshot.resolve(&req, &mut resolved);

@@ -14,7 +14,7 @@ use std::hash::BuildHasher;
 use std::net::IpAddr;
 
 use super::compile::{
-    CompiledPolicy, CompiledRule, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch, Selector, SelectorOp,
+    CompiledPolicy, CompiledRule, DescriptorEntryMatcher, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch, Selector, SelectorOp,
     Snapshot,
 };
 use super::crd::Missing;
@@ -57,6 +57,28 @@ impl StrMap for NoEntries {
     }
 }
 
+/// One rate limit descriptor (Envoy's `RateLimitDescriptor`): an ordered list of (key, value)
+/// entries, borrowed from whatever the gRPC layer decoded.
+pub trait Descriptor: Sync {
+    fn entry_count(&self) -> usize;
+    /// Entry `i` as (key, value); `None` past the end.
+    fn entry(&self, i: usize) -> Option<(&str, &str)>;
+
+    /// The value of the first entry with `key`.
+    fn value_of(&self, key: &str) -> Option<&str> {
+        (0..self.entry_count()).filter_map(|i| self.entry(i)).find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+}
+
+impl<K: AsRef<str> + Sync, V: AsRef<str> + Sync> Descriptor for Vec<(K, V)> {
+    fn entry_count(&self) -> usize {
+        self.len()
+    }
+    fn entry(&self, i: usize) -> Option<(&str, &str)> {
+        self.get(i).map(|(k, v)| (k.as_ref(), v.as_ref()))
+    }
+}
+
 /// A request as the matcher sees it, borrowed from whatever the HTTP layer parsed.
 #[derive(Clone, Copy)]
 pub struct RequestView<'a> {
@@ -75,6 +97,10 @@ pub struct RequestView<'a> {
     pub headers: &'a dyn StrMap,
     /// The request's own cost, multiplied by each rule's cost.
     pub cost: u64,
+    /// Set for one descriptor of an Envoy rate limit request (then method, path, host, client
+    /// IP and headers are empty): only rules with `match.descriptor` apply to it. `None` for an
+    /// HTTP request, to which no such rule applies.
+    pub descriptor: Option<&'a dyn Descriptor>,
 }
 
 impl<'a> RequestView<'a> {
@@ -90,7 +116,14 @@ impl<'a> RequestView<'a> {
             client_ip: None,
             headers: &NoEntries,
             cost: 1,
+            descriptor: None,
         }
+    }
+
+    /// One descriptor of an Envoy rate limit request in `namespace` (the request's domain), of
+    /// `cost`.
+    pub fn descriptor(namespace: &'a str, descriptor: &'a dyn Descriptor, cost: u64) -> Self {
+        RequestView { namespace, cost, descriptor: Some(descriptor), ..RequestView::new("/") }
     }
 
     fn path_only(&self) -> &'a str {
@@ -217,6 +250,12 @@ pub(super) enum RuleMismatch {
     Host,
     /// Index into [`RuleMatch::headers`].
     Header(usize),
+    /// The rule matches descriptors and this is an HTTP request, or the other way round.
+    Kind,
+    /// The descriptor has another number of entries than the rule's `match.descriptor`.
+    DescriptorLength,
+    /// Index into [`RuleMatch::descriptor`]: that entry's key or value differs.
+    DescriptorEntry(usize),
 }
 
 /// Why a request fails `m` (conditions in the order they are written: methods, paths, hosts,
@@ -228,6 +267,11 @@ pub(super) fn rule_mismatch(
     path: &str,
     host: Option<&str>,
 ) -> Option<RuleMismatch> {
+    match (m.descriptor.is_empty(), req.descriptor) {
+        (true, None) => {}
+        (false, Some(descriptor)) => return descriptor_mismatch(&m.descriptor, descriptor),
+        _ => return Some(RuleMismatch::Kind),
+    }
     if !(m.methods.is_empty() || m.methods.iter().any(|x| x.eq_ignore_ascii_case(req.method))) {
         return Some(RuleMismatch::Method);
     }
@@ -239,16 +283,35 @@ pub(super) fn rule_mismatch(
     }
     m.headers
         .iter()
-        .position(|h| {
-            let value = req.headers.get_str(&h.name);
-            !match &h.test {
-                HeaderTest::Exact(x) => value == Some(x.as_str()),
-                HeaderTest::Prefix(x) => value.is_some_and(|v| v.starts_with(x.as_str())),
-                HeaderTest::Regex(re) => value.is_some_and(|v| re.is_match(v)),
-                HeaderTest::Present(want) => value.is_some() == *want,
-            }
-        })
+        .position(|h| !value_passes(&h.test, req.headers.get_str(&h.name)))
         .map(RuleMismatch::Header)
+}
+
+fn descriptor_mismatch(entries: &[DescriptorEntryMatcher], descriptor: &dyn Descriptor) -> Option<RuleMismatch> {
+    if descriptor.entry_count() != entries.len() {
+        return Some(RuleMismatch::DescriptorLength);
+    }
+    entries
+        .iter()
+        .enumerate()
+        .position(|(i, e)| {
+            let Some((key, value)) = descriptor.entry(i) else { return true };
+            !(key == e.key
+                && value_passes(&e.test, Some(value))
+                && !e.not_in.iter().any(|x| x == value)
+                && !e.not_prefix.iter().any(|p| value.starts_with(p.as_str())))
+        })
+        .map(RuleMismatch::DescriptorEntry)
+}
+
+/// Whether a header (or descriptor entry) value, `None` when absent, passes `test`.
+fn value_passes(test: &HeaderTest, value: Option<&str>) -> bool {
+    match test {
+        HeaderTest::Exact(x) => value == Some(x.as_str()),
+        HeaderTest::Prefix(x) => value.is_some_and(|v| v.starts_with(x.as_str())),
+        HeaderTest::Regex(re) => value.is_some_and(|v| re.is_match(v)),
+        HeaderTest::Present(want) => value.is_some() == *want,
+    }
 }
 
 /// Prefixes match whole segments, as in the Gateway API: `/orders` matches `/orders` and
@@ -325,6 +388,10 @@ pub(super) fn build_key(
                 let h = host.unwrap_or("");
                 push_len(&mut key, h.len());
                 key.extend(h.chars().map(|c| c.to_ascii_lowercase()));
+            }
+            KeySource::Descriptor(entry) => {
+                // validate() ties the part to an entry of match.descriptor, which matched.
+                push_part(&mut key, req.descriptor.and_then(|d| d.value_of(entry)).unwrap_or(""))
             }
             KeySource::Literal(text) => push_part(&mut key, text),
         }

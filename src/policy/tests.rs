@@ -219,7 +219,7 @@ fn regexes_are_capped_at_max_regexes_per_policy() {
     assert_eq!(
         messages(&policy(2)),
         [
-            "spec.rules: at most 64 regexes per policy (match.paths and match.headers of all rules together), got 66 (the first over the budget: spec.rules[2].match.paths[1].regex)"
+            "spec.rules: at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together), got 66 (the first over the budget: spec.rules[2].match.paths[1].regex)"
         ]
     );
 }
@@ -296,7 +296,7 @@ fn budget_numbers_in_schema_and_docs_are_the_constants() {
         format!("at most {MAX_LOG_REQUESTS} requests per window"),
         format!("<= {MAX_REGEXES_PER_POLICY}"),
         format!("at most {MAX_RULES}; names unique"),
-        format!("at most {MAX_REGEXES_PER_POLICY} regexes (match.paths and match.headers of all rules together)"),
+        format!("at most {MAX_REGEXES_PER_POLICY} regexes (match.paths, match.headers and match.descriptor of all"),
         format!("most {mib} in total and {kib} each"),
     ] {
         assert!(yaml.contains(&needle), "CRD lacks {needle:?}");
@@ -650,4 +650,110 @@ fn snapshot_is_shareable_and_empty_has_a_version() {
     let mut out = Vec::new();
     empty.resolve(&RequestView::new("/"), &mut out);
     assert!(out.is_empty());
+}
+
+// ---------- rate limit descriptors ----------
+
+fn descriptor_snapshot() -> Snapshot {
+    let p = with_rules(
+        "edge",
+        "rls",
+        r#"  - name: per-address
+    match: {descriptor: [{key: remote_address}]}
+    key: [{descriptor: remote_address}]
+    algorithm: fixedWindow
+    limit: {requests: 10, per: 1s}
+  - name: bot
+    match: {descriptor: [{key: user_agent, prefix: bot-}]}
+    algorithm: fixedWindow
+    limit: {requests: 1, per: 1s}
+  - name: per-path-default
+    match: {descriptor: [{key: generic_key, exact: api}, {key: path, notIn: [/healthz], notPrefix: [/internal/]}]}
+    key: [{descriptor: path}]
+    algorithm: fixedWindow
+    limit: {requests: 5, per: 1s}
+  - name: numeric-tenant
+    match: {descriptor: [{key: tenant, regex: "[0-9]+"}]}
+    key: [{literal: t}, {descriptor: tenant}]
+    algorithm: fixedWindow
+    limit: {requests: 5, per: 1s}
+  - name: http-only
+    algorithm: fixedWindow
+    limit: {requests: 5, per: 1s}
+"#,
+    );
+    let compiled = compile(vec![p]);
+    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+    compiled.snapshot
+}
+
+fn descriptor_matches(s: &Snapshot, entries: &[(&str, &str)]) -> Vec<(String, String)> {
+    let descriptor: Vec<(&str, &str)> = entries.to_vec();
+    let view = RequestView::descriptor("edge", &descriptor, 1);
+    let mut out = Vec::new();
+    s.resolve(&view, &mut out);
+    out.iter().map(|m| (m.rule.name().to_string(), m.key.clone())).collect()
+}
+
+#[test]
+fn descriptor_rules_match_entries_in_order_and_key_on_their_values() {
+    let s = descriptor_snapshot();
+    let named = |v: Vec<(String, String)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+    assert_eq!(descriptor_matches(&s, &[("remote_address", "10.0.0.1")]), vec![("per-address".into(), "8:10.0.0.1".into())]);
+    assert_eq!(named(descriptor_matches(&s, &[("user_agent", "bot-x")])), ["bot"]);
+    assert!(descriptor_matches(&s, &[("user_agent", "curl")]).is_empty(), "prefix");
+    assert_eq!(
+        descriptor_matches(&s, &[("generic_key", "api"), ("path", "/orders")]),
+        vec![("per-path-default".into(), "7:/orders".into())]
+    );
+    assert!(descriptor_matches(&s, &[("generic_key", "api"), ("path", "/healthz")]).is_empty(), "notIn");
+    assert!(descriptor_matches(&s, &[("generic_key", "api"), ("path", "/internal/x")]).is_empty(), "notPrefix");
+    assert!(descriptor_matches(&s, &[("path", "/orders"), ("generic_key", "api")]).is_empty(), "order counts");
+    assert!(descriptor_matches(&s, &[("generic_key", "api")]).is_empty(), "as many entries as the rule");
+    assert!(
+        descriptor_matches(&s, &[("remote_address", "10.0.0.1"), ("path", "/")]).is_empty(),
+        "a longer descriptor is another tree node"
+    );
+    assert_eq!(descriptor_matches(&s, &[("tenant", "42")]), vec![("numeric-tenant".into(), "1:t2:42".into())]);
+    assert!(descriptor_matches(&s, &[("tenant", "42a")]).is_empty(), "regex matches the whole value");
+    assert!(descriptor_matches(&s, &[]).is_empty(), "an empty descriptor matches no rule, not even http-only");
+}
+
+#[test]
+fn descriptor_rules_never_apply_to_http_requests_nor_http_rules_to_descriptors() {
+    let s = descriptor_snapshot();
+    let http = RequestView { namespace: "edge", ..RequestView::new("/orders") };
+    assert_eq!(matched_rules(&s, &http), ["edge/rls/http-only"]);
+    assert!(!descriptor_matches(&s, &[("remote_address", "a")]).iter().any(|(n, _)| n == "http-only"));
+}
+
+#[test]
+fn descriptor_rules_are_validated() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: mixed
+    match: {methods: [GET], descriptor: [{key: a, exact: x, prefix: y}, {key: "", regex: "("}]}
+    key: [{descriptor: b}, {header: x-api-key}]
+    algorithm: fixedWindow
+    limit: {requests: 10, per: 1s}
+  - name: http
+    key: [{descriptor: a}]
+    algorithm: fixedWindow
+    limit: {requests: 10, per: 1s}
+"#,
+    );
+    let errs = validate(&p).unwrap_err();
+    let got = paths(&errs);
+    for want in [
+        "spec.rules[0].match.descriptor",
+        "spec.rules[0].match.descriptor[0]",
+        "spec.rules[0].match.descriptor[1].key",
+        "spec.rules[0].match.descriptor[1].regex",
+        "spec.rules[0].key[0].descriptor",
+        "spec.rules[0].key[1]",
+        "spec.rules[1].key[0].descriptor",
+    ] {
+        assert!(got.contains(&want), "missing {want} in {got:?}");
+    }
 }

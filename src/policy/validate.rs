@@ -9,7 +9,7 @@ use regex_automata::meta::{self, Regex};
 use regex_automata::util::syntax;
 
 use super::crd::{
-    HeaderMatch, KeyPart, LimitSpec, MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN,
+    DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN, MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN,
     MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY,
     MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
 };
@@ -154,6 +154,7 @@ fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: 
     for (j, part) in rule.key.iter().enumerate() {
         validate_key_part(part, &format!("{path}.key[{j}]"), errs);
     }
+    validate_descriptor_keys(rule, path, errs);
     if let Some(limit) = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs)
         && rule.cost > limit.capacity()
     {
@@ -241,6 +242,23 @@ fn validate_match(m: &Match, path: &str, regexes: &mut RegexSizes, errs: &mut Va
             errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {len}"));
         }
     }
+    if !m.descriptor.is_empty() {
+        if m.descriptor.len() > MAX_DESCRIPTOR_ENTRIES {
+            errs.push(
+                format!("{path}.descriptor"),
+                format!("at most {MAX_DESCRIPTOR_ENTRIES} entries, got {}", m.descriptor.len()),
+            );
+        }
+        if !(m.methods.is_empty() && m.paths.is_empty() && m.hosts.is_empty() && m.headers.is_empty()) {
+            errs.push(
+                format!("{path}.descriptor"),
+                "cannot be combined with methods, paths, hosts or headers: a descriptor carries no HTTP request",
+            );
+        }
+        for (j, entry) in m.descriptor.iter().enumerate() {
+            validate_descriptor_entry(entry, &format!("{path}.descriptor[{j}]"), regexes, errs);
+        }
+    }
     for (j, method) in m.methods.iter().enumerate() {
         if !is_token(method) {
             errs.push(format!("{path}.methods[{j}]"), format!("invalid HTTP method {method:?}"));
@@ -317,6 +335,64 @@ fn validate_header_match(h: &HeaderMatch, path: &str, regexes: &mut RegexSizes, 
     }
 }
 
+fn validate_descriptor_entry(
+    entry: &DescriptorEntryMatch,
+    path: &str,
+    regexes: &mut RegexSizes,
+    errs: &mut ValidationErrors,
+) {
+    if entry.key.is_empty() || entry.key.len() > MAX_DESCRIPTOR_KEY_LEN {
+        errs.push(format!("{path}.key"), format!("must be 1 to {MAX_DESCRIPTOR_KEY_LEN} characters"));
+    }
+    let set = [entry.exact.is_some(), entry.prefix.is_some(), entry.regex.is_some()].iter().filter(|b| **b).count();
+    if set > 1 {
+        errs.push(path, format!("takes at most one of exact, prefix or regex, got {set}"));
+    }
+    for (field, value) in [("exact", &entry.exact), ("prefix", &entry.prefix)] {
+        if value.as_ref().is_some_and(|v| v.len() > MAX_PATTERN_LEN) {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_PATTERN_LEN} characters"));
+        }
+    }
+    for (field, values) in [("notIn", &entry.not_in), ("notPrefix", &entry.not_prefix)] {
+        if values.len() > MAX_MATCH_ITEMS {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {}", values.len()));
+        }
+        if let Some(j) = values.iter().position(|v| v.len() > MAX_PATTERN_LEN) {
+            errs.push(format!("{path}.{field}[{j}]"), format!("at most {MAX_PATTERN_LEN} characters"));
+        }
+    }
+    if let Some(re) = &entry.regex {
+        check_regex(re, format!("{path}.regex"), regexes, errs);
+    }
+}
+
+/// Descriptor key parts belong to rules that match descriptors, and name one of their entries;
+/// such rules key on nothing an HTTP request carries.
+fn validate_descriptor_keys(rule: &PolicyRule, path: &str, errs: &mut ValidationErrors) {
+    let entries = rule.matches.as_ref().map_or(&[][..], |m| m.descriptor.as_slice());
+    for (j, part) in rule.key.iter().enumerate() {
+        if let Some(key) = &part.descriptor
+            && !entries.iter().any(|e| &e.key == key)
+        {
+            errs.push(
+                format!("{path}.key[{j}].descriptor"),
+                format!("{key:?} is not the key of an entry in match.descriptor"),
+            );
+        }
+        let http = part.header.is_some()
+            || part.client_ip.is_some()
+            || part.path.is_some()
+            || part.method.is_some()
+            || part.host.is_some();
+        if !entries.is_empty() && http {
+            errs.push(
+                format!("{path}.key[{j}]"),
+                "a rule matching descriptors keys only on descriptor, namespace and literal parts: a descriptor carries no HTTP request",
+            );
+        }
+    }
+}
+
 fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
     let flags = [
         ("clientIP", k.client_ip),
@@ -327,12 +403,18 @@ fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
     ];
     let set = flags.iter().filter(|(_, v)| v.is_some()).count()
         + usize::from(k.header.is_some())
+        + usize::from(k.descriptor.is_some())
         + usize::from(k.literal.is_some());
     if set != 1 {
         errs.push(
             path,
-            format!("needs exactly one of header, clientIP, namespace, path, method, host or literal, got {set}"),
+            format!(
+                "needs exactly one of header, clientIP, namespace, path, method, host, descriptor or literal, got {set}"
+            ),
         );
+    }
+    if k.descriptor.as_ref().is_some_and(|d| d.is_empty() || d.len() > MAX_DESCRIPTOR_KEY_LEN) {
+        errs.push(format!("{path}.descriptor"), format!("must be 1 to {MAX_DESCRIPTOR_KEY_LEN} characters"));
     }
     for (field, value) in flags {
         if value == Some(false) {

@@ -232,6 +232,7 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         client_ip,
         headers: &HeaderLookup(headers),
         cost: parts.cost,
+        descriptor: None,
     };
     let decision = engine.check(&view).await;
     let status = if decision.allowed { StatusCode::OK } else { deny_status };

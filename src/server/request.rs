@@ -163,6 +163,7 @@ impl CheckRequest {
             client_ip: self.client_ip,
             headers: &self.headers,
             cost: self.cost.unwrap_or(1),
+            descriptor: None,
         })
     }
 }

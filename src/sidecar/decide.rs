@@ -461,6 +461,7 @@ impl Decider {
                 client_ip: Some(input.client_ip),
                 headers: &input.headers,
                 cost: 1,
+                descriptor: None,
             };
             return (Source::Local, from_engine(self.local.check(&view).await));
         }

@@ -358,6 +358,7 @@ pub fn replay(
             client_ip,
             headers: &headers,
             cost: arrival.cost.or(template.cost).unwrap_or(1),
+            descriptor: None,
         };
         snapshot.resolve(&request, &mut matched);
         if matched.is_empty() {
