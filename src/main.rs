@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
 use sluice::role::{self, store::StoreArgs};
 use sluice::server::auth::{Auth, AuthArgs, Authenticator};
-use sluice::server::{http, serve};
+use sluice::server::{http, rls, serve};
 use sluice::telemetry::Metrics;
 use tokio::sync::watch;
 
@@ -66,6 +66,8 @@ struct ServeArgs {
     store: StoreArgs,
     #[command(flatten)]
     auth: AuthArgs,
+    #[command(flatten)]
+    grpc: sluice::server::rls::GrpcArgs,
     /// PEM certificate chain to serve the check API over HTTPS (with --tls-key); plain HTTP
     /// without it.
     #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
@@ -145,6 +147,9 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),
     };
     let tokens = args.auth.static_tokens().context("cannot start")?;
+    if args.grpc.grpc_tls && args.tls_cert.is_none() {
+        bail!("cannot start: --grpc-tls serves the certificate of --tls-cert and --tls-key, which are not given");
+    }
     // One process-wide rustls provider before the first TLS configuration (ring, as elsewhere).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let tls = match (&args.tls_cert, &args.tls_key) {
@@ -171,6 +176,16 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let address = listener.local_addr()?;
     tracing::info!(%address, tls = tls.is_some(), "check API listening");
+    let grpc_listener = match args.grpc.grpc_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --grpc-listen {addr}"))?;
+            tracing::info!(address = %listener.local_addr()?, tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
+            Some(listener)
+        }
+        None => None,
+    };
     match &tokens {
         Some(tokens) => {
             tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")
@@ -189,8 +204,14 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
-    let state =
-        http::ApiState { engine, auth: Auth::new(verifiers), gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let auth = Auth::new(verifiers);
+    let grpc_server = grpc_listener.map(|listener| {
+        let limiter = rls::RateLimiter::new(engine.clone(), auth.clone(), args.grpc.grpc_response_headers == "on");
+        let tls = if args.grpc.grpc_tls { tls.clone() } else { None };
+        let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
+        tokio::spawn(async move { rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
+    });
+    let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
     let router = http::router_with(state);
     let server = match tls {
         Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, stopped)),
@@ -201,6 +222,9 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     server.await?.context("HTTP server failed")?;
+    if let Some(grpc_server) = grpc_server {
+        grpc_server.await?.context("gRPC server failed")?;
+    }
     let _ = tokio::join!(watcher, sweeper);
     if let Some(token_watcher) = token_watcher {
         let _ = token_watcher.await;

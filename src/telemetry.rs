@@ -41,6 +41,13 @@ pub struct ModeLabels {
     pub mode: &'static str,
 }
 
+/// A gRPC status code name of the rate limit service's answers: `OK`, `OVER_LIMIT`, or an
+/// error code (`INVALID_ARGUMENT`, `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNAVAILABLE`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabels {
+    pub code: &'static str,
+}
+
 /// A namespace that has policies (only those reach the store), or `""` for checks without one.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NamespaceLabels {
@@ -74,6 +81,8 @@ pub struct Metrics {
     /// Requests refused before any decision because the caller could not be verified or asked
     /// about what it may not, by reason.
     pub auth_failures: Family<ReasonLabels, Counter>,
+    /// Envoy rate limit service (`ShouldRateLimit`) answers by code.
+    pub rls_requests: Family<CodeLabels, Counter>,
     /// Calls to the Kubernetes TokenReview API, by result (cache hits make none).
     pub token_reviews: Family<ResultLabels, Counter>,
     /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
@@ -162,6 +171,12 @@ impl Metrics {
             "Requests refused because the caller was not verified or not allowed, by reason",
             auth_failures.clone(),
         );
+        let rls_requests = Family::<CodeLabels, Counter>::default();
+        registry.register(
+            "rls_requests",
+            "Envoy rate limit service (gRPC ShouldRateLimit) answers, by code (OK, OVER_LIMIT, or the gRPC error)",
+            rls_requests.clone(),
+        );
         let token_reviews = Family::<ResultLabels, Counter>::default();
         registry.register(
             "auth_token_reviews",
@@ -226,6 +241,7 @@ impl Metrics {
             live_keys,
             evicted_keys,
             auth_failures,
+            rls_requests,
             token_reviews,
             memory_evictions,
             record_lock: parking_lot::Mutex::new(()),

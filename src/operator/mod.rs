@@ -92,6 +92,8 @@ pub struct OperatorArgs {
     pub webhook: WebhookArgs,
     #[command(flatten)]
     pub auth: AuthArgs,
+    #[command(flatten)]
+    pub grpc: crate::server::rls::GrpcArgs,
     /// Verify callers' ServiceAccount tokens with the TokenReview API (sidecars present a
     /// projected token for --token-audience). Off, only --tokens are accepted; with neither,
     /// authentication is off and any caller may act for any namespace.
@@ -175,6 +177,15 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         .map_err(|source| Error::Listen { addr: args.listen, source })?;
     let local = listener.local_addr().map_err(Error::Serve)?;
     tracing::info!(address = %local, tls = args.check_api_tls, "check API listening");
+    let grpc_listener = match args.grpc.grpc_listen {
+        Some(addr) => {
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+            tracing::info!(address = ?listener.local_addr().ok(), tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
+            Some(listener)
+        }
+        None => None,
+    };
     let admin = match args.admin_listen {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?),
         None => None,
@@ -184,7 +195,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let (leading, lease_task) =
         leader::elect(client.clone(), &args.operator_namespace, &args.lease_name, &identity, args.lease_duration)
             .await?;
-    let certificates = if args.webhook.webhook_listen.is_some() || args.check_api_tls {
+    let certificates = if args.webhook.webhook_listen.is_some() || args.check_api_tls || args.grpc.grpc_tls {
         let (webhook, namespace) = (&args.webhook, &args.operator_namespace);
         Some(
             admission::Certificates::load(
@@ -243,6 +254,16 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         _ => None,
     };
     let token_watcher = tokens.map(|t| tokio::spawn(t.watch(Duration::from_secs(1), stopped.clone())));
+    let grpc_server = grpc_listener.map(|listener| {
+        let limiter = crate::server::rls::RateLimiter::new(
+            engine.clone(),
+            auth.clone(),
+            args.grpc.grpc_response_headers == "on",
+        );
+        let tls = certificates.as_ref().filter(|_| args.grpc.grpc_tls).map(|c| c.tls.clone());
+        let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
+        tokio::spawn(async move { crate::server::rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
+    });
     let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
     let admin_server = admin.map(|admin| {
         tracing::info!(address = ?admin.local_addr().ok(), "admin (healthz, readyz, metrics) listening");
@@ -269,6 +290,11 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     }
     let _ = lease_task.await;
     let served = server.await;
+    if let Some(grpc_server) = grpc_server
+        && let Ok(Err(error)) = grpc_server.await
+    {
+        tracing::error!(%error, "gRPC server failed");
+    }
     let _ = tokio::join!(compiler, sweeper, reflectors.task);
     if let Some(token_watcher) = token_watcher {
         let _ = token_watcher.await;

@@ -487,7 +487,11 @@ pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// RFC 9110 `token`: what header names and methods are made of.
+/// An RFC 1123 label such as a namespace name: what [`check_rule_name`] accepts.
+pub(crate) fn is_dns_label(name: &str) -> bool {
+    check_rule_name(name).is_ok()
+}
+
 /// An RFC 9110 token (header names, methods): one home for every parser that needs it.
 pub(crate) fn is_token(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))

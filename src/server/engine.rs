@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -15,7 +15,7 @@ use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
-use crate::policy::{Matched, RequestView, Snapshot};
+use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
 use crate::store::memory::MemoryStore;
 use crate::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
@@ -46,6 +46,10 @@ pub struct RuleResult {
     pub remaining: u64,
     pub reset_ms: u64,
     pub retry_after_ms: Option<u64>,
+    /// The window `limit` is stated over (RateLimit-Policy's `w`), for the rate limit
+    /// service's `requests_per_unit`.
+    #[serde(skip)]
+    pub quota_window_ms: u64,
     /// Set when the shared store failed and the rule's `onStoreFailure` decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store_failure: Option<&'static str>,
@@ -62,6 +66,17 @@ fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> 
 
 fn ceil_ms(micros: Micros) -> u64 {
     micros.div_ceil(MICROS_PER_MS)
+}
+
+/// A decision on several rate limit descriptors at once (Envoy's `ShouldRateLimit`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorsChecked {
+    /// The decision on the whole request: every rule any descriptor matched, decided together.
+    pub response: CheckResponse,
+    /// For each descriptor, in order: the indices in `response.rules` of the rules it matched.
+    /// A rule that two descriptors reach with the same key is one counter, charged their
+    /// summed cost, and listed under both.
+    pub rules_of: Vec<Vec<usize>>,
 }
 
 /// Per-rule things resolved once per snapshot rather than per request.
@@ -207,8 +222,59 @@ impl<S: Store> Engine<S> {
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
         live.snapshot.resolve(request, &mut matched);
-        let response = if matched.is_empty() {
-            CheckResponse {
+        let response = self.decide(&live, request.namespace, &matched, None).await;
+        self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
+        response
+    }
+
+    /// Decides the descriptors of one Envoy rate limit request in `namespace` (its domain), each
+    /// with its cost, all at once: the request is admitted only if every enforcing rule of every
+    /// descriptor admits it, and a denial consumes nothing anywhere. When the store has not
+    /// answered within `store_budget`, each rule's `onStoreFailure` decides, so a caller's
+    /// deadline shorter than the store's own still gets the policy's answer.
+    pub async fn check_descriptors(
+        &self,
+        namespace: &str,
+        descriptors: &[(&dyn Descriptor, u64)],
+        store_budget: Option<Duration>,
+    ) -> DescriptorsChecked {
+        let started = Instant::now();
+        let live = self.live.load();
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        let mut rules_of = Vec::with_capacity(descriptors.len());
+        let mut found = Vec::new();
+        for &(descriptor, cost) in descriptors {
+            live.snapshot.resolve(&RequestView::descriptor(namespace, descriptor, cost), &mut found);
+            let mut indices = Vec::with_capacity(found.len());
+            for m in found.drain(..) {
+                // One counter is decided once per request, whichever descriptors reach it.
+                match matched.iter().position(|c| c.rule.id() == m.rule.id() && c.key == m.key) {
+                    Some(i) => {
+                        matched[i].cost = matched[i].cost.saturating_add(m.cost);
+                        indices.push(i);
+                    }
+                    None => {
+                        indices.push(matched.len());
+                        matched.push(m);
+                    }
+                }
+            }
+            rules_of.push(indices);
+        }
+        let response = self.decide(&live, namespace, &matched, store_budget).await;
+        self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
+        DescriptorsChecked { response, rules_of }
+    }
+
+    async fn decide(
+        &self,
+        live: &Live,
+        namespace: &str,
+        matched: &[Matched<'_>],
+        store_budget: Option<Duration>,
+    ) -> CheckResponse {
+        if matched.is_empty() {
+            return CheckResponse {
                 allowed: true,
                 status: 200,
                 retry_after_ms: None,
@@ -216,17 +282,16 @@ impl<S: Store> Engine<S> {
                 headers: Vec::new(),
                 rules: Vec::new(),
                 snapshot: live.snapshot.version().to_string(),
-            }
-        } else {
-            self.decide(&live, request.namespace, &matched).await
-        };
-        self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
-        response
-    }
-
-    async fn decide(&self, live: &Live, namespace: &str, matched: &[Matched<'_>]) -> CheckResponse {
+            };
+        }
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
-        let outcome = self.store.check_for(namespace, None, &checks).await;
+        let deciding = self.store.check_for(namespace, None, &checks);
+        let outcome = match store_budget {
+            None => deciding.await,
+            Some(budget) => tokio::time::timeout(budget, deciding)
+                .await
+                .unwrap_or_else(|_| Err(StoreError::Timeout(budget.as_millis() as u64))),
+        };
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
             Ok(verdict) => (verdict, false),
@@ -266,6 +331,7 @@ impl<S: Store> Engine<S> {
                 remaining: decision.remaining,
                 reset_ms: ceil_ms(decision.reset_after),
                 retry_after_ms: decision.retry_after.map(ceil_ms),
+                quota_window_ms: ceil_ms(quota_window(m.rule.limit())),
                 store_failure: failed.then(|| m.rule.on_store_failure().name()),
             });
         }

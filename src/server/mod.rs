@@ -1,8 +1,10 @@
-//! The enforcement endpoint: the engine (snapshot + store → decision) and its HTTP API.
+//! The enforcement endpoint: the engine (snapshot + store → decision), its HTTP API and Envoy's
+//! rate limit service (gRPC).
 
 pub mod auth;
 pub mod engine;
 pub mod headers;
 pub mod http;
 pub mod request;
+pub mod rls;
 pub mod serve;
