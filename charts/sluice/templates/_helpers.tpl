@@ -56,11 +56,12 @@ app.kubernetes.io/component: operator
 {{- printf "%s.%s.svc,%s.%s,%s.%s.svc.%s" $svc $ns $svc $ns $svc $ns .Values.clusterDomain -}}
 {{- end -}}
 
-{{/* Every name the operator's one serving certificate covers (webhooks and check API). */}}
+{{/* Every name the operator's one serving certificate covers (webhooks, and the check API
+Service when its HTTP or gRPC port serves TLS). */}}
 {{- define "sluice.certificateHosts" -}}
 {{- $hosts := list -}}
 {{- if .Values.webhooks.enabled -}}{{- $hosts = concat $hosts (splitList "," (include "sluice.webhookHosts" .)) -}}{{- end -}}
-{{- if .Values.tls.enabled -}}{{- $hosts = concat $hosts (splitList "," (include "sluice.checkHosts" .)) -}}{{- end -}}
+{{- if or .Values.tls.enabled (and .Values.grpc.enabled .Values.grpc.tls) -}}{{- $hosts = concat $hosts (splitList "," (include "sluice.checkHosts" .)) -}}{{- end -}}
 {{- join "," $hosts -}}
 {{- end -}}
 
