@@ -206,7 +206,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let auth = Auth::new(verifiers);
     let grpc_server = grpc_listener.map(|listener| {
-        let limiter = rls::RateLimiter::new(engine.clone(), auth.clone(), args.grpc.grpc_response_headers == "on");
+        let limiter = rls::RateLimiter::from_args(engine.clone(), auth.clone(), &args.grpc);
         let tls = if args.grpc.grpc_tls { tls.clone() } else { None };
         let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
         tokio::spawn(async move { rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })

@@ -255,11 +255,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     };
     let token_watcher = tokens.map(|t| tokio::spawn(t.watch(Duration::from_secs(1), stopped.clone())));
     let grpc_server = grpc_listener.map(|listener| {
-        let limiter = crate::server::rls::RateLimiter::new(
-            engine.clone(),
-            auth.clone(),
-            args.grpc.grpc_response_headers == "on",
-        );
+        let limiter = crate::server::rls::RateLimiter::from_args(engine.clone(), auth.clone(), &args.grpc);
         let tls = certificates.as_ref().filter(|_| args.grpc.grpc_tls).map(|c| c.tls.clone());
         let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
         tokio::spawn(async move { crate::server::rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })

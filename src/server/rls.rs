@@ -71,18 +71,38 @@ pub struct GrpcArgs {
     /// worker over one connection.
     #[arg(long, env = "SLUICE_GRPC_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     pub grpc_max_concurrent_streams: u32,
+    /// Trust gRPC calls that carry no credential as a gateway's (a credential sent is still
+    /// verified). For gateways that cannot add metadata to their rate limit calls (Contour,
+    /// Emissary, kgateway); only safe when a NetworkPolicy admits nothing but the gateway to the
+    /// gRPC port (docs/security.md).
+    #[arg(long, env = "SLUICE_GRPC_UNAUTHENTICATED_GATEWAY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub grpc_unauthenticated_gateway: bool,
 }
+
+/// The caller of a credential-less call under `--grpc-unauthenticated-gateway`.
+pub const UNAUTHENTICATED_GATEWAY: &str = "unauthenticated gRPC gateway";
 
 /// The `RateLimitService` implementation.
 pub struct RateLimiter<S> {
     engine: Arc<Engine<S>>,
     auth: Auth,
     response_headers: bool,
+    unauthenticated_gateway: bool,
 }
 
 impl<S: Store> RateLimiter<S> {
     pub fn new(engine: Arc<Engine<S>>, auth: Auth, response_headers: bool) -> RateLimiter<S> {
-        RateLimiter { engine, auth, response_headers }
+        RateLimiter { engine, auth, response_headers, unauthenticated_gateway: false }
+    }
+
+    /// The limiter `args` describe.
+    pub fn from_args(engine: Arc<Engine<S>>, auth: Auth, args: &GrpcArgs) -> RateLimiter<S> {
+        RateLimiter {
+            engine,
+            auth,
+            response_headers: args.grpc_response_headers == "on",
+            unauthenticated_gateway: args.grpc_unauthenticated_gateway,
+        }
     }
 
     fn metrics(&self) -> &Metrics {
@@ -102,7 +122,11 @@ impl<S: Store> RateLimiter<S> {
     }
 
     async fn caller(&self, metadata: &tonic::metadata::MetadataMap) -> Result<Caller, Status> {
-        self.auth.caller(metadata.as_ref()).await.map_err(|error| {
+        let headers: &http::HeaderMap = metadata.as_ref();
+        if self.unauthenticated_gateway && !headers.contains_key(super::auth::AUTHORIZATION_HEADER) {
+            return Ok(Caller::Gateway { name: UNAUTHENTICATED_GATEWAY.into() });
+        }
+        self.auth.caller(headers).await.map_err(|error| {
             let reason = match &error {
                 AuthError::Missing => "missing",
                 AuthError::Invalid(_) => "invalid",

@@ -1,0 +1,153 @@
+//! The conformance vectors through Envoy's rate limit service (`ShouldRateLimit`), in-process
+//! on a fake clock (RLS requests carry no time): each vector rule becomes a policy rule matching
+//! the descriptor `[(rule, NAME), (k, KEY)]`, and each step one request with a descriptor per
+//! rule it checks, `hits_addend` = the step's cost. What RLS reports is compared: the overall
+//! code, how many repetitions were admitted, and per descriptor its code (enforcing rules),
+//! `limit_remaining` and `duration_until_reset`. Retry-after and delay are not part of a
+//! descriptor status (Retry-After travels as a header; Envoy cannot delay a request).
+
+// The runner's store-level half is not used here.
+#[allow(dead_code)]
+#[path = "common/conformance.rs"]
+mod conformance;
+
+use std::sync::Arc;
+
+use conformance::{T0, Vector, load};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use sluice::clock::FakeClock;
+use sluice::duration::parse_duration;
+use sluice::server::auth::Auth;
+use sluice::server::engine::Engine;
+use sluice::server::rls::RateLimiter;
+use sluice::store::memory::MemoryStore;
+use sluice::telemetry::Metrics;
+
+/// One policy per vector, in namespace (= domain) `v<index>`.
+fn policies(vectors: &[Vector]) -> String {
+    let mut yaml = String::new();
+    for (vi, vector) in vectors.iter().enumerate() {
+        yaml.push_str(&format!(
+            "---\napiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: vector, namespace: v{vi}}}\nspec:\n  rules:\n"
+        ));
+        for (name, spec) in &vector.rules.0 {
+            let mut limit = format!("requests: {}, per: {}", spec.requests, spec.per);
+            if let Some(burst) = spec.burst {
+                limit.push_str(&format!(", burst: {burst}"));
+            }
+            if let Some(delay) = &spec.max_delay {
+                limit.push_str(&format!(", maxDelay: {delay}"));
+            }
+            let mode = spec.mode.as_deref().unwrap_or("enforce");
+            yaml.push_str(&format!(
+                "  - name: {name}\n    match: {{descriptor: [{{key: rule, exact: {name}}}, {{key: k}}]}}\n    key: [{{descriptor: k}}]\n    algorithm: {}\n    limit: {{{limit}}}\n    mode: {mode}\n",
+                serde_json::to_value(spec.algorithm).unwrap().as_str().unwrap()
+            ));
+        }
+    }
+    yaml
+}
+
+fn descriptor(rule: &str, key: &str) -> RateLimitDescriptor {
+    let entry = |key: &str, value: &str| Entry { key: key.into(), value: value.into() };
+    RateLimitDescriptor { entries: vec![entry("rule", rule), entry("k", key)], ..Default::default() }
+}
+
+fn micros(text: &str) -> u64 {
+    parse_duration(text).unwrap()
+}
+
+#[tokio::test]
+async fn every_vector_decides_the_same_through_the_rate_limit_service() {
+    let vectors = load();
+    let loaded = sluice::policy::load_str(&policies(&vectors), std::path::Path::new("vectors.yaml")).unwrap();
+    let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
+    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+    let clock = FakeClock::new(T0);
+    let shared_clock = Arc::new(clock.clone());
+    let store = Arc::new(MemoryStore::with_clock(100_000, shared_clock.clone()));
+    let engine = Arc::new(Engine::new(store, shared_clock, Arc::new(Metrics::new())));
+    engine.install(Arc::new(compiled.snapshot));
+    let limiter = RateLimiter::new(engine, Auth::off(), true);
+
+    let mut failures = Vec::new();
+    let mut compared = 0;
+    for (vi, vector) in vectors.iter().enumerate() {
+        let all: Vec<String> = vector.rules.0.iter().map(|(name, _)| name.clone()).collect();
+        for (si, step) in vector.steps.iter().enumerate() {
+            let context = format!("{} / step {} (at {})", vector.name, si + 1, step.at);
+            if step.cost == 0 {
+                continue; // hits_addend 0 means 1 in RLS: a zero cost cannot be asked
+            }
+            let names = step.rules.clone().unwrap_or_else(|| all.clone());
+            let key = step.key.clone().unwrap_or_else(|| "k".into());
+            let request = RateLimitRequest {
+                domain: format!("v{vi}"),
+                descriptors: names.iter().map(|n| descriptor(n, &key)).collect(),
+                hits_addend: step.cost as u32,
+            };
+            clock.set(T0 + micros(&step.at));
+            let mut admitted = 0;
+            let mut last = None;
+            for _ in 0..step.repeat {
+                match limiter.should_rate_limit(tonic::Request::new(request.clone())).await {
+                    Ok(response) => {
+                        let response = response.into_inner();
+                        admitted += u64::from(response.overall_code == Code::Ok as i32);
+                        last = Some(response);
+                    }
+                    Err(status) => {
+                        failures.push(format!("{context}: {status:?}"));
+                        break;
+                    }
+                }
+            }
+            let Some(response) = last else { continue };
+            let mut check = |field: &str, want: String, got: String| {
+                compared += 1;
+                if want != got {
+                    failures.push(format!("{context}: {field}: expected {want}, got {got}"));
+                }
+            };
+            let e = &step.expect;
+            if let Some(w) = e.allowed {
+                check("allowed", w.to_string(), (response.overall_code == Code::Ok as i32).to_string());
+            }
+            if let Some(w) = e.admitted {
+                check("admitted", w.to_string(), admitted.to_string());
+            }
+            if response.statuses.len() != names.len() {
+                failures.push(format!("{context}: {} statuses for {} descriptors", response.statuses.len(), names.len()));
+                continue;
+            }
+            for (i, name) in names.iter().enumerate() {
+                let (allowed, remaining, reset_after) = if let Some(w) = e.rules.get(name) {
+                    (w.allowed, w.remaining, w.reset_after.clone())
+                } else if names.len() == 1 {
+                    (e.rule_allowed, e.remaining, e.reset_after.clone())
+                } else {
+                    continue;
+                };
+                let status = &response.statuses[i];
+                let shadow = vector.rules.0.iter().any(|(n, s)| n == name && s.mode.as_deref() == Some("shadow"));
+                if let (Some(w), false) = (allowed, shadow) {
+                    check(&format!("{name} code"), w.to_string(), (status.code == Code::Ok as i32).to_string());
+                }
+                if let Some(w) = remaining {
+                    check(&format!("{name} limit_remaining"), w.to_string(), status.limit_remaining.to_string());
+                }
+                if let Some(w) = reset_after.as_deref() {
+                    let reset = status.duration_until_reset.expect("duration_until_reset is always set");
+                    let got_ms = reset.seconds as u64 * 1000 + reset.nanos as u64 / 1_000_000;
+                    check(&format!("{name} duration_until_reset"), micros(w).div_ceil(1000).to_string(), got_ms.to_string());
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(compared > 100, "only {compared} comparisons: the mapping lost the vectors");
+}
