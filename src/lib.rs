@@ -9,6 +9,7 @@
 pub mod admission;
 pub mod algorithm;
 pub mod clock;
+pub mod convert;
 pub mod duration;
 pub mod operator;
 pub mod policy;

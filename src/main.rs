@@ -39,6 +39,27 @@ enum Command {
     Explain(ExplainArgs),
     /// Replays a trace or a traffic pattern through the policies with a simulated clock.
     Simulate(sluice::simulate::SimulateArgs),
+    /// Converts another rate limiter's configuration into RateLimitPolicy documents (stdout).
+    #[command(subcommand)]
+    Convert(ConvertCommand),
+}
+
+#[derive(Subcommand)]
+enum ConvertCommand {
+    /// An envoyproxy/ratelimit configuration file (domain and descriptor tree), for Sluice as
+    /// Envoy's rate limit service (docs/envoy.md).
+    EnvoyRatelimit {
+        /// The YAML file (one document per domain).
+        file: PathBuf,
+        /// Namespace of the policies, which Envoy must then send as its domain; default: each
+        /// document's domain.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// The algorithm of every rule: fixedWindow (default) decides exactly as envoyproxy/ratelimit
+        /// does; slidingWindowCounter avoids the double burst at window boundaries.
+        #[arg(long, default_value = "fixedWindow")]
+        algorithm: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -111,6 +132,15 @@ fn main() -> anyhow::Result<()> {
         Command::Sidecar(args) => run_async(&cli.log_format, async { Ok(sluice::sidecar::run(args).await?) }),
         Command::Operator(args) => run_async(&cli.log_format, async { Ok(sluice::operator::run(args).await?) }),
         Command::Explain(args) => run_explain(args),
+        Command::Convert(ConvertCommand::EnvoyRatelimit { file, namespace, algorithm }) => {
+            let algorithm: sluice::algorithm::Algorithm = serde_json::from_value(serde_json::Value::String(algorithm))
+                .context("--algorithm: expected tokenBucket, gcra, leakyBucket, fixedWindow, slidingWindowLog or slidingWindowCounter")?;
+            let yaml = std::fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?;
+            let converted = sluice::convert::envoy_ratelimit(&yaml, namespace.as_deref(), algorithm)
+                .with_context(|| format!("cannot convert {}", file.display()))?;
+            print!("{}", sluice::convert::to_yaml(&converted)?);
+            Ok(())
+        }
         Command::Simulate(args) => {
             print!("{}", sluice::simulate::run(&args)?);
             Ok(())

@@ -14,8 +14,8 @@ use std::hash::BuildHasher;
 use std::net::IpAddr;
 
 use super::compile::{
-    CompiledPolicy, CompiledRule, DescriptorEntryMatcher, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch, Selector, SelectorOp,
-    Snapshot,
+    CompiledPolicy, CompiledRule, DescriptorEntryMatcher, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch,
+    Selector, SelectorOp, Snapshot,
 };
 use super::crd::Missing;
 
@@ -281,10 +281,7 @@ pub(super) fn rule_mismatch(
     if !(m.hosts.is_empty() || host.is_some_and(|h| m.hosts.iter().any(|x| host_matches(x, h)))) {
         return Some(RuleMismatch::Host);
     }
-    m.headers
-        .iter()
-        .position(|h| !value_passes(&h.test, req.headers.get_str(&h.name)))
-        .map(RuleMismatch::Header)
+    m.headers.iter().position(|h| !value_passes(&h.test, req.headers.get_str(&h.name))).map(RuleMismatch::Header)
 }
 
 fn descriptor_mismatch(entries: &[DescriptorEntryMatcher], descriptor: &dyn Descriptor) -> Option<RuleMismatch> {

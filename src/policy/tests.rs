@@ -699,7 +699,10 @@ fn descriptor_matches(s: &Snapshot, entries: &[(&str, &str)]) -> Vec<(String, St
 fn descriptor_rules_match_entries_in_order_and_key_on_their_values() {
     let s = descriptor_snapshot();
     let named = |v: Vec<(String, String)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
-    assert_eq!(descriptor_matches(&s, &[("remote_address", "10.0.0.1")]), vec![("per-address".into(), "8:10.0.0.1".into())]);
+    assert_eq!(
+        descriptor_matches(&s, &[("remote_address", "10.0.0.1")]),
+        vec![("per-address".into(), "8:10.0.0.1".into())]
+    );
     assert_eq!(named(descriptor_matches(&s, &[("user_agent", "bot-x")])), ["bot"]);
     assert!(descriptor_matches(&s, &[("user_agent", "curl")]).is_empty(), "prefix");
     assert_eq!(

@@ -9,9 +9,10 @@ use regex_automata::meta::{self, Regex};
 use regex_automata::util::syntax;
 
 use super::crd::{
-    DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN, MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN,
-    MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY,
-    MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
+    DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN,
+    MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN, MAX_MATCH_ITEMS, MAX_NAME_LEN,
+    MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing,
+    PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
 };
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{Micros, parse_duration};

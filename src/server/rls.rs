@@ -342,8 +342,7 @@ const UNITS: [(Unit, u64); 5] = [
 /// 10 per 30s reads 20 per minute, 100 per 90m reads 1600 per day.
 fn per_unit(capacity: u64, window_ms: u64) -> (u32, Unit) {
     let window_ms = window_ms.max(1);
-    let (unit, unit_ms) =
-        UNITS.iter().copied().find(|&(_, ms)| ms >= window_ms).unwrap_or(UNITS[UNITS.len() - 1]);
+    let (unit, unit_ms) = UNITS.iter().copied().find(|&(_, ms)| ms >= window_ms).unwrap_or(UNITS[UNITS.len() - 1]);
     let scaled = if unit_ms == window_ms {
         capacity
     } else {
