@@ -201,21 +201,22 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     // handler when first polled, and a supervisor may signal as soon as it sees the address.
     let mut terminated = std::pin::pin!(role::termination_signal());
     let _ = futures::poll!(&mut terminated);
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener.local_addr()?;
-    tracing::info!(%address, tls = tls.is_some(), "check API listening");
+    // The gRPC listener first: whoever waits for the check API's address finds both open.
     let grpc_listener = match args.grpc.grpc_listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen on --grpc-listen {addr}"))?;
-            tracing::info!(address = %listener.local_addr()?, tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
+            tracing::info!(grpc = %listener.local_addr()?, tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
             Some(listener)
         }
         None => None,
     };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let address = listener.local_addr()?;
+    tracing::info!(%address, tls = tls.is_some(), "check API listening");
     match &tokens {
         Some(tokens) => {
             tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")

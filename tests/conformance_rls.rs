@@ -121,7 +121,11 @@ async fn every_vector_decides_the_same_through_the_rate_limit_service() {
                 check("admitted", w.to_string(), admitted.to_string());
             }
             if response.statuses.len() != names.len() {
-                failures.push(format!("{context}: {} statuses for {} descriptors", response.statuses.len(), names.len()));
+                failures.push(format!(
+                    "{context}: {} statuses for {} descriptors",
+                    response.statuses.len(),
+                    names.len()
+                ));
                 continue;
             }
             for (i, name) in names.iter().enumerate() {
@@ -143,7 +147,11 @@ async fn every_vector_decides_the_same_through_the_rate_limit_service() {
                 if let Some(w) = reset_after.as_deref() {
                     let reset = status.duration_until_reset.expect("duration_until_reset is always set");
                     let got_ms = reset.seconds as u64 * 1000 + reset.nanos as u64 / 1_000_000;
-                    check(&format!("{name} duration_until_reset"), micros(w).div_ceil(1000).to_string(), got_ms.to_string());
+                    check(
+                        &format!("{name} duration_until_reset"),
+                        micros(w).div_ceil(1000).to_string(),
+                        got_ms.to_string(),
+                    );
                 }
             }
         }

@@ -72,10 +72,7 @@ fn each_cel_rule_catches_its_mistake() {
         ("are written as `NAME: true`", rule("    key: [{namespace: false}]\n")),
         ("missing only applies", rule("    key: [{path: true, missing: skip}]\n")),
         ("a descriptor entry takes at most one", rule("    match: {descriptor: [{key: a, exact: x, prefix: y}]}\n")),
-        (
-            "match.descriptor cannot be combined",
-            rule("    match: {methods: [GET], descriptor: [{key: a}]}\n"),
-        ),
+        ("match.descriptor cannot be combined", rule("    match: {methods: [GET], descriptor: [{key: a}]}\n")),
         ("a descriptor key part needs an entry", rule("    key: [{descriptor: a}]\n")),
         (
             "a descriptor key part needs an entry",
@@ -134,8 +131,9 @@ fn cel_enforces_the_budgets_it_can_count() {
     );
     let errors = cel_errors(&over);
     assert!(
-        errors.contains("at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together)")
-            && errors.contains("spec.rules"),
+        errors.contains(
+            "at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together)"
+        ) && errors.contains("spec.rules"),
         "{errors}"
     );
 }

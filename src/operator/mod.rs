@@ -181,7 +181,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         Some(addr) => {
             let listener =
                 tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
-            tracing::info!(address = ?listener.local_addr().ok(), tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
+            tracing::info!(grpc = ?listener.local_addr().ok(), tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
             Some(listener)
         }
         None => None,

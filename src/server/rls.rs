@@ -365,32 +365,9 @@ pub async fn serve_grpc<S: Store>(
     tls: Option<axum_server::tls_rustls::RustlsConfig>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
-    let engine = limiter.engine.clone();
-    let (reporter, health) = tonic_health::server::health_reporter();
-    let service_name = <RateLimitServiceServer<RateLimiter<S>> as tonic::server::NamedService>::NAME;
-    for name in ["", service_name] {
-        reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
-    }
+    let (health, health_task) = health_service(limiter.engine.clone(), shutdown.clone()).await;
+    let health = tonic_health::pb::health_server::HealthServer::new(health);
     let service = RateLimitServiceServer::new(limiter).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let health_task = {
-        let mut shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let mut poll = tokio::time::interval(Duration::from_millis(50));
-            loop {
-                tokio::select! {
-                    _ = poll.tick() => if engine.is_loaded() { break },
-                    _ = shutdown.wait_for(|stop| *stop) => return,
-                }
-            }
-            for name in ["", service_name] {
-                reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
-            }
-            let _ = shutdown.wait_for(|stop| *stop).await;
-            for name in ["", service_name] {
-                reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
-            }
-        })
-    };
     let router = tonic::transport::Server::builder()
         .max_concurrent_streams(args.grpc_max_concurrent_streams)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -410,6 +387,37 @@ pub async fn serve_grpc<S: Store>(
     };
     health_task.abort();
     served
+}
+
+/// `grpc.health.v1` for the server (`""`) and the rate limit service: `NOT_SERVING` until the
+/// engine has a snapshot, `SERVING` from then on, `NOT_SERVING` again once `shutdown` flips.
+pub async fn health_service<S: Store>(
+    engine: Arc<Engine<S>>,
+    mut shutdown: watch::Receiver<bool>,
+) -> (tonic_health::server::HealthService, tokio::task::JoinHandle<()>) {
+    let reporter = tonic_health::server::HealthReporter::new();
+    let service_name = <RateLimitServiceServer<RateLimiter<S>> as tonic::server::NamedService>::NAME;
+    for name in ["", service_name] {
+        reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+    }
+    let service = tonic_health::server::HealthService::from_health_reporter(reporter.clone());
+    let task = tokio::spawn(async move {
+        let mut poll = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                _ = poll.tick() => if engine.is_loaded() { break },
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+        }
+        for name in ["", service_name] {
+            reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+        }
+        let _ = shutdown.wait_for(|stop| *stop).await;
+        for name in ["", service_name] {
+            reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+        }
+    });
+    (service, task)
 }
 
 /// Accepted connections after their TLS handshake, each handshake in its own task so a slow
@@ -467,6 +475,42 @@ mod tests {
         assert_eq!(per_unit(7, 604_800_000), (7, Unit::Week));
         assert_eq!(per_unit(1, 30 * 86_400_000), (1, Unit::Week), "at least 1");
         assert_eq!(per_unit(u64::MAX, 1), (u32::MAX, Unit::Second), "saturates");
+    }
+
+    #[tokio::test]
+    async fn health_follows_the_first_snapshot_and_the_drain() {
+        use tonic_health::pb::health_server::Health;
+        use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
+        let clock = Arc::new(crate::clock::SystemClock);
+        let store = Arc::new(crate::store::memory::MemoryStore::new(16));
+        let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));
+        let (stop, stopped) = watch::channel(false);
+        let (health, _task) = health_service(engine.clone(), stopped).await;
+        let status = |service: &'static str| {
+            let health = &health;
+            async move {
+                let request = tonic::Request::new(HealthCheckRequest { service: service.into() });
+                health.check(request).await.expect("known service").into_inner().status
+            }
+        };
+        let service = "envoy.service.ratelimit.v3.RateLimitService";
+        assert_eq!(status("").await, ServingStatus::NotServing as i32, "no snapshot yet");
+        assert_eq!(status(service).await, ServingStatus::NotServing as i32);
+        engine.install(Arc::new(crate::policy::Snapshot::default()));
+        let serving = async {
+            while status(service).await != ServingStatus::Serving as i32 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), serving).await.expect("SERVING once loaded");
+        assert_eq!(status("").await, ServingStatus::Serving as i32);
+        stop.send(true).unwrap();
+        let draining = async {
+            while status("").await != ServingStatus::NotServing as i32 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), draining).await.expect("NOT_SERVING on drain");
     }
 
     #[test]
