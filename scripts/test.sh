@@ -26,6 +26,11 @@ if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server nginx 
 echo "==> control plane (cached in ${SLUICE_CACHE:-$HOME/.cache/sluice})"
 PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh build
 
+# The independent gRPC client of the rate limit service tests (tests/rls_grpc.rs), built against
+# Envoy's published Go protos and cached the same way.
+echo "==> rate limit service test client"
+PATH="$PATH:/usr/local/go/bin" e2e/rls-client.sh >/dev/null
+
 echo "==> generated files"
 # The chart ships a copy of the CRD; `sluice crd` output itself is checked by tests/crd_generated.rs.
 cmp crds/ratelimitpolicy.yaml charts/sluice/crds/ratelimitpolicy.yaml \

@@ -293,10 +293,10 @@ fn descriptor_mismatch(entries: &[DescriptorEntryMatcher], descriptor: &dyn Desc
         .enumerate()
         .position(|(i, e)| {
             let Some((key, value)) = descriptor.entry(i) else { return true };
-            !(key == e.key
-                && value_passes(&e.test, Some(value))
-                && !e.not_in.iter().any(|x| x == value)
-                && !e.not_prefix.iter().any(|p| value.starts_with(p.as_str())))
+            key != e.key
+                || !value_passes(&e.test, Some(value))
+                || e.not_in.iter().any(|x| x == value)
+                || e.not_prefix.iter().any(|p| value.starts_with(p.as_str()))
         })
         .map(RuleMismatch::DescriptorEntry)
 }

@@ -290,7 +290,7 @@ impl<S: Store> Engine<S> {
             None => deciding.await,
             Some(budget) => tokio::time::timeout(budget, deciding)
                 .await
-                .unwrap_or_else(|_| Err(StoreError::Timeout(budget.as_millis() as u64))),
+                .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
         };
         let now = self.clock.now();
         let (verdict, failed) = match outcome {
