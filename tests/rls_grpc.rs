@@ -4,16 +4,16 @@
 //! across descriptors, shadow rules, callers, per-rule failure modes with Redis blackholed inside
 //! Envoy's 20 ms deadline and with Redis gone, health, and the drain on SIGTERM.
 
+#[path = "support/rls_client.rs"]
+mod rls_client;
 #[path = "support/sluice_process.rs"]
 mod sluice_process;
 #[allow(dead_code)]
 mod support;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
+use rls_client::{Client, GATEWAY_TOKEN, header, overall};
 use serde_json::{Value, json};
 use sluice_process::SluiceProcess;
 use support::redis_server::{RedisServer, free_port};
@@ -66,7 +66,6 @@ spec:
       limit: {requests: 100, per: 1h}
 "#;
 
-const GATEWAY_TOKEN: &str = "gateway-token-0123456789";
 const TENANT_TOKEN: &str = "tenant-a-token-0123456789";
 
 fn tokens_file(dir: &std::path::Path) -> String {
@@ -79,89 +78,6 @@ fn tokens_file(dir: &std::path::Path) -> String {
     )
     .unwrap();
     path.display().to_string()
-}
-
-/// e2e/rls-client, built (once per machine, cached outside the checkout) by its script.
-fn client_binary() -> &'static str {
-    static BINARY: OnceLock<String> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/rls-client.sh"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run e2e/rls-client.sh");
-        assert!(out.status.success(), "e2e/rls-client.sh failed: the Go client is needed for this test");
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    })
-}
-
-/// One `rls-client stdio` process: a gRPC connection kept for its life.
-struct Client {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Client {
-    fn connect(addr: &str) -> Client {
-        Client::connect_with(addr, &[])
-    }
-
-    fn connect_with(addr: &str, flags: &[&str]) -> Client {
-        let mut child = Command::new(client_binary())
-            .args(["stdio", "-addr", addr])
-            .args(flags)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn rls-client");
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Client { child, stdin, stdout }
-    }
-
-    fn send(&mut self, command: Value) -> Value {
-        writeln!(self.stdin, "{command}").expect("write to rls-client");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("read from rls-client");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("rls-client answered {line:?}: {e}"))
-    }
-
-    /// `ShouldRateLimit` in domain gateway-limits with the gateway's token.
-    fn rls(&mut self, descriptors: &[&[(&str, &str)]], extra: Value) -> Value {
-        let mut command = json!({
-            "op": "rls",
-            "domain": "gateway-limits",
-            "token": GATEWAY_TOKEN,
-            "descriptors": descriptors.iter().map(|entries| json!({
-                "entries": entries.iter().map(|(k, v)| json!({"key": k, "value": v})).collect::<Vec<_>>()
-            })).collect::<Vec<_>>(),
-        });
-        if let (Some(command), Some(extra)) = (command.as_object_mut(), extra.as_object()) {
-            command.extend(extra.clone());
-        }
-        self.send(command)
-    }
-}
-
-impl Drop for Client {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn overall(answer: &Value) -> &str {
-    assert_eq!(answer["ok"], true, "not a decision: {answer}");
-    answer["overall_code"].as_str().unwrap()
-}
-
-fn header<'a>(answer: &'a Value, name: &str) -> Option<&'a str> {
-    answer["response_headers_to_add"]
-        .as_array()?
-        .iter()
-        .find(|h| h["key"].as_str().is_some_and(|k| k.eq_ignore_ascii_case(name)))
-        .and_then(|h| h["value"].as_str())
 }
 
 struct Server {
