@@ -280,3 +280,21 @@ fn grpc_tls_serves_the_check_apis_certificate() {
     let refused = plain.rls(&[&[("api_key", "t1")]], json!({"timeout_ms": 2000}));
     assert_eq!(refused["ok"], false, "no cleartext on a TLS listener: {refused}");
 }
+
+#[test]
+fn calls_without_a_credential_may_be_trusted_as_a_gateway_and_credentials_are_still_checked() {
+    let server = serve(&["--grpc-unauthenticated-gateway", "true"]);
+    let mut client = Client::connect(&server.grpc);
+    let anonymous = client.rls_in(
+        "gateway-limits",
+        None,
+        &[&[("api_key", "u1")]],
+        json!({"hits_addend": 4, "wait_for_ready": true}),
+    );
+    assert_eq!(overall(&anonymous), "OK", "{anonymous}");
+    assert_eq!(anonymous["statuses"][0]["limit_remaining"], 1, "a gateway's cost counts");
+    let forged = client.rls_in("gateway-limits", Some("not-a-token-0123456789"), &[&[("api_key", "u1")]], json!({}));
+    assert_eq!(forged["grpc_code"], "Unauthenticated", "{forged}");
+    let tenant = client.rls_in("gateway-limits", Some(TENANT_TOKEN), &[&[("api_key", "u1")]], json!({}));
+    assert_eq!(tenant["grpc_code"], "PermissionDenied", "a tenant stays a tenant: {tenant}");
+}
