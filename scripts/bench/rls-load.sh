@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# Envoy's gRPC rate limit service (`ShouldRateLimit`) under load, side by side in one run on one
+# Redis: `sluice serve` on its memory store, `sluice serve --redis`, and envoyproxy/ratelimit
+# (scripts/bench/envoy-ratelimit.sh), each with 1 and 3 descriptors per request, driven by the
+# independent Go client e2e/rls-client (`bench`: descriptors api_key=key-<n>, remote_address=10.0.x.y,
+# path=/orders; n uniform in [0, KEYS)).
+#
+#   scripts/bench/rls-load.sh                               # ~1.5 minutes after building sluice
+#   SLUICE_BIN=/tmp/rls-bench/sluice scripts/bench/rls-load.sh
+#   DURATION=5s WARMUP=1s scripts/bench/rls-load.sh        # quick look
+#
+# Both servers get the same limits: domain / namespace `bench`, one fixedWindow 100000 per 1s rule
+# per descriptor key, one counter per value (the policies are written into a temp dir here;
+# envoyproxy/ratelimit's are envoy-ratelimit.sh's bench config), so nothing is denied and each
+# descriptor costs each server one counter update. Sluice runs with --grpc-response-headers off
+# (envoyproxy/ratelimit sends no headers by default); one extra memory run with headers on shows
+# what they cost.
+#
+# Placement on a 2-core machine: the server under test (Sluice or ratelimit) AND Redis on CPU
+# $SERVER_CPU, the load client on CPU $CLIENT_CPU (taskset). Per run: FLUSHALL, an unmeasured
+# warm-up run of WARMUP, then CONFIG RESETSTAT and samples of Redis `INFO cpu` and the server's
+# /proc/PID/stat, the measured run (`rls-client bench -warmup 0s -duration DURATION`, so Redis'
+# counters and the CPU deltas cover exactly the calls the client counts, plus at most CONCURRENCY
+# calls in flight at the end), and the samples again. Reported per decision (one ShouldRateLimit):
+# server CPU (utime+stime), Redis CPU (used_cpu_user+used_cpu_sys), Redis commands from
+# `INFO commandstats` (by command). /proc/loadavg is recorded before and after each run.
+#
+# Env: DURATION (10s), WARMUP (2s), CONNS (4), CONCURRENCY (64), KEYS (10000), SERVER_CPU (0),
+#      CLIENT_CPU (1), REDIS_PORT (18479), GRPC_PORT (18481), SLUICE_BIN (a sluice binary; else
+#      `cargo build --release --bin sluice`, honouring CARGO_TARGET_DIR), OUT (markdown results
+#      file, appended to), SLUICE_CACHE (where envoy-ratelimit.sh and rls-client.sh cache builds).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BENCH="$ROOT/scripts/bench"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+DURATION="${DURATION:-10s}"
+WARMUP="${WARMUP:-2s}"
+CONNS="${CONNS:-4}"
+CONCURRENCY="${CONCURRENCY:-64}"
+KEYS="${KEYS:-10000}"
+SERVER_CPU="${SERVER_CPU:-0}"
+CLIENT_CPU="${CLIENT_CPU:-1}"
+REDIS_PORT="${REDIS_PORT:-18479}"
+GRPC_PORT="${GRPC_PORT:-18481}"
+OUT="${OUT:-$(mktemp -t rls-load.XXXXXX.md)}"
+log() { printf '%s\n' "$*" >&2; }
+
+# --- tools and binaries -------------------------------------------------------------------------
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-cli >/dev/null || need+=(redis-tools)
+command -v taskset >/dev/null || need+=(util-linux)
+if ((${#need[@]})); then
+    log "installing ${need[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >&2
+fi
+if [ "$(nproc)" -lt 2 ]; then
+    log "warning: fewer than 2 CPUs; the servers and the load client will share one"
+    CLIENT_CPU="$SERVER_CPU"
+fi
+if [ -n "${SLUICE_BIN:-}" ]; then
+    SLUICE="$SLUICE_BIN"
+else
+    log "building sluice (release)"
+    (cd "$ROOT" && cargo build --release --quiet --bin sluice)
+    SLUICE="$TARGET/release/sluice"
+fi
+[ -x "$SLUICE" ] || { log "missing $SLUICE"; exit 1; }
+RLS="$("$ROOT/e2e/rls-client.sh")"
+RATELIMIT="$("$BENCH/envoy-ratelimit.sh" build)"
+RL_VERSION="$(basename "$(dirname "$RATELIMIT")")"
+RL_VERSION="${RL_VERSION#envoy-ratelimit-}"
+
+WORK="$(mktemp -d -t rls-load.XXXXXX)"
+PIDS=()
+SERVER_PID=
+cleanup() {
+    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${PIDS[@]}"; do
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# The same limits as envoy-ratelimit.sh's bench config: every value of each key its own
+# 100000/second counter.
+cat >"$WORK/policies.yaml" <<'EOF'
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: bench, namespace: bench}
+spec:
+  rules:
+    - name: per-api-key
+      match: {descriptor: [{key: api_key}]}
+      key: [{descriptor: api_key}]
+      algorithm: fixedWindow
+      limit: {requests: 100000, per: 1s}
+    - name: per-remote-address
+      match: {descriptor: [{key: remote_address}]}
+      key: [{descriptor: remote_address}]
+      algorithm: fixedWindow
+      limit: {requests: 100000, per: 1s}
+    - name: per-path
+      match: {descriptor: [{key: path}]}
+      key: [{descriptor: path}]
+      algorithm: fixedWindow
+      limit: {requests: 100000, per: 1s}
+EOF
+
+# --- redis --------------------------------------------------------------------------------------
+cli() { redis-cli -p "$REDIS_PORT" "$@"; }
+taskset -c "$SERVER_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+    --dir "$WORK" --daemonize no --loglevel warning >"$WORK/redis.log" 2>&1 & PIDS+=($!)
+for _ in $(seq 100); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
+cli ping >/dev/null || { log "redis did not start"; cat "$WORK/redis.log" >&2; exit 1; }
+REDIS_VERSION="$(cli INFO server | awk -F: '/^redis_version:/ {print $2}' | tr -d '\r')"
+redis_cpu() { cli INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
+# "cmd=calls;cmd=calls;..." for every command but the ones this script sends.
+redis_cmds() {
+    cli INFO commandstats | tr -d '\r' | awk -F: '/^cmdstat_/ {
+        c = $1; sub(/^cmdstat_/, "", c); split($2, f, ","); split(f[1], kv, "=")
+        if (c !~ /^(info|config|flushall|ping)/) printf "%s=%s;", c, kv[2] }'
+}
+
+# --- servers ------------------------------------------------------------------------------------
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+rls() { "$RLS" stdio -addr "127.0.0.1:$GRPC_PORT"; }
+wait_serving() {
+    for _ in $(seq 150); do
+        if kill -0 "$SERVER_PID" 2>/dev/null &&
+            echo '{"op":"health","service":"","timeout_ms":500}' | rls 2>/dev/null | grep -q '"status":"SERVING"'; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    log "server (pid $SERVER_PID) did not become SERVING"; tail -20 "$WORK/server.log" >&2; exit 1
+}
+# One call with the three descriptors: every one must come back OK with the 100000/second limit,
+# i.e. every rule matched (a descriptor no rule matches is OK too, but costs nothing).
+check_sample() {
+    local answer
+    answer=$(echo '{"op":"rls","domain":"bench","descriptors":[{"entries":[{"key":"api_key","value":"key-1"}]},{"entries":[{"key":"remote_address","value":"10.0.0.1"}]},{"entries":[{"key":"path","value":"/orders"}]}]}' | rls)
+    log "sample answer: $answer"
+    if [ "$(grep -o '"requests_per_unit":100000,"unit":"SECOND"' <<<"$answer" | wc -l)" != 3 ] ||
+        ! grep -q '"overall_code":"OK"' <<<"$answer"; then
+        log "the sample was not decided by three 100000/second limits"; exit 1
+    fi
+}
+start_sluice() { # extra serve flags...
+    RUST_LOG=info taskset -c "$SERVER_CPU" "$SLUICE" serve -p "$WORK/policies.yaml" --listen 127.0.0.1:0 \
+        --grpc-listen "127.0.0.1:$GRPC_PORT" "$@" >"$WORK/server.log" 2>&1 & SERVER_PID=$!; PIDS+=("$SERVER_PID")
+    wait_serving
+    # The check API's port, for /metrics (store errors and fallbacks must stay 0).
+    METRICS="$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/server.log" | grep -o 'address=127\.0\.0\.1:[0-9]*' | head -1 | cut -d= -f2)"
+    [ -n "$METRICS" ] || { log "no check API address in the server's log"; exit 1; }
+    check_sample
+}
+start_ratelimit() {
+    # envoy-ratelimit.sh execs the server, so $! is its PID.
+    taskset -c "$SERVER_CPU" "$BENCH/envoy-ratelimit.sh" run "$WORK/ratelimit" "$REDIS_PORT" "$GRPC_PORT" \
+        >"$WORK/server.log" 2>&1 & SERVER_PID=$!; PIDS+=("$SERVER_PID")
+    wait_serving
+    METRICS=
+    check_sample
+}
+stop_server() {
+    kill "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+}
+sluice_failures() { # store errors + fallbacks so far, from /metrics
+    [ -n "$METRICS" ] || { echo "-"; return; }
+    curl -s "http://$METRICS/metrics" | awk '/^sluice_store_(errors|fallbacks)/ {s += $NF} END {printf "%.0f", s}'
+}
+
+# --- runs ---------------------------------------------------------------------------------------
+{
+    echo
+    echo "### rls-load $(date -u +%Y-%m-%dT%H:%MZ): DURATION=$DURATION WARMUP=$WARMUP CONNS=$CONNS CONCURRENCY=$CONCURRENCY KEYS=$KEYS"
+    echo
+    echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); servers and Redis $REDIS_VERSION on CPU $SERVER_CPU, rls-client on CPU $CLIENT_CPU."
+    echo "sluice: $SLUICE; envoyproxy/ratelimit $RL_VERSION."
+    echo
+    echo "| target | descriptors | decisions/s | p50 µs | p99 µs | p99.9 µs | server CPU µs/decision | Redis CPU µs/decision | Redis commands/decision | requests | ok | over_limit | errors | load before | load after |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"
+} >>"$OUT"
+
+measure() { # name descriptors uses_redis(0|1)
+    local name=$1 nd=$2 redis=$3 t0 t1 c0 c1 f0 f1 out load0 load1
+    local bench=(bench -addr "127.0.0.1:$GRPC_PORT" -conns "$CONNS" -concurrency "$CONCURRENCY" -keys "$KEYS" -domain bench -descriptors "$nd")
+    cli FLUSHALL >/dev/null
+    taskset -c "$CLIENT_CPU" "$RLS" "${bench[@]}" -warmup 0s -duration "$WARMUP" >/dev/null
+    load0="$(cut -d' ' -f1-3 /proc/loadavg)"
+    cli CONFIG RESETSTAT >/dev/null
+    c0=$(redis_cpu); t0=$(cpu_ticks "$SERVER_PID"); f0=$(sluice_failures)
+    out=$(taskset -c "$CLIENT_CPU" "$RLS" "${bench[@]}" -warmup 0s -duration "$DURATION")
+    t1=$(cpu_ticks "$SERVER_PID"); c1=$(redis_cpu); f1=$(sluice_failures)
+    load1="$(cut -d' ' -f1-3 /proc/loadavg)"
+    local cmds
+    cmds=$(redis_cmds)
+    # {"requests":N,"ok":N,...} -> shell-free parsing with awk
+    local row
+    row=$(awk -v j="$out" -v n="$name" -v d="$nd" -v r="$redis" -v t0="$t0" -v t1="$t1" -v hz="$(getconf CLK_TCK)" \
+        -v c0="$c0" -v c1="$c1" -v cmds="$cmds" -v l0="$load0" -v l1="$load1" 'BEGIN {
+        gsub(/[{}"]/, "", j); k = split(j, kv, ",")
+        for (i = 1; i <= k; i++) { split(kv[i], p, ":"); v[p[1]] = p[2] }
+        req = v["requests"]
+        cpu = (t1 - t0) / hz * 1e6 / req
+        if (r == 1) {
+            rcpu = sprintf("%.2f", (c1 - c0) * 1e6 / req)
+            # Commands a script runs are counted in commandstats too: when scripts ran, the other
+            # commands are listed as what they ran (neither server sends anything else).
+            m = split(cmds, lines, ";"); sent = 0; inner = 0; ls = ""; li = ""
+            for (i = 1; i <= m; i++) if (split(lines[i], q, "=") == 2) {
+                c = toupper(q[1])
+                if (c ~ /^(EVALSHA|EVAL|EVALSHA_RO|EVAL_RO|FCALL|FCALL_RO|SCRIPT\|LOAD)$/) script[c] = q[2]
+                else other[c] = q[2]
+            }
+            for (c in script) { sent += script[c]; ls = ls (ls == "" ? "" : " + ") sprintf("%s %.3f", c, script[c] / req) }
+            if (sent > 0) {
+                for (c in other) { inner += other[c]; li = li (li == "" ? "" : ", ") sprintf("%s %.3f", c, other[c] / req) }
+                rc = sprintf("%.3f: %s (running %.3f inside: %s)", sent / req, ls, inner / req, li)
+            } else {
+                for (c in other) { sent += other[c]; ls = ls (ls == "" ? "" : " + ") sprintf("%s %.3f", c, other[c] / req) }
+                rc = (sent == 0 ? "none" : sprintf("%.3f: %s", sent / req, ls))
+            }
+        } else { rcpu = "—"; rc = "—" }
+        printf "| %s | %s | %.0f | %.0f | %.0f | %.0f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+            n, d, v["rps"], v["p50_us"], v["p99_us"], v["p999_us"], cpu, rcpu, rc, req, v["ok"], v["over_limit"], v["errors"], l0, l1
+    }')
+    if [ "$f0" != "-" ]; then
+        log "  sluice_store_errors + sluice_store_fallbacks during the run: $((f1 - f0))"
+        [ "$f0" = "$f1" ] || row="$row (store errors/fallbacks during the run: $((f1 - f0)))"
+    fi
+    log "$row"
+    [ "$redis" = 0 ] || log "  Redis calls in the measured run (${cmds//;/ }) for $(grep -o '"requests":[0-9]*' <<<"$out")"
+    echo "$row" >>"$OUT"
+}
+
+log "load before: $(cut -d' ' -f1-3 /proc/loadavg); results -> $OUT"
+start_sluice --grpc-response-headers off
+measure "Sluice memory" 1 0
+measure "Sluice memory" 3 0
+stop_server
+start_sluice --grpc-response-headers on
+measure "Sluice memory, headers on" 1 0
+stop_server
+start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s
+measure "Sluice Redis" 1 1
+measure "Sluice Redis" 3 1
+stop_server
+start_ratelimit
+measure "envoyproxy/ratelimit Redis" 1 1
+measure "envoyproxy/ratelimit Redis" 3 1
+stop_server
+echo >>"$OUT"
+log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+cat "$OUT"
+log "results appended to $OUT"
