@@ -217,13 +217,39 @@ impl<S: Store> Engine<S> {
     /// Decides one request against the live snapshot. Every entry point (check API, ext_authz,
     /// the sidecar's local fallback) builds the borrowed view from what it parsed, without
     /// copying.
+    ///
+    /// With `sluice::check=debug` logging, each check is decided in a `check` span naming its
+    /// namespace, the snapshot version and the number of rules it matched (the store's and the
+    /// failure modes' logs come inside it). Otherwise the span costs one level comparison: the
+    /// traced path is out of line and boxed, so the hot path's future stays as it is.
     pub async fn check(&self, request: &RequestView<'_>) -> CheckResponse {
         let started = Instant::now();
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
         live.snapshot.resolve(request, &mut matched);
-        let response = self.decide(&live, request.namespace, &matched, None).await;
+        let response = if tracing::enabled!(target: "sluice::check", tracing::Level::DEBUG) {
+            Box::pin(self.decide_traced(&live, request.namespace, &matched)).await
+        } else {
+            self.decide(&live, request.namespace, &matched, None).await
+        };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
+        response
+    }
+
+    #[inline(never)]
+    #[cold]
+    async fn decide_traced(&self, live: &Live, namespace: &str, matched: &[Matched<'_>]) -> CheckResponse {
+        use tracing::Instrument;
+        let span = tracing::debug_span!(
+            target: "sluice::check",
+            "check",
+            namespace,
+            snapshot = live.snapshot.version(),
+            rules = matched.len(),
+            allowed = tracing::field::Empty,
+        );
+        let response = self.decide(live, namespace, matched, None).instrument(span.clone()).await;
+        span.record("allowed", response.allowed);
         response
     }
 
@@ -443,6 +469,72 @@ mod tests {
         let tiny = Limit::new(Algorithm::FixedWindow, 2, 1_000_000, None, None).unwrap();
         assert_eq!(replica_share(&tiny, 8).requests(), 1, "never zero");
         assert_eq!(replica_share(&limit, 1), limit);
+    }
+
+    /// The `check` span's name and fields as a subscriber sees them.
+    #[derive(Default, Clone)]
+    struct SpanFields(Arc<Mutex<Vec<String>>>);
+
+    struct Visitor<'a>(&'a mut Vec<String>);
+
+    impl tracing::field::Visit for Visitor<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0.push(format!("{}={value:?}", field.name()));
+        }
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for SpanFields {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut fields = self.0.lock();
+            fields.push(format!("span {}", attrs.metadata().name()));
+            attrs.record(&mut Visitor(&mut fields));
+        }
+        fn on_record(
+            &self,
+            _: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            values.record(&mut Visitor(&mut self.0.lock()));
+        }
+    }
+
+    fn traced_check(filter: &str) -> Vec<String> {
+        use tracing_subscriber::layer::SubscriberExt;
+        let policy = crate::policy::load_str(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespace: ns}\nspec:\n  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s}}\n",
+            std::path::Path::new("p.yaml"),
+        )
+        .unwrap();
+        let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
+        let version = snapshot.version().to_string();
+        let clock = Arc::new(crate::clock::SystemClock);
+        let engine = Engine::new(Arc::new(MemoryStore::new(16)), clock, Arc::new(Metrics::new()));
+        engine.install(Arc::new(snapshot));
+        let fields = SpanFields::default();
+        let subscriber =
+            tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(filter)).with(fields.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let request = RequestView { namespace: "ns", ..RequestView::new("/") };
+            let response = futures::executor::block_on(engine.check(&request));
+            assert!(response.allowed);
+        });
+        let recorded = fields.0.lock().clone();
+        recorded.into_iter().map(|f| f.replace(&version, "VERSION")).collect()
+    }
+
+    #[test]
+    fn checks_run_in_a_span_with_the_snapshot_and_rule_count_only_when_asked() {
+        assert_eq!(
+            traced_check("sluice::check=debug"),
+            ["span check", "namespace=\"ns\"", "snapshot=\"VERSION\"", "rules=1", "allowed=true"]
+        );
+        assert!(traced_check("info").is_empty(), "no span at info");
     }
 
     #[test]
