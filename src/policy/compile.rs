@@ -434,33 +434,32 @@ fn compile_rule(
                 None => HostMatcher::Exact(host),
             });
         }
+        // A value test from a header or descriptor entry condition: exact, prefix, regex, or
+        // `otherwise` when none is written.
+        let mut value_test = |exact: &Option<String>,
+                              prefix: &Option<String>,
+                              pattern: &Option<String>,
+                              field: String,
+                              otherwise: HeaderTest,
+                              errs: &mut ValidationErrors| {
+            match (exact, prefix, pattern) {
+                (Some(v), _, _) => Some(HeaderTest::Exact(v.clone())),
+                (_, Some(v), _) => Some(HeaderTest::Prefix(v.clone())),
+                (_, _, Some(v)) => regex(v, field, errs).map(HeaderTest::Regex),
+                _ => Some(otherwise),
+            }
+        };
         for (j, h) in m.headers.iter().enumerate() {
-            let test = if let Some(v) = &h.exact {
-                HeaderTest::Exact(v.clone())
-            } else if let Some(v) = &h.prefix {
-                HeaderTest::Prefix(v.clone())
-            } else if let Some(v) = &h.regex {
-                match regex(v, format!("{path}.match.headers[{j}].regex"), &mut errs) {
-                    Some(re) => HeaderTest::Regex(re),
-                    None => continue,
-                }
-            } else {
-                HeaderTest::Present(h.present.unwrap_or(true))
-            };
+            let field = format!("{path}.match.headers[{j}].regex");
+            let present = HeaderTest::Present(h.present.unwrap_or(true));
+            let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, field, present, &mut errs) else { continue };
             matcher.headers.push(HeaderMatcher { name: h.name.to_ascii_lowercase(), test });
         }
         for (j, entry) in m.descriptor.iter().enumerate() {
-            let test = if let Some(v) = &entry.exact {
-                HeaderTest::Exact(v.clone())
-            } else if let Some(v) = &entry.prefix {
-                HeaderTest::Prefix(v.clone())
-            } else if let Some(v) = &entry.regex {
-                match regex(v, format!("{path}.match.descriptor[{j}].regex"), &mut errs) {
-                    Some(re) => HeaderTest::Regex(re),
-                    None => continue,
-                }
-            } else {
-                HeaderTest::Present(true)
+            let field = format!("{path}.match.descriptor[{j}].regex");
+            let any = HeaderTest::Present(true);
+            let Some(test) = value_test(&entry.exact, &entry.prefix, &entry.regex, field, any, &mut errs) else {
+                continue;
             };
             matcher.descriptor.push(DescriptorEntryMatcher {
                 key: entry.key.clone(),
