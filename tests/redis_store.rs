@@ -85,7 +85,15 @@ impl Model {
         let decisions: Vec<Decision> =
             checks.iter().map(|(k, c)| algorithm::check(c.limit, self.states.get(k), now, c.cost)).collect();
         let plain: Vec<RuleCheck<'_>> = checks.iter().map(|(_, c)| *c).collect();
-        let verdict = Verdict::from_decisions(&plain, decisions);
+        let mut verdict = Verdict::from_decisions(&plain, decisions);
+        if !verdict.allowed {
+            // Nothing is consumed: a rule that had room reports its state as it stands.
+            for ((key, c), d) in checks.iter().zip(verdict.decisions.iter_mut()) {
+                if d.allowed {
+                    *d = algorithm::check(c.limit, self.states.get(key), now, 0);
+                }
+            }
+        }
         let mut written = Vec::new();
         if verdict.allowed {
             for ((key, c), d) in checks.iter().zip(&verdict.decisions) {
