@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Redis CPU per decision, by Redis's own accounting (examples/redis_cost.rs): every algorithm with
+# 1 and 3 rules per decision, against a minimal INCRBY script measured in the same run, on a
+# private redis-server (Debian's) started here on 127.0.0.1 and stopped afterwards.
+#
+#   scripts/bench/redis-cost.sh                 # ~1 minute
+#   DECISIONS=50000 scripts/bench/redis-cost.sh
+#
+# Redis runs on CPU $REDIS_CPU, the client on $CLIENT_CPU. The CPU figures are Redis's own
+# (used_cpu_user + used_cpu_sys deltas, commandstats usec), so the client's share of the machine
+# does not enter them.
+# Env: DECISIONS (20000 per row), CONCURRENCY (32), REDIS_CPU (0), CLIENT_CPU (1), SKIP_BUILD (1
+#      to reuse the release example).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+DECISIONS="${DECISIONS:-20000}"
+CONCURRENCY="${CONCURRENCY:-32}"
+REDIS_CPU="${REDIS_CPU:-0}"
+CLIENT_CPU="${CLIENT_CPU:-1}"
+
+if ! command -v redis-server >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >&2
+fi
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    (cd "$ROOT" && cargo build --release --quiet --example redis_cost)
+fi
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+taskset -c "$REDIS_CPU" redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize no --loglevel warning >/dev/null &
+redis_pid=$!
+trap 'kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true' EXIT
+for _ in $(seq 100); do
+    redis-cli -p "$port" ping >/dev/null 2>&1 && break
+    sleep 0.05
+done
+echo "redis $(redis-server --version | grep -o 'v=[0-9.]*'), load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+taskset -c "$CLIENT_CPU" "$TARGET/release/examples/redis_cost" "redis://127.0.0.1:$port" "$DECISIONS" "$CONCURRENCY"
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
