@@ -25,7 +25,6 @@ const ALGORITHMS: [Algorithm; 6] = [
 ];
 const KEYS: u64 = 10_000;
 
-
 /// A limit that admits everything the run sends and keeps every key's state for the hour (a
 /// limit whose state is pristine again within microseconds would let Redis expire the keys, and
 /// measure key creation instead of the steady state).
@@ -124,7 +123,9 @@ async fn main() {
     let mut conn = client.get_multiplexed_async_connection().await.expect("connect");
     let store = Arc::new(RedisStore::connect(RedisConfig::single(url.clone())).await.expect("store"));
 
-    println!("| decision | Redis CPU µs/decision | µs per call (commandstats) | × INCRBY script | calls/decision | commands inside/decision |");
+    println!(
+        "| decision | Redis CPU µs/decision | µs per call (commandstats) | × INCRBY script | calls/decision | commands inside/decision |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
 
     // The yardstick: one INCRBY in a script, on random keys, at the same concurrency.

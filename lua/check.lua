@@ -1,13 +1,17 @@
--- Sluice decision script: decides EVERY rule a request matched in one atomic call.
+-- Sluice decision function: decides EVERY rule a request matched in one atomic call. Loaded
+-- with the modules as a Redis Functions library and called by FCALL (src/store/redis.rs
+-- registers `decide` under a name carrying the library's hash); on a Redis without Functions
+-- (before 7.0) the same source runs as an EVALSHA script that calls `decide(KEYS, ARGV)`.
 --
 -- KEYS[i]  the state key of rule i (src/store/keys.rs). All keys share one hash tag, hence one
 --          cluster slot.
 -- ARGV[1]  now in µs since the Unix epoch, or "" to use the server's clock (redis.call('TIME')).
 --          Production always passes ""; tests pass a time.
--- ARGV[2 + 8(i-1) ...] eight fields per rule i, all decimal integers:
---          algorithm (1 tokenBucket, 2 gcra, 3 leakyBucket, 4 fixedWindow, 5 slidingWindowLog,
---          6 slidingWindowCounter), requests, per_us, burst, interval_us (per/requests rounded
---          up), max_delay_us or -1, cost, enforce (1 enforce, 0 shadow).
+-- ARGV[2i], ARGV[2i + 1]  for rule i: its parameters as one text
+--          "algorithm:requests:per_us:burst:interval_us:max_delay_us:enforce" (algorithm 1
+--          tokenBucket, 2 gcra, 3 leakyBucket, 4 fixedWindow, 5 slidingWindowLog,
+--          6 slidingWindowCounter; interval = per/requests rounded up; max_delay -1 when not
+--          shaping; enforce 1, or 0 for shadow), then the request's cost for it, decimal.
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
 --          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
@@ -15,31 +19,9 @@
 -- All-or-nothing: phase 1 decides every rule without writing. The request is allowed when every
 -- enforcing rule allowed it (shadow rules never deny). Only then does phase 2 consume, in each
 -- rule whose own decision allowed; a denial writes nothing anywhere, and every rule then reports
--- its unchanged state. Every key written gets a
--- PEXPIRE equal to the time until its state is pristine, in this same script, so no key can be
--- left without a TTL.
-
--- Before Redis 7, scripts that read TIME and then write must ask for effects replication.
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
-local FIELDS = 8
-if #ARGV ~= 1 + FIELDS * #KEYS then
-  return redis.error_reply('sluice: expected ' .. (1 + FIELDS * #KEYS) .. ' arguments for '
-    .. #KEYS .. ' keys, got ' .. #ARGV)
-end
-
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = int(ARGV[1])
-  if now == nil then
-    return redis.error_reply('sluice: now must be a non-negative integer')
-  end
-end
+-- its unchanged state. Every key written gets a PEXPIRE equal to the time until its state is
+-- pristine, in this same call, so no key can be left without a TTL. No TYPE probe: each
+-- algorithm reads its state with one command that also tells a missing key or another type.
 
 local modules = {
   sluice.token_bucket,
@@ -50,82 +32,139 @@ local modules = {
   sluice.sliding_window_counter,
 }
 
-local rules = {}
-for i = 1, #KEYS do
-  local b = 1 + FIELDS * (i - 1)
-  local max_delay = tonumber(ARGV[b + 6])
-  local r = {
-    algo = int(ARGV[b + 1]),
-    requests = int(ARGV[b + 2]),
-    per = int(ARGV[b + 3]),
-    burst = int(ARGV[b + 4]),
-    interval = int(ARGV[b + 5]),
-    max_delay = max_delay,
-    cost = int(ARGV[b + 7]),
-    enforce = ARGV[b + 8] == '1',
+-- Parsed rule parameters by their text. A rule's parameters change only with its policy, so a
+-- library call (which keeps this table between calls, until the library is loaded again) parses
+-- each rule once instead of on every decision. Bounded: emptied when it holds too many.
+local params_by_text, params_count = {}, 0
+local PARAMS_MAX = 4096
+
+local function rule_params(text)
+  local l = params_by_text[text]
+  if l ~= nil then
+    return l
+  end
+  if type(text) ~= 'string' then
+    return nil
+  end
+  local algo, requests, per, burst, interval, max_delay, enforce =
+    string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01])$')
+  if algo == nil then
+    return nil
+  end
+  l = {
+    algo = tonumber(algo),
+    requests = tonumber(requests),
+    per = tonumber(per),
+    burst = tonumber(burst),
+    interval = tonumber(interval),
+    max_delay = tonumber(max_delay),
+    enforce = enforce == '1',
   }
-  if r.algo == nil or modules[r.algo] == nil or r.requests == nil or r.requests < 1
-    or r.per == nil or r.per < 1000 or r.burst == nil or r.burst < 1 or r.interval == nil
-    or r.interval < 1 or max_delay == nil or r.cost == nil then
-    return redis.error_reply('sluice: bad arguments for rule ' .. i)
+  l.module = modules[l.algo]
+  if l.module == nil or l.requests < 1 or l.per < 1000 or l.burst < 1 or l.interval < 1 then
+    return nil
   end
-  r.module = modules[r.algo]
-  rules[i] = r
+  if params_count >= PARAMS_MAX then
+    params_by_text, params_count = {}, 0
+  end
+  params_by_text[text] = l
+  params_count = params_count + 1
+  return l
 end
 
--- Phase 1: decide, read-only.
-local ktypes, states, decisions = {}, {}, {}
-local allowed = true
-for i, key in ipairs(KEYS) do
-  local r = rules[i]
-  local ktype = redis.call('TYPE', key)['ok']
-  local state = r.module.read(key, ktype)
-  ktypes[i], states[i] = ktype, state
-  local ok, remaining, reset_after, retry_after, delay = r.module.check(r, state, now, r.cost)
-  decisions[i] = { ok, remaining, reset_after, retry_after, delay }
-  if r.enforce and not ok then
-    allowed = false
+local function decide(KEYS, ARGV)
+  local n = #KEYS
+  if #ARGV ~= 1 + 2 * n then
+    return redis.error_reply('sluice: expected ' .. (1 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
   end
-end
 
--- Nothing will be consumed: a rule that had room reports its state as it stands, not as it
--- would have been after this request.
-if not allowed then
-  for i = 1, #KEYS do
-    if decisions[i][1] then
-      local r = rules[i]
-      local ok, remaining, reset_after, retry_after, delay = r.module.check(r, states[i], now, 0)
-      decisions[i] = { ok, remaining, reset_after, retry_after, delay }
+  local now
+  if ARGV[1] == '' then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  else
+    now = int(ARGV[1])
+    if now == nil then
+      return redis.error_reply('sluice: now must be a non-negative integer')
     end
   end
-end
 
--- Phase 2: consume, only when the whole request is admitted.
-if allowed then
-  local written = {}
-  for i, key in ipairs(KEYS) do
-    if decisions[i][1] then
-      local r = rules[i]
+  if n == 1 then
+    -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
+    -- rule admits the request either way), and it consumes only when it admitted.
+    local l, cost, key = rule_params(ARGV[2]), int(ARGV[3]), KEYS[1]
+    if l == nil or cost == nil then
+      return redis.error_reply('sluice: bad arguments for rule 1')
+    end
+    local state, ktype = l.module.read(key)
+    local ok, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, cost)
+    if ok then
+      l.module.consume(key, ktype, state, l, now, cost)
+    end
+    return { (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay }
+  end
+
+  local rules, costs = {}, {}
+  for i = 1, n do
+    local l = rule_params(ARGV[2 * i])
+    local cost = int(ARGV[2 * i + 1])
+    if l == nil or cost == nil then
+      return redis.error_reply('sluice: bad arguments for rule ' .. i)
+    end
+    rules[i], costs[i] = l, cost
+  end
+
+  -- Phase 1: decide, read-only. The reply is filled as we go: { allowed, then per rule five
+  -- integers } (see the contract above).
+  local reply = { 1 }
+  local ktypes, states = {}, {}
+  local allowed = true
+  for i = 1, n do
+    local l, key = rules[i], KEYS[i]
+    local state, ktype = l.module.read(key)
+    ktypes[i], states[i] = ktype, state
+    local ok, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, costs[i])
+    local b = 5 * i - 3
+    reply[b], reply[b + 1], reply[b + 2], reply[b + 3], reply[b + 4] =
+      ok and 1 or 0, remaining, reset_after, retry_after, delay
+    if l.enforce and not ok then
+      allowed = false
+    end
+  end
+
+  if not allowed then
+    -- Nothing will be consumed: a rule that had room reports its state as it stands, not as it
+    -- would have been after this request.
+    reply[1] = 0
+    for i = 1, n do
+      local b = 5 * i - 3
+      if reply[b] == 1 then
+        local l = rules[i]
+        local ok, remaining, reset_after, retry_after, delay = l.module.check(l, states[i], now, 0)
+        reply[b], reply[b + 1], reply[b + 2], reply[b + 3], reply[b + 4] =
+          ok and 1 or 0, remaining, reset_after, retry_after, delay
+      end
+    end
+    return reply
+  end
+
+  -- Phase 2: consume, the whole request being admitted, in each rule whose own decision allowed.
+  local written = nil
+  for i = 1, n do
+    if reply[5 * i - 3] == 1 then
+      local l, key = rules[i], KEYS[i]
       local ktype, state = ktypes[i], states[i]
-      if written[key] then
+      if written ~= nil and written[key] then
         -- The same key twice in one request: consume on top of the first write, as the memory
         -- store does.
-        ktype = redis.call('TYPE', key)['ok']
-        state = r.module.read(key, ktype)
+        state, ktype = l.module.read(key)
       end
-      r.module.consume(key, ktype, state, r, now, r.cost)
-      written[key] = true
+      l.module.consume(key, ktype, state, l, now, costs[i])
+      if n > 1 then
+        written = written or {}
+        written[key] = true
+      end
     end
   end
+  return reply
 end
-
-local reply = { allowed and 1 or 0 }
-for i = 1, #KEYS do
-  local d = decisions[i]
-  reply[#reply + 1] = d[1] and 1 or 0
-  reply[#reply + 1] = d[2]
-  reply[#reply + 1] = d[3]
-  reply[#reply + 1] = d[4]
-  reply[#reply + 1] = d[5]
-end
-return reply

@@ -1,10 +1,14 @@
 -- Shared prelude of the Sluice decision script (see check.lua for the script's contract).
 --
--- The Rust side concatenates common.lua, one file per algorithm and check.lua into ONE script
--- (src/store/redis.rs, include_str!), so every request is decided in a single EVALSHA. Each
--- algorithm file adds a table to `sluice` with the same four functions:
+-- The Rust side concatenates common.lua, one file per algorithm and check.lua into ONE Redis
+-- Functions library (src/store/redis.rs, include_str!): loaded once per server, so a decision
+-- (FCALL) runs only check.lua's function, not the definitions. Each algorithm file adds a table to
+-- `sluice` with the same three functions:
 --
---   read(key, ktype)                 -> state or nil (nil: missing, or another algorithm's shape)
+--   read(key)                        -> state or nil (nil: missing, or another algorithm's
+--                                       shape), and the key's kind: 'none' (missing), its type
+--                                       ('hash', 'string', 'zset'), or 'other' (another type).
+--                                       One read command, no TYPE probe.
 --   check(l, state, now, cost)       -> allowed, remaining, reset_after_us, retry_after_us (-1 =
 --                                       none), delay_us; read-only
 --   consume(key, ktype, state, l, now, cost) -> writes the state after admitting `cost`, with a
@@ -35,10 +39,17 @@ end
 
 -- A non-negative decimal integer stored by this script, or nil for anything else.
 local function int(s)
-  if type(s) ~= 'string' or not string.match(s, '^%d+$') then
+  if type(s) ~= 'string' then
     return nil
   end
-  return tonumber(s)
+  -- tonumber and two comparisons instead of a pattern match: this runs for every argument and
+  -- every stored field of every decision. (It also takes forms such as " 7" or "0x7" that this
+  -- code never writes.)
+  local n = tonumber(s)
+  if n == nil or n < 0 or n % 1 ~= 0 then
+    return nil
+  end
+  return n
 end
 
 -- Milliseconds until `pristine_at`, rounded up so a key never expires before its state is
@@ -49,6 +60,22 @@ local function ttl_ms(pristine_at, now)
     return 1
   end
   return idiv(us + 999, 1000)
+end
+
+-- Reads `...` (field names) of the hash at `key` in one command: the values (nil when the key is
+-- missing) and the key's kind, 'none', 'hash' or 'other' (not a hash: HMGET fails on it, and a
+-- write must DEL it first).
+local function read_hash(key, ...)
+  local v = redis.pcall('HMGET', key, ...)
+  if v.err then
+    return nil, 'other'
+  end
+  for i = 1, select('#', ...) do
+    if v[i] then
+      return v, 'hash'
+    end
+  end
+  return nil, 'none'
 end
 
 -- Whether a consume should write at all: a key that did not exist and would be pristine at once

@@ -8,16 +8,16 @@
 
 sluice.fixed_window = {}
 
-function sluice.fixed_window.read(key, ktype)
-  if ktype ~= 'hash' then
-    return nil
+function sluice.fixed_window.read(key)
+  local v, ktype = read_hash(key, 'a', 'start', 'count')
+  if v == nil then
+    return nil, ktype
   end
-  local v = redis.call('HMGET', key, 'a', 'start', 'count')
   local start, count = int(v[2]), int(v[3])
   if v[1] ~= 'fw' or start == nil or count == nil then
-    return nil
+    return nil, ktype
   end
-  return { start = start, count = count }
+  return { start = start, count = count }, ktype
 end
 
 local function fw_current(l, w, now)

@@ -9,11 +9,15 @@
 
 sluice.gcra = {}
 
-function sluice.gcra.read(key, ktype)
-  if ktype ~= 'string' then
-    return nil
+function sluice.gcra.read(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then
+    return nil, 'other' -- an error reply: not a string
   end
-  return int(redis.call('GET', key))
+  if not v then
+    return nil, 'none'
+  end
+  return int(v), 'string'
 end
 
 function sluice.gcra.check(l, tat, now, cost)

@@ -12,16 +12,16 @@ sluice.sliding_window_counter = {}
 
 local U32_MAX = 4294967295
 
-function sluice.sliding_window_counter.read(key, ktype)
-  if ktype ~= 'hash' then
-    return nil
+function sluice.sliding_window_counter.read(key)
+  local v, ktype = read_hash(key, 'a', 'start', 'previous', 'current')
+  if v == nil then
+    return nil, ktype
   end
-  local v = redis.call('HMGET', key, 'a', 'start', 'previous', 'current')
   local start, previous, current = int(v[2]), int(v[3]), int(v[4])
   if v[1] ~= 'swc' or start == nil or previous == nil or current == nil then
-    return nil
+    return nil, ktype
   end
-  return { start = start, previous = previous, current = current }
+  return { start = start, previous = previous, current = current }, ktype
 end
 
 local function swc_roll(l, c, now)

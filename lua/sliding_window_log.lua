@@ -10,27 +10,28 @@
 
 sluice.sliding_window_log = {}
 
+local function swl_parse(member)
+  local at, cost = string.match(member, '^(%d+):(%d+)$')
+  if at == nil then
+    return nil
+  end
+  return { at = tonumber(at), cost = tonumber(cost), member = member }
+end
+
 -- state = { newest = {at, cost, member} or nil, live = { {at, cost, member}, … oldest first } }
-function sluice.sliding_window_log.read(key, ktype)
-  if ktype ~= 'zset' then
-    return nil
+function sluice.sliding_window_log.read(key)
+  local newest = redis.pcall('ZRANGE', key, -1, -1)
+  if newest.err then
+    return nil, 'other'
   end
-  local newest = redis.call('ZRANGE', key, -1, -1)
   if #newest == 0 then
-    return nil
+    return nil, 'none'
   end
-  local function parse(member)
-    local at, cost = string.match(member, '^(%d+):(%d+)$')
-    if at == nil then
-      return nil
-    end
-    return { at = tonumber(at), cost = tonumber(cost), member = member }
-  end
-  local n = parse(newest[1])
+  local n = swl_parse(newest[1])
   if n == nil then
-    return nil -- not ours: another shape
+    return nil, 'zset' -- not ours: another shape
   end
-  return { newest = n, parse = parse, key = key }
+  return { newest = n, parse = swl_parse, key = key }, 'zset'
 end
 
 local function swl_now_eff(log, now)

@@ -7,16 +7,16 @@
 
 sluice.token_bucket = {}
 
-function sluice.token_bucket.read(key, ktype)
-  if ktype ~= 'hash' then
-    return nil
+function sluice.token_bucket.read(key)
+  local v, ktype = read_hash(key, 'a', 'credit', 'updated')
+  if v == nil then
+    return nil, ktype
   end
-  local v = redis.call('HMGET', key, 'a', 'credit', 'updated')
   local credit, updated = int(v[2]), int(v[3])
   if v[1] ~= 'tb' or credit == nil or updated == nil then
-    return nil
+    return nil, ktype
   end
-  return { credit = credit, updated = updated }
+  return { credit = credit, updated = updated }, ktype
 end
 
 local function tb_level(l, b, now)

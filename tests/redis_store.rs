@@ -332,19 +332,24 @@ async fn every_key_gets_a_ttl_on_redis_time() {
     }
 }
 
-/// The script cache is volatile (restart, failover, SCRIPT FLUSH): EVALSHA's NOSCRIPT reloads it.
+/// Loaded functions can be lost (a restart without persistence, a failover to a node that never
+/// saw them, FUNCTION FLUSH): the call that finds its function missing loads the library and
+/// repeats, keeping the state.
 #[tokio::test]
-async fn survives_script_flush() {
+async fn survives_function_flush() {
     let server = RedisServer::shared();
     let store = store(server).await;
     let mut con = raw(server).await;
-    let l = limit(Algorithm::FixedWindow, 2, 60 * SEC, None, None);
+    let l = limit(Algorithm::FixedWindow, 3, 60 * SEC, None, None);
     let c = [check(1, &l, b"k", 1, true)];
     assert!(store.check_tagged("flush", Some(T0), &c).await.unwrap().allowed);
+    let _: () = redis::cmd("FUNCTION").arg("FLUSH").query_async(&mut con).await.unwrap();
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut con).await.unwrap();
-    let second = store.check_tagged("flush", Some(T0), &c).await.expect("reloaded after NOSCRIPT");
+    let second = store.check_tagged("flush", Some(T0), &c).await.expect("reloaded after the flush");
     assert!(second.allowed);
-    assert!(!store.check_tagged("flush", Some(T0), &c).await.unwrap().allowed, "state kept across the reload");
+    assert_eq!(second.decisions[0].remaining, 1, "state kept across the reload");
+    let libraries: Value = redis::cmd("FUNCTION").arg("LIST").query_async(&mut con).await.unwrap();
+    assert!(format!("{libraries:?}").contains(&*sluice::store::redis::FUNCTION_NAME), "{libraries:?}");
 }
 
 /// Many clients on one key at one instant admit exactly the bound, never more: 32 tasks over
@@ -507,7 +512,7 @@ async fn ttl_rounds_up_to_whole_milliseconds() {
         let (_, pttl): (Value, i64) = redis::pipe()
             .atomic()
             .cmd("EVAL")
-            .arg(SCRIPT_SOURCE)
+            .arg(&*SCRIPT_SOURCE)
             .arg(1)
             .arg(&key)
             .arg(script_args(Some(now), &checks))

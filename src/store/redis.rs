@@ -3,9 +3,14 @@
 //!
 //! One call per request, whatever the number of rules: the script (lua/check.lua) decides every
 //! rule read-only, and consumes in all of them only when every enforcing rule admits the request.
-//! All of a request's keys share a hash tag (the namespace, see [`super::keys`]) so the script is
-//! legal on a cluster. The script is sent by SHA (EVALSHA) and reloaded when Redis answers
-//! NOSCRIPT (after a restart, failover or SCRIPT FLUSH).
+//! All of a request's keys share a hash tag (the namespace, see [`super::keys`]) so the call is
+//! legal on a cluster. The decision code is a Redis Functions library (FUNCTION LOAD once, FCALL
+//! per decision): the module definitions run once per server instead of on every call, which is
+//! most of a script's cost. The library and its function are named after a hash of their code, so
+//! replicas of two Sluice versions on one Redis (a rolling upgrade) each call their own. When
+//! Redis answers that the function is missing (a restart without persistence, a failover to a
+//! node that never saw it, FUNCTION FLUSH) the library is loaded and the call repeated; a Redis
+//! without Functions (before 7.0) gets the same code as an EVALSHA script, NOSCRIPT reloading it.
 //!
 //! Failure handling stops at an error: each call has a deadline ([`StoreError::Timeout`]) and a
 //! circuit breaker fails calls at once while Redis is known to be down
@@ -27,8 +32,8 @@ use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
 
-/// The decision script: the shared prelude, one file per algorithm, then the entry point.
-pub const SCRIPT_SOURCE: &str = concat!(
+/// The decision code: the shared prelude, one file per algorithm, then `decide` (lua/check.lua).
+pub const DECISION_CODE: &str = concat!(
     include_str!("../../lua/common.lua"),
     include_str!("../../lua/token_bucket.lua"),
     include_str!("../../lua/gcra.lua"),
@@ -38,10 +43,31 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../lua/check.lua"),
 );
 
-static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SCRIPT_SOURCE));
+/// `sluice_` and 16 hex digits of the code's SHA-256: the library's name and its function's.
+pub static FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(DECISION_CODE.as_bytes());
+    format!("sluice_{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
+});
+
+/// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`].
+pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
+    let name = &*FUNCTION_NAME;
+    format!("#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\n")
+});
+
+/// The same code as a script, for Redis before 7.0. Scripts that read TIME and then write must
+/// ask for effects replication there.
+pub static SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn decide(KEYS, ARGV)\n"
+    )
+});
+
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
 
 /// Arguments the script takes per rule (see lua/check.lua).
-pub const ARGS_PER_RULE: usize = 8;
+pub const ARGS_PER_RULE: usize = 2;
 /// Values the script returns per rule, after the overall flag.
 pub const REPLY_PER_RULE: usize = 5;
 
@@ -134,6 +160,8 @@ struct ClusterState {
 
 pub struct RedisStore {
     connection: Connection,
+    /// Cleared for good once Redis says it has no Functions (before 7.0): scripts from then on.
+    functions: std::sync::atomic::AtomicBool,
     breaker: Breaker,
     /// The breaker's time (its cool-down).
     clock: Arc<dyn Clock>,
@@ -204,7 +232,14 @@ impl RedisStore {
                 Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
             }
         };
-        Ok(RedisStore { connection, breaker: Breaker::new(config.breaker), clock, timeout: config.timeout, endpoint })
+        Ok(RedisStore {
+            connection,
+            functions: std::sync::atomic::AtomicBool::new(true),
+            breaker: Breaker::new(config.breaker),
+            clock,
+            timeout: config.timeout,
+            endpoint,
+        })
     }
 
     /// The endpoint with any password redacted.
@@ -233,23 +268,9 @@ impl RedisStore {
         let Some(permit) = self.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
-        let mut invocation = SCRIPT.prepare_invoke();
-        for check in checks {
-            invocation.key(keys::state_key(tag, check.rule, check.key));
-        }
-        for arg in script_args(now, checks) {
-            invocation.arg(arg);
-        }
-        let call = async {
-            match &self.connection {
-                Connection::Single(manager) => invocation.invoke_async::<Value>(&mut manager.clone()).await,
-                Connection::Cluster(cluster) => {
-                    let mut connection =
-                        cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await?.clone();
-                    invocation.invoke_async::<Value>(&mut connection).await
-                }
-            }
-        };
+        let keys: Vec<Vec<u8>> = checks.iter().map(|check| keys::state_key(tag, check.rule, check.key)).collect();
+        let args = script_args(now, checks);
+        let call = self.decide(&keys, &args);
         match tokio::time::timeout(self.timeout, call).await {
             Err(_elapsed) => {
                 permit.failure(self.clock.now());
@@ -272,6 +293,65 @@ impl RedisStore {
             }
         }
     }
+}
+
+impl RedisStore {
+    /// One decision call: FCALL, loading the library when Redis lacks it; EVALSHA on a Redis
+    /// without Functions.
+    async fn decide(&self, keys: &[Vec<u8>], args: &[String]) -> Result<Value, RedisError> {
+        use std::sync::atomic::Ordering;
+        if self.functions.load(Ordering::Relaxed) {
+            let mut fcall = ::redis::cmd("FCALL");
+            fcall.arg(&*FUNCTION_NAME).arg(keys.len()).arg(keys).arg(args);
+            match self.query(&fcall).await {
+                Err(error) if function_missing(&error) => {
+                    let mut load = ::redis::cmd("FUNCTION");
+                    load.arg("LOAD").arg("REPLACE").arg(&*LIBRARY_SOURCE);
+                    self.query(&load).await?;
+                    return self.query(&fcall).await;
+                }
+                Err(error) if functions_unsupported(&error) => {
+                    tracing::warn!(endpoint = %self.endpoint, "Redis has no Functions (before 7.0): deciding by EVALSHA");
+                    self.functions.store(false, Ordering::Relaxed);
+                }
+                result => return result,
+            }
+        }
+        let mut invocation = SCRIPT.prepare_invoke();
+        for key in keys {
+            invocation.key(key);
+        }
+        for arg in args {
+            invocation.arg(arg);
+        }
+        match &self.connection {
+            Connection::Single(manager) => invocation.invoke_async::<Value>(&mut manager.clone()).await,
+            Connection::Cluster(cluster) => invocation.invoke_async::<Value>(&mut self.cluster(cluster).await?).await,
+        }
+    }
+
+    async fn cluster(&self, cluster: &ClusterState) -> Result<ClusterConnection, RedisError> {
+        Ok(cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await?.clone())
+    }
+
+    /// Sends `command`: on a cluster to the node of its keys (FUNCTION LOAD: to every master).
+    async fn query(&self, command: &::redis::Cmd) -> Result<Value, RedisError> {
+        match &self.connection {
+            Connection::Single(manager) => command.query_async(&mut manager.clone()).await,
+            Connection::Cluster(cluster) => command.query_async(&mut self.cluster(cluster).await?).await,
+        }
+    }
+}
+
+/// Redis has no function by that name (never loaded here, or lost with a restart or failover).
+fn function_missing(error: &RedisError) -> bool {
+    error.to_string().contains("Function not found")
+}
+
+/// Redis before 7.0: FCALL is an unknown command.
+fn functions_unsupported(error: &RedisError) -> bool {
+    let text = error.to_string().to_ascii_lowercase();
+    text.contains("unknown command") && text.contains("fcall")
 }
 
 impl Store for RedisStore {
@@ -316,20 +396,28 @@ pub fn algorithm_code(algorithm: Algorithm) -> u8 {
     }
 }
 
-/// ARGV of the script: `now` (or "" for Redis TIME), then [`ARGS_PER_RULE`] per rule.
+/// ARGV of the decision call: `now` (or "" for Redis TIME), then per rule its parameters as one
+/// text (which the library parses once per rule and keeps) and the cost.
 pub fn script_args(now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Vec<String> {
+    use std::fmt::Write as _;
     let mut args = Vec::with_capacity(1 + ARGS_PER_RULE * checks.len());
     args.push(now.map_or_else(String::new, |n| n.to_string()));
     for check in checks {
         let limit = check.limit;
-        args.push(algorithm_code(limit.algorithm()).to_string());
-        args.push(limit.requests().to_string());
-        args.push(limit.per().to_string());
-        args.push(limit.burst().to_string());
-        args.push(limit.interval().to_string());
-        args.push(limit.max_delay().map_or_else(|| "-1".to_string(), |d| d.to_string()));
+        let mut params = String::with_capacity(48);
+        let _ = write!(
+            params,
+            "{}:{}:{}:{}:{}:{}:{}",
+            algorithm_code(limit.algorithm()),
+            limit.requests(),
+            limit.per(),
+            limit.burst(),
+            limit.interval(),
+            limit.max_delay().map_or(-1, |d| d as i64),
+            u8::from(check.enforce)
+        );
+        args.push(params);
         args.push(check.cost.to_string());
-        args.push(if check.enforce { "1" } else { "0" }.to_string());
     }
     args
 }
@@ -515,10 +603,7 @@ mod tests {
         ];
         assert_eq!(
             script_args(Some(42), &checks),
-            [
-                "42", "3", "3", "1000000", "2", "333334", "400000", "1", "1", "4", "10", "60000000", "10", "6000000",
-                "-1", "2", "0"
-            ]
+            ["42", "3:3:1000000:2:333334:400000:1", "1", "4:10:60000000:10:6000000:-1:0", "2"]
         );
         assert_eq!(script_args(None, &checks[..1])[0], "");
         assert_eq!(script_args(None, &checks).len(), 1 + ARGS_PER_RULE * 2);
@@ -536,7 +621,12 @@ mod tests {
             assert!(SCRIPT_SOURCE.contains(&format!("{name} = {{}}")), "{name}");
         }
         assert!(SCRIPT_SOURCE.starts_with("-- Shared prelude"));
-        assert!(SCRIPT_SOURCE.trim_end().ends_with("return reply"));
+        assert!(SCRIPT_SOURCE.trim_end().ends_with("return decide(KEYS, ARGV)"));
+        assert!(LIBRARY_SOURCE.starts_with(&format!("#!lua name={}\n", &*FUNCTION_NAME)));
+        assert!(
+            LIBRARY_SOURCE.trim_end().ends_with(&format!("redis.register_function('{}', decide)", &*FUNCTION_NAME))
+        );
+        assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
     }
 
     #[test]
