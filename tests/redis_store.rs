@@ -547,3 +547,63 @@ async fn tls_with_a_private_ca() {
     let untrusted = RedisStore::connect(config).await.expect("lazy");
     assert!(untrusted.check_tagged("tls", None, &c).await.is_err());
 }
+
+/// The decision script of the release before Redis Functions, as an old replica sends it.
+const V1_SCRIPT: &str = include_str!("fixtures/check-v1.lua");
+
+/// What an old replica sends: EVAL of the v1 script with its eight arguments per rule.
+async fn v1_decide(con: &mut redis::aio::MultiplexedConnection, key: &[u8], check: &RuleCheck<'_>, now: Micros) -> bool {
+    let l = check.limit;
+    let code = sluice::store::redis::algorithm_code(l.algorithm());
+    let max_delay = l.max_delay().map_or(-1, |d| d as i64);
+    let reply: Vec<i64> = redis::Script::new(V1_SCRIPT)
+        .key(key)
+        .arg(now)
+        .arg(code)
+        .arg(l.requests())
+        .arg(l.per())
+        .arg(l.burst())
+        .arg(l.interval())
+        .arg(max_delay)
+        .arg(check.cost)
+        .arg(u8::from(check.enforce))
+        .invoke_async(con)
+        .await
+        .expect("v1 script");
+    reply[0] == 1
+}
+
+/// A rolling upgrade: an old replica (the v1 script) and a new one (the Functions library) on one
+/// key, alternating, count together: every algorithm admits exactly its bound, not up to twice
+/// it, and each reads what the other wrote (the state layout is the same).
+#[tokio::test]
+async fn an_old_and_a_new_replica_count_one_key_together() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let mut con = raw(server).await;
+    let cases = [
+        limit(Algorithm::TokenBucket, 1, 3600 * SEC, Some(10), None),
+        limit(Algorithm::Gcra, 1, 3600 * SEC, Some(10), None),
+        limit(Algorithm::LeakyBucket, 1, 3600 * SEC, Some(10), None),
+        limit(Algorithm::FixedWindow, 10, 3600 * SEC, None, None),
+        limit(Algorithm::SlidingWindowLog, 10, 3600 * SEC, None, None),
+        limit(Algorithm::SlidingWindowCounter, 10, 3600 * SEC, None, None),
+    ];
+    for (i, l) in cases.iter().enumerate() {
+        let rule = 9_000 + i as u64;
+        let c = check(rule, l, b"shared", 1, true);
+        let key = state_key("upgrade", rule, b"shared");
+        let mut admitted = 0;
+        for step in 0..30u64 {
+            // Distinct microseconds, so the log keeps one entry per request.
+            let now = T0 + step;
+            let allowed = if step % 2 == 0 {
+                v1_decide(&mut con, &key, &c, now).await
+            } else {
+                store.check_tagged("upgrade", Some(now), &[c]).await.expect("decided").allowed
+            };
+            admitted += u64::from(allowed);
+        }
+        assert_eq!(admitted, 10, "{:?}: old and new replicas together admit the bound", l.algorithm());
+    }
+}
