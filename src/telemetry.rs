@@ -83,6 +83,10 @@ pub struct Metrics {
     pub auth_failures: Family<ReasonLabels, Counter>,
     /// Envoy rate limit service (`ShouldRateLimit`) answers by code.
     pub rls_requests: Family<CodeLabels, Counter>,
+    /// Requests the shared store's denial cache refused without asking Redis.
+    pub denial_cache_hits: Counter,
+    /// (rule, key) denials the cache holds.
+    pub denial_cache_entries: Gauge,
     /// Calls to the Kubernetes TokenReview API, by result (cache hits make none).
     pub token_reviews: Family<ResultLabels, Counter>,
     /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
@@ -177,6 +181,18 @@ impl Metrics {
             "Envoy rate limit service (gRPC ShouldRateLimit) answers, by code (OK, OVER_LIMIT, or the gRPC error)",
             rls_requests.clone(),
         );
+        let denial_cache_hits = Counter::default();
+        registry.register(
+            "redis_denial_cache_hits",
+            "Requests refused from the denial cache without asking Redis (exact: each was a repeat of a denial before its retry-after)",
+            denial_cache_hits.clone(),
+        );
+        let denial_cache_entries = Gauge::default();
+        registry.register(
+            "redis_denial_cache_entries",
+            "(rule, key) denials held by the denial cache",
+            denial_cache_entries.clone(),
+        );
         let token_reviews = Family::<ResultLabels, Counter>::default();
         registry.register(
             "auth_token_reviews",
@@ -242,6 +258,8 @@ impl Metrics {
             evicted_keys,
             auth_failures,
             rls_requests,
+            denial_cache_hits,
+            denial_cache_entries,
             token_reviews,
             memory_evictions,
             record_lock: parking_lot::Mutex::new(()),
@@ -260,6 +278,10 @@ impl Metrics {
         self.store_circuit_open.set(i64::from(status.breaker == Some("open")));
         self.live_keys.set(status.live_keys as i64);
         self.evicted_keys.set(status.evicted_keys as i64);
+        if let Some(cache) = status.denial_cache {
+            self.denial_cache_hits.inc_by(cache.hits.saturating_sub(self.denial_cache_hits.get()));
+            self.denial_cache_entries.set(cache.entries as i64);
+        }
         for (namespace, &total) in &status.evicted_keys_by_namespace {
             let counter = self.memory_evictions.get_or_create(&NamespaceLabels { namespace: namespace.clone() });
             counter.inc_by(total.saturating_sub(counter.get()));

@@ -27,6 +27,9 @@ async fn store(server: &RedisServer) -> RedisStore {
     let mut config = RedisConfig::single(server.url());
     // Debug builds on a busy 2-core box: the default 50 ms would make these tests flaky.
     config.timeout = Duration::from_secs(5);
+    // These tests compare every call's answer with Redis's own; the denial cache answers repeats
+    // itself (tested on its own below).
+    config.denial_cache = 0;
     RedisStore::connect(config).await.expect("store")
 }
 
@@ -400,7 +403,10 @@ async fn usable_through_the_store_trait() {
     let l = limit(Algorithm::TokenBucket, 3, SEC, None, None);
     assert_eq!(admitted(&store, &l, 5).await, 3);
     assert!(store.check_tagged("other-ns", Some(T0), &[check(99, &l, b"trait", 1, true)]).await.unwrap().allowed);
-    assert_eq!(store.check(Some(T0), &[]).await.unwrap(), Verdict { allowed: true, decisions: vec![] });
+    assert_eq!(
+        store.check(Some(T0), &[]).await.unwrap(),
+        Verdict { allowed: true, decisions: vec![], cached_denial: None }
+    );
 }
 
 /// Redis killed: calls fail within the deadline, the breaker opens and then fails calls at once;
@@ -552,7 +558,12 @@ async fn tls_with_a_private_ca() {
 const V1_SCRIPT: &str = include_str!("fixtures/check-v1.lua");
 
 /// What an old replica sends: EVAL of the v1 script with its eight arguments per rule.
-async fn v1_decide(con: &mut redis::aio::MultiplexedConnection, key: &[u8], check: &RuleCheck<'_>, now: Micros) -> bool {
+async fn v1_decide(
+    con: &mut redis::aio::MultiplexedConnection,
+    key: &[u8],
+    check: &RuleCheck<'_>,
+    now: Micros,
+) -> bool {
     let l = check.limit;
     let code = sluice::store::redis::algorithm_code(l.algorithm());
     let max_delay = l.max_delay().map_or(-1, |d| d as i64);
@@ -606,4 +617,74 @@ async fn an_old_and_a_new_replica_count_one_key_together() {
         }
         assert_eq!(admitted, 10, "{:?}: old and new replicas together admit the bound", l.algorithm());
     }
+}
+
+/// The denial cache: a repeat of a denial before its retry-after is answered without Redis (no
+/// function call), the same way Redis would; a smaller cost, the retry-after passed, or an edited
+/// limit go to Redis; and several replicas' caches never admit more than the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_denials_are_answered_without_redis_and_stay_exact() {
+    let server = RedisServer::start();
+    let mut con = raw(&server).await;
+    let mut config = RedisConfig::single(server.url());
+    config.timeout = Duration::from_secs(5);
+    let store = RedisStore::connect(config.clone()).await.expect("store");
+    let calls = |stats: String| -> u64 {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_fcall:"))
+            .and_then(|l| l.split("calls=").nth(1)?.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let bucket = limit(Algorithm::TokenBucket, 10, SEC, Some(2), None);
+    let c = |cost| [check(1, &bucket, b"hot", cost, true)];
+    for _ in 0..2 {
+        assert!(store.check_tagged("cache", Some(T0), &c(1)).await.unwrap().allowed);
+    }
+    let denied = store.check_tagged("cache", Some(T0), &c(1)).await.unwrap();
+    assert!(!denied.allowed && denied.cached_denial.is_none(), "Redis's own denial");
+    let before: String = redis::cmd("INFO").arg("commandstats").query_async(&mut con).await.unwrap();
+    for step in 0..50 {
+        let repeat = store.check_tagged("cache", Some(T0 + step * MS), &c(1)).await.unwrap();
+        assert_eq!(repeat.cached_denial, Some(0));
+        assert_eq!(repeat.decisions[0].retry_after, Some(100 * MS - step * MS), "counts down");
+    }
+    let after: String = redis::cmd("INFO").arg("commandstats").query_async(&mut con).await.unwrap();
+    assert_eq!(calls(after) - calls(before), 0, "50 repeats, no call to Redis");
+    assert_eq!(store.status().denial_cache.map(|d| d.hits), Some(50));
+    // Past the retry-after Redis is asked again, and admits.
+    assert!(store.check_tagged("cache", Some(T0 + 100 * MS), &c(1)).await.unwrap().allowed);
+    let edited = limit(Algorithm::TokenBucket, 10, SEC, Some(3), None);
+    let answer = store.check_tagged("cache", Some(T0 + 100 * MS), &[check(1, &edited, b"hot", 1, true)]).await.unwrap();
+    assert!(answer.cached_denial.is_none(), "an edited limit is asked anew: {answer:?}");
+
+    // Three replicas, each with its cache, 16 clients each, one key: exactly the bound.
+    let window = limit(Algorithm::FixedWindow, 30, 3600 * SEC, None, None);
+    let replicas: Vec<Arc<RedisStore>> = futures::future::join_all((0..3).map(|_| RedisStore::connect(config.clone())))
+        .await
+        .into_iter()
+        .map(|s| Arc::new(s.expect("store")))
+        .collect();
+    let window = Arc::new(window);
+    let mut tasks = Vec::new();
+    for replica in &replicas {
+        for _ in 0..16 {
+            let (replica, window) = (replica.clone(), window.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut admitted = 0;
+                for _ in 0..10 {
+                    let checks = [check(2, &window, b"shared", 1, true)];
+                    admitted += u64::from(replica.check_tagged("cache", None, &checks).await.unwrap().allowed);
+                }
+                admitted
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.unwrap();
+    }
+    assert_eq!(admitted, 30, "zero over-admission with three caches");
+    let hits: u64 = replicas.iter().filter_map(|r| r.status().denial_cache).map(|d| d.hits).sum();
+    assert!(hits > 0, "the denials after the bound were answered from the caches");
 }

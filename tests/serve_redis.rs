@@ -119,9 +119,9 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
         let admitted = hammer(&servers, path, 48, bound as usize * 4).await;
         assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");
     }
-    // One round trip per decision: every decision is one FCALL. A fresh Redis has no library
-    // loaded, so the very first calls of each replica fail (function not found), load it and
-    // retry.
+    // At most one round trip per decision: every decision is one FCALL, or none when a replica's
+    // denial cache answered a repeated denial. A fresh Redis has no library loaded, so the very
+    // first calls of each replica fail (function not found), load it and retry.
     let stats = redis.cli(&["INFO", "commandstats"]);
     let field = |cmd: &str, name: &str| -> u64 {
         stats
@@ -133,7 +133,18 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
             .unwrap_or(0)
     };
     let answered = field("fcall", "calls") - field("fcall", "failed_calls");
-    assert_eq!(answered, 4 * (50 + 40 + 30 + 20), "one function call per decision: {stats}");
+    let c = client();
+    let mut cached = 0;
+    for server in servers.iter() {
+        let metrics = c.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        cached += metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_redis_denial_cache_hits_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("the denial cache's hits are a metric");
+    }
+    assert_eq!(answered + cached, 4 * (50 + 40 + 30 + 20), "one function call per decision Redis saw: {stats}");
+    assert!(cached > 0, "repeated denials were answered by the replicas' caches");
     assert_eq!(field("eval", "calls") + field("evalsha", "calls"), 0, "{stats}");
 }
 
@@ -150,6 +161,10 @@ async fn redis_down_applies_each_rules_failure_mode_and_recovers() {
             "50ms".into(),
             "--redis-breaker-cooldown".into(),
             "300ms".into(),
+            // The failure modes on their own: a denial cached before the outage would still
+            // (exactly) refuse /open until its retry-after (tested in tests/redis_store.rs).
+            "--redis-denial-cache".into(),
+            "0".into(),
         ],
         1,
     );

@@ -46,6 +46,10 @@ pub struct StoreArgs {
     /// 1/N of every limit in its own memory until Redis is back.
     #[arg(long, env = "SLUICE_FALLBACK_REPLICAS", default_value_t = 1)]
     pub fallback_replicas: u32,
+    /// (rule, key) denials kept to answer repeats without Redis until their retry-after (exact:
+    /// such a request could not be admitted there either); 0 turns the cache off.
+    #[arg(long, env = "SLUICE_REDIS_DENIAL_CACHE", default_value_t = RedisConfig::DEFAULT_DENIAL_CACHE)]
+    pub redis_denial_cache: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +96,7 @@ impl StoreArgs {
         };
         let mut config = RedisConfig::new(endpoint);
         config.timeout = self.redis_timeout;
+        config.denial_cache = self.redis_denial_cache;
         config.breaker = BreakerConfig {
             failure_threshold: self.redis_breaker_failures.max(1),
             cool_down: self.redis_breaker_cooldown,

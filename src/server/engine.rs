@@ -53,6 +53,11 @@ pub struct RuleResult {
     /// Set when the shared store failed and the rule's `onStoreFailure` decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store_failure: Option<&'static str>,
+    /// The request was refused from the shared store's denial cache by another rule, without
+    /// asking the store: this rule was not decided (`allowed` only says it refused nothing, and
+    /// `remaining` is its limit, not its state).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub not_decided: bool,
 }
 
 fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> Result<S::Ok, S::Error> {
@@ -327,10 +332,13 @@ impl<S: Store> Engine<S> {
         let mut header_inputs = Vec::with_capacity(matched.len());
         let mut rules = Vec::with_capacity(matched.len());
         let mut delay = 0;
-        for ((m, check), decision) in matched.iter().zip(&checks).zip(&verdict.decisions) {
+        for (i, ((m, check), decision)) in matched.iter().zip(&checks).zip(&verdict.decisions).enumerate() {
             let extras = live.extras.get(&m.rule.id());
             let shadow = !check.enforce;
-            if let Some(extras) = extras {
+            // Refused from the denial cache by another rule: this one was not asked, so it is
+            // neither counted nor shown in headers, and `rules` says so.
+            let not_decided = verdict.cached_denial.is_some_and(|by| by != i);
+            if let (Some(extras), false) = (extras, not_decided) {
                 let counter = match (decision.allowed, shadow) {
                     (true, _) => &extras.counters.allowed,
                     (false, false) => &extras.counters.limited,
@@ -341,13 +349,15 @@ impl<S: Store> Engine<S> {
             if verdict.allowed && !shadow {
                 delay = delay.max(decision.delay);
             }
-            header_inputs.push(RuleHeaderInput {
-                name: extras.map_or("", |e| e.header_name.as_str()),
-                shadow,
-                requests: m.rule.limit().capacity(),
-                per: quota_window(m.rule.limit()),
-                decision,
-            });
+            if !not_decided {
+                header_inputs.push(RuleHeaderInput {
+                    name: extras.map_or("", |e| e.header_name.as_str()),
+                    shadow,
+                    requests: m.rule.limit().capacity(),
+                    per: quota_window(m.rule.limit()),
+                    decision,
+                });
+            }
             rules.push(RuleResult {
                 policy: m.rule.policy().to_string(),
                 rule: m.rule.name().to_string(),
@@ -359,6 +369,7 @@ impl<S: Store> Engine<S> {
                 retry_after_ms: decision.retry_after.map(ceil_ms),
                 quota_window_ms: ceil_ms(quota_window(m.rule.limit())),
                 store_failure: failed.then(|| m.rule.on_store_failure().name()),
+                not_decided,
             });
         }
         let allowed = verdict.allowed;
@@ -535,6 +546,45 @@ mod tests {
             ["span check", "namespace=\"ns\"", "snapshot=\"VERSION\"", "rules=1", "allowed=true"]
         );
         assert!(traced_check("info").is_empty(), "no span at info");
+    }
+
+    /// A shared store whose denial cache answered: the first rule's cached denial, the second not
+    /// asked.
+    struct CachedDenial;
+
+    impl Store for CachedDenial {
+        async fn check(&self, _: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
+            let denial =
+                Decision { allowed: false, remaining: 0, reset_after: 1_000, retry_after: Some(500), delay: 0 };
+            let other = Decision {
+                allowed: true,
+                remaining: checks[1].limit.capacity(),
+                reset_after: 0,
+                retry_after: None,
+                delay: 0,
+            };
+            Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0) })
+        }
+    }
+
+    #[tokio::test]
+    async fn rules_a_cached_denial_did_not_ask_are_marked_and_left_out_of_headers() {
+        let policy = crate::policy::load_str(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespace: ns}\nspec:\n  rules:\n  - {name: hot, algorithm: gcra, limit: {requests: 5, per: 1s}}\n  - {name: other, algorithm: gcra, limit: {requests: 50, per: 1s}}\n",
+            std::path::Path::new("p.yaml"),
+        )
+        .unwrap();
+        let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
+        let engine = Engine::new(CachedDenial, Arc::new(crate::clock::SystemClock), Arc::new(Metrics::new()));
+        engine.install(Arc::new(snapshot));
+        let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }).await;
+        assert!(!response.allowed);
+        assert_eq!((response.rules[0].not_decided, response.rules[1].not_decided), (false, true));
+        let policy_header = response.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").map(|(_, v)| v.as_str());
+        assert_eq!(policy_header, Some("\"p/hot\";q=5;w=1"), "only the rule that decided");
+        let json = serde_json::to_value(&response).unwrap();
+        assert_eq!(json["rules"][1]["notDecided"], true);
+        assert!(json["rules"][0].get("notDecided").is_none());
     }
 
     #[test]

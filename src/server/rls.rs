@@ -306,7 +306,9 @@ fn header(key: &str, value: &str) -> HeaderValue {
 /// that refused, else the least remaining); shadow rules only when no enforcing rule matched,
 /// and then always `OK`. Without rules: `OK` and no limit.
 fn descriptor_status(rules: &[RuleResult], indices: &[usize]) -> DescriptorStatus {
-    let candidates = || indices.iter().filter_map(|&i| rules.get(i));
+    // Rules a cached denial left undecided only speak for a descriptor nothing else reports on.
+    let decided = indices.iter().filter_map(|&i| rules.get(i)).any(|r| !r.not_decided);
+    let candidates = || indices.iter().filter_map(|&i| rules.get(i)).filter(move |r| !decided || !r.not_decided);
     let enforcing = candidates().filter(|r| !r.shadow).min_by_key(|r| (r.allowed, r.remaining));
     let Some(rule) = enforcing.or_else(|| candidates().min_by_key(|r| r.remaining)) else {
         return DescriptorStatus { code: Code::Ok as i32, ..DescriptorStatus::default() };

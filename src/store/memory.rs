@@ -439,7 +439,7 @@ impl MemoryStore {
     fn check_scoped(&self, scope: Scope, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
         let mut decisions = Vec::with_capacity(checks.len());
         let allowed = self.check_scoped_into(scope, now, checks, &mut decisions);
-        Verdict { allowed, decisions }
+        Verdict { allowed, decisions, cached_denial: None }
     }
 
     fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) {

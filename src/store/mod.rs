@@ -5,6 +5,7 @@
 //! consume. A denial consumes nothing anywhere.
 
 pub mod breaker;
+pub mod denials;
 pub mod keys;
 pub mod memory;
 pub mod redis;
@@ -22,13 +23,17 @@ pub struct Verdict {
     pub allowed: bool,
     /// One decision per [`RuleCheck`], in order.
     pub decisions: Vec<Decision>,
+    /// Set when a cached denial of this rule answered the request without asking the store
+    /// ([`denials`]): the other rules were not decided, and their decisions only say that they
+    /// refused nothing.
+    pub cached_denial: Option<usize>,
 }
 
 impl Verdict {
     /// Combines per-rule decisions the way every store must.
     pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
         let allowed = admits(checks, &decisions);
-        Verdict { allowed, decisions }
+        Verdict { allowed, decisions, cached_denial: None }
     }
 }
 
@@ -122,6 +127,16 @@ pub struct StoreStatus {
     /// only namespaces that lost keys. Filled by the memory store.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub evicted_keys_by_namespace: std::collections::BTreeMap<String, u64>,
+    /// The shared store's denial cache: (rule, key) denials held, and requests it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub denial_cache: Option<DenialCacheStatus>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DenialCacheStatus {
+    pub entries: u64,
+    pub hits: u64,
 }
 
 impl<T: Store> Store for std::sync::Arc<T> {

@@ -27,6 +27,7 @@ use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
 use super::breaker::{Breaker, BreakerConfig, BreakerState};
+use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
@@ -120,11 +121,15 @@ pub struct RedisConfig {
     /// PEM root certificate(s) trusted for `rediss://` instead of the built-in web PKI roots
     /// (in-cluster Redis usually has a private CA).
     pub tls_root_ca: Option<Vec<u8>>,
+    /// (rule, key) denials this replica keeps to answer repeats without Redis (0: none); see
+    /// [`super::denials`].
+    pub denial_cache: usize,
 }
 
 impl RedisConfig {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+    pub const DEFAULT_DENIAL_CACHE: usize = 100_000;
 
     pub fn single(url: impl Into<String>) -> RedisConfig {
         RedisConfig::new(RedisEndpoint::Single(url.into()))
@@ -141,6 +146,7 @@ impl RedisConfig {
             connect_timeout: RedisConfig::DEFAULT_CONNECT_TIMEOUT,
             breaker: BreakerConfig::default(),
             tls_root_ca: None,
+            denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
         }
     }
 }
@@ -162,6 +168,7 @@ pub struct RedisStore {
     connection: Connection,
     /// Cleared for good once Redis says it has no Functions (before 7.0): scripts from then on.
     functions: std::sync::atomic::AtomicBool,
+    denials: DenialCache,
     breaker: Breaker,
     /// The breaker's time (its cool-down).
     clock: Arc<dyn Clock>,
@@ -235,6 +242,7 @@ impl RedisStore {
         Ok(RedisStore {
             connection,
             functions: std::sync::atomic::AtomicBool::new(true),
+            denials: DenialCache::new(config.denial_cache),
             breaker: Breaker::new(config.breaker),
             clock,
             timeout: config.timeout,
@@ -263,12 +271,17 @@ impl RedisStore {
         checks: &[RuleCheck<'_>],
     ) -> Result<Verdict, StoreError> {
         if checks.is_empty() {
-            return Ok(Verdict { allowed: true, decisions: Vec::new() });
+            return Ok(Verdict { allowed: true, decisions: Vec::new(), cached_denial: None });
+        }
+        let keys: Vec<Vec<u8>> = checks.iter().map(|check| keys::state_key(tag, check.rule, check.key)).collect();
+        // The denial cache's time: when the call is sent, never later than when Redis decides.
+        let sent_at = now.unwrap_or_else(|| self.clock.now());
+        if let Some(verdict) = self.denials.answer(&keys, checks, sent_at) {
+            return Ok(verdict);
         }
         let Some(permit) = self.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
-        let keys: Vec<Vec<u8>> = checks.iter().map(|check| keys::state_key(tag, check.rule, check.key)).collect();
         let args = script_args(now, checks);
         let call = self.decide(&keys, &args);
         match tokio::time::timeout(self.timeout, call).await {
@@ -289,7 +302,9 @@ impl RedisStore {
             }
             Ok(Ok(reply)) => {
                 permit.success(self.clock.now());
-                parse_reply(&reply, checks.len())
+                let verdict = parse_reply(&reply, checks.len())?;
+                self.denials.record(&keys, checks, &verdict, sent_at);
+                Ok(verdict)
             }
         }
     }
@@ -379,6 +394,10 @@ impl Store for RedisStore {
             endpoint: Some(self.endpoint().to_string()),
             breaker: Some(self.breaker_state().name()),
             timeout_ms: Some(self.timeout.as_millis() as u64),
+            denial_cache: Some(super::DenialCacheStatus {
+                entries: self.denials.len() as u64,
+                hits: self.denials.hits(),
+            }),
             ..Default::default()
         }
     }
@@ -457,7 +476,7 @@ pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
             })
         })
         .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(Verdict { allowed: flag(ints[0])?, decisions })
+    Ok(Verdict { allowed: flag(ints[0])?, decisions, cached_denial: None })
 }
 
 fn value_kind(value: &Value) -> &'static str {
@@ -590,7 +609,10 @@ mod tests {
         assert!(matches!(err(ints(&[1, 1, 0, 0, -2, 0]), 1), StoreError::Protocol(_)));
         let mixed = Value::Array(vec![Value::Int(1), Value::BulkString(b"x".to_vec())]);
         assert!(matches!(err(mixed, 0), StoreError::Protocol(_)));
-        assert_eq!(parse_reply(&ints(&[1]), 0).unwrap(), Verdict { allowed: true, decisions: vec![] });
+        assert_eq!(
+            parse_reply(&ints(&[1]), 0).unwrap(),
+            Verdict { allowed: true, decisions: vec![], cached_denial: None }
+        );
     }
 
     #[test]

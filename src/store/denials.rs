@@ -1,0 +1,197 @@
+//! An exact local cache of denials, in front of a shared store.
+//!
+//! When the shared store refuses cost `c` for a (rule, key) with a retry-after of `r`, no request
+//! of cost ≥ `c` can be admitted there before `r` has passed, whatever other replicas do: until
+//! then the state only moves toward denial (time has to pass for a bucket to refill or a window
+//! to slide, and other replicas can only consume). So this replica answers such requests itself
+//! until that instant, without asking the store — exactly the answer the store would give,
+//! unlike caches that admit locally and settle later.
+//!
+//! The instant is measured from when the call was *sent*, which is no later than when the store
+//! decided, so the cache never outlives the denial. An entry applies only to the same limit (an
+//! edit of the rule's numbers or algorithm is a miss) and to enforcing rules. A cost that can
+//! never fit (no retry-after) is not kept: its answer is not a repeat that time bounds.
+//!
+//! What a cached answer reports for its rule is the store's answer at the denial, aged: the
+//! retry-after and reset count down from it, and `remaining` is the value at the denial (since
+//! then refill or expiry may have added to it, never enough for the cost).
+//!
+//! A request refused from the cache was decided by its cached rule alone: the other rules of the
+//! request were not asked (see [`super::Verdict::cached_denial`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::{RuleCheck, Verdict};
+use crate::algorithm::{Decision, Limit, Micros};
+
+#[derive(Debug, Clone)]
+struct Denial {
+    limit: Limit,
+    cost: u64,
+    /// Until when (µs, the cache's clock) cost ≥ `cost` cannot be admitted.
+    until: Micros,
+    /// When the rule's state would be pristine, as the store said at the denial.
+    reset_at: Micros,
+    /// What the rule had left at the denial.
+    remaining: u64,
+}
+
+/// Denials by state key; bounded.
+#[derive(Debug)]
+pub struct DenialCache {
+    entries: Mutex<HashMap<Vec<u8>, Denial>>,
+    capacity: usize,
+    hits: AtomicU64,
+}
+
+impl DenialCache {
+    /// A cache of at most `capacity` (rule, key) denials; 0 keeps nothing.
+    pub fn new(capacity: usize) -> DenialCache {
+        DenialCache { entries: Mutex::new(HashMap::new()), capacity, hits: AtomicU64::new(0) }
+    }
+
+    /// The denial that answers this request at `now`, if any: the index of the rule whose
+    /// cached denial covers it, and the verdict. `keys[i]` is the state key of `checks[i]`.
+    pub fn answer(&self, keys: &[Vec<u8>], checks: &[RuleCheck<'_>], now: Micros) -> Option<Verdict> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let entries = self.entries.lock();
+        if entries.is_empty() {
+            return None;
+        }
+        let (index, denial) = checks.iter().zip(keys).enumerate().find_map(|(i, (check, key))| {
+            let denial = entries.get(key)?;
+            let covers =
+                check.enforce && now < denial.until && check.cost >= denial.cost && denial.limit == *check.limit;
+            covers.then(|| (i, denial.clone()))
+        })?;
+        drop(entries);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        let decisions = checks
+            .iter()
+            .enumerate()
+            .map(|(i, check)| {
+                if i == index {
+                    Decision {
+                        allowed: false,
+                        remaining: denial.remaining,
+                        reset_after: denial.reset_at.saturating_sub(now),
+                        retry_after: Some(denial.until - now),
+                        delay: 0,
+                    }
+                } else {
+                    // Not asked: nothing refused by it, nothing known of its state.
+                    Decision {
+                        allowed: true,
+                        remaining: check.limit.capacity(),
+                        reset_after: 0,
+                        retry_after: None,
+                        delay: 0,
+                    }
+                }
+            })
+            .collect();
+        Some(Verdict { allowed: false, decisions, cached_denial: Some(index) })
+    }
+
+    /// Keeps the denials of a verdict the store gave for a call sent at `sent_at`.
+    pub fn record(&self, keys: &[Vec<u8>], checks: &[RuleCheck<'_>], verdict: &Verdict, sent_at: Micros) {
+        if self.capacity == 0 || verdict.allowed {
+            return;
+        }
+        let mut entries = self.entries.lock();
+        for ((check, key), decision) in checks.iter().zip(keys).zip(&verdict.decisions) {
+            let (false, true, Some(retry_after)) = (decision.allowed, check.enforce, decision.retry_after) else {
+                continue;
+            };
+            let until = sent_at.saturating_add(retry_after);
+            if entries.len() >= self.capacity && !entries.contains_key(key) {
+                entries.retain(|_, d| d.until > sent_at);
+                if entries.len() >= self.capacity {
+                    continue;
+                }
+            }
+            let denial = Denial {
+                limit: check.limit.clone(),
+                cost: check.cost,
+                until,
+                reset_at: sent_at.saturating_add(decision.reset_after),
+                remaining: decision.remaining,
+            };
+            entries.insert(key.clone(), denial);
+        }
+    }
+
+    /// Requests answered from the cache since start.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Denials held (expired ones included until room is needed).
+    pub fn len(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Algorithm;
+
+    fn denied(retry_after: Option<Micros>) -> Verdict {
+        let decision = Decision { allowed: false, remaining: 1, reset_after: 500, retry_after, delay: 0 };
+        Verdict { allowed: false, decisions: vec![decision], cached_denial: None }
+    }
+
+    #[test]
+    fn a_denial_answers_larger_or_equal_costs_of_the_same_limit_until_its_retry_after() {
+        let limit = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(5), None).unwrap();
+        let keys = vec![b"k".to_vec()];
+        let cache = DenialCache::new(16);
+        let check = |cost| RuleCheck { rule: 1, limit: &limit, key: b"k", cost, enforce: true };
+        cache.record(&keys, &[check(3)], &denied(Some(200)), 1_000);
+        let hit = cache.answer(&keys, &[check(3)], 1_100).expect("covered");
+        assert_eq!((hit.allowed, hit.cached_denial), (false, Some(0)));
+        assert_eq!(
+            hit.decisions[0],
+            Decision { allowed: false, remaining: 1, reset_after: 400, retry_after: Some(100), delay: 0 }
+        );
+        assert!(cache.answer(&keys, &[check(4)], 1_100).is_some(), "a larger cost cannot fit either");
+        assert!(cache.answer(&keys, &[check(2)], 1_100).is_none(), "a smaller cost may fit: ask the store");
+        assert!(cache.answer(&keys, &[check(3)], 1_200).is_none(), "from the retry-after on, ask the store");
+        let edited = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(6), None).unwrap();
+        let other = RuleCheck { limit: &edited, ..check(3) };
+        assert!(cache.answer(&keys, &[other], 1_100).is_none(), "an edited limit is another limit");
+        let shadow = RuleCheck { enforce: false, ..check(3) };
+        assert!(cache.answer(&keys, &[shadow], 1_100).is_none(), "shadow rules never deny");
+        assert_eq!(cache.hits(), 2);
+    }
+
+    #[test]
+    fn the_other_rules_of_a_cached_denial_are_not_asked_and_memory_is_bounded() {
+        let limit = Limit::new(Algorithm::FixedWindow, 10, 1_000_000, None, None).unwrap();
+        let cache = DenialCache::new(2);
+        let check = |key: &'static [u8]| RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true };
+        cache.record(&[b"n".to_vec()], &[check(b"n")], &denied(None), 0);
+        assert!(cache.is_empty(), "a cost that never fits is no repeat bounded in time");
+        cache.record(&[b"a".to_vec()], &[check(b"a")], &denied(Some(100)), 0);
+        let keys = vec![b"b".to_vec(), b"a".to_vec()];
+        let hit = cache.answer(&keys, &[check(b"b"), check(b"a")], 10).expect("rule 1 covers it");
+        assert_eq!(hit.cached_denial, Some(1));
+        assert!(hit.decisions[0].allowed, "not asked: it refused nothing");
+        assert_eq!(hit.decisions[1].retry_after, Some(90));
+        for key in [b"c", b"d", b"e"] {
+            cache.record(&[key.to_vec()], &[check(key)], &denied(Some(100)), 10);
+        }
+        assert!(cache.len() <= 2);
+        assert!(DenialCache::new(0).answer(&keys, &[check(b"b"), check(b"a")], 10).is_none());
+    }
+}
