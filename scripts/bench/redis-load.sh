@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `POST /v1/check` through `sluice serve --redis` against the ceiling: redis-benchmark running
-# Sluice's own decision script (EVALSHA, one fixed-window rule, random keys) at the same
-# concurrency on the same Redis. Also counts Redis round trips per decision from INFO
+# Sluice's own decision function (the lua/ library, FCALL, one fixed-window rule, random keys) at
+# the same concurrency on the same Redis. Also counts Redis round trips per decision from INFO
 # commandstats.
 #
 #   scripts/bench/redis-load.sh                      # ~2 minutes
@@ -12,7 +12,7 @@
 # redis-benchmark side does not need to do, so the ratio is a lower bound).
 # Env: DURATION (s, 10), CONNS ("16 64"), KEYS (100000), REDIS_CPU (0), OTHER_CPU (1),
 #      SKIP_BUILD (1 to reuse the release binary), OUT (markdown results file), POLICIES
-#      (policies-1rule; policies-3rules checks that 3 matching rules still cost one EVALSHA —
+#      (policies-1rule; policies-3rules checks that 3 matching rules still cost one FCALL —
 #      the redis-benchmark ceiling stays the one-rule script).
 set -euo pipefail
 
@@ -55,13 +55,17 @@ start_redis() {
     log "redis did not start"; exit 1
 }
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
-script_calls() { cli INFO commandstats | awk -F'[=,:]' '/^cmdstat_evalsha:/ {print $3}'; }
+script_calls() { cli INFO commandstats | awk -F'[=,:]' '/^cmdstat_fcall:/ {print $3}'; }
 
 start_redis
-SCRIPT_FILE=$(mktemp)
-cat "$ROOT"/lua/{common,token_bucket,gcra,fixed_window,sliding_window_log,sliding_window_counter,check}.lua > "$SCRIPT_FILE"
-SHA=$(cli -x SCRIPT LOAD < "$SCRIPT_FILE" | tr -d '\r')
-log "script $SHA"
+# The library sluice loads itself, under a name of its own for redis-benchmark.
+LIBRARY_FILE=$(mktemp)
+{
+    echo '#!lua name=sluice_bench'
+    cat "$ROOT"/lua/{common,token_bucket,gcra,fixed_window,sliding_window_log,sliding_window_counter,check}.lua
+    echo "redis.register_function('sluice_bench', decide)"
+} > "$LIBRARY_FILE"
+cli -x FUNCTION LOAD REPLACE < "$LIBRARY_FILE" >/dev/null
 
 RUST_LOG=warn taskset -c "$OTHER_CPU" "$SLUICE" serve --policies "$BENCH/${POLICIES:-policies-1rule}" \
     --listen "127.0.0.1:$SLUICE_PORT" --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s 2>/dev/null & PIDS+=($!)
@@ -70,16 +74,16 @@ sample='{"namespace":"bench","path":"/orders/1","headers":{"x-api-key":"key-1"}}
 curl -s -d "$sample" "http://127.0.0.1:$SLUICE_PORT/v1/check" | grep -q '"allowed":true' || { log "sample not allowed"; exit 1; }
 
 {
-    echo "| connections | redis-benchmark EVALSHA (req/s) | sluice /v1/check on Redis (req/s) | ratio | sluice p50 | sluice p99 | EVALSHA per decision |"
+    echo "| connections | redis-benchmark FCALL (req/s) | sluice /v1/check on Redis (req/s) | ratio | sluice p50 | sluice p99 | FCALL per decision |"
     echo "|---:|---:|---:|---:|---:|---:|---:|"
 } > "$OUT"
 
 for c in $CONNS; do
-    # The ceiling: the same script, one fixed-window rule (1e9 per hour, so nothing is denied),
+    # The ceiling: the same function, one fixed-window rule (1e9 per hour, so nothing is denied),
     # random keys, `c` connections.
     n=$((c * 4000))
     ceiling=$(taskset -c "$OTHER_CPU" redis-benchmark -p "$REDIS_PORT" -c "$c" -n "$n" -r "$KEYS" -q \
-        EVALSHA "$SHA" 1 "sl1:{bench}:bench:9:key-__rand_int__" "" 4 1000000000 3600000000 1000000000 4 -1 1 1 \
+        FCALL sluice_bench 1 "sl1:{bench}:bench:9:key-__rand_int__" "" "4:1000000000:3600000000:1000000000:4:-1:1" 1 \
         | tr '\r' '\n' | awk '/requests per second/ {for (i = 1; i <= NF; i++) if ($i ~ /^[0-9.]+$/) v = $i} END {print v}')
     before=$(script_calls)
     out=$(taskset -c "$OTHER_CPU" wrk -t1 -c "$c" -d "${DURATION}s" --latency -s "$BENCH/check.lua" \
@@ -92,7 +96,7 @@ for c in $CONNS; do
     non2xx=$(awk '/Non-2xx/ {print $4}' <<<"$out")
     per=$(awk -v a="$after" -v b="$before" -v t="$total" 'BEGIN { printf "%.3f", (a - b) / t }')
     ratio=$(awk -v s="$rps" -v r="$ceiling" 'BEGIN { printf "%.0f%%", 100 * s / r }')
-    log "c=$c ceiling=$ceiling sluice=$rps ($ratio) p50=$p50 p99=$p99 evalsha/decision=$per non2xx=${non2xx:-0}"
+    log "c=$c ceiling=$ceiling sluice=$rps ($ratio) p50=$p50 p99=$p99 fcall/decision=$per non2xx=${non2xx:-0}"
     echo "| $c | $ceiling | $rps | $ratio | $p50 | $p99 | $per |" >> "$OUT"
 done
 log "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), load $(cut -d' ' -f1-3 /proc/loadavg)"
