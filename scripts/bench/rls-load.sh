@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Envoy's gRPC rate limit service (`ShouldRateLimit`) under load, side by side in one run on one
-# Redis: `sluice serve` on its memory store, `sluice serve --redis`, and envoyproxy/ratelimit
-# (scripts/bench/envoy-ratelimit.sh), each with 1 and 3 descriptors per request, driven by the
+# Redis: `sluice serve` on its memory store, `sluice serve --redis`, envoyproxy/ratelimit
+# (scripts/bench/envoy-ratelimit.sh) and Kuadrant/Limitador's `redis` storage
+# (scripts/bench/limitador.sh), each with 1 and 3 descriptors per request, plus Limitador's
+# `redis_cached` storage (counters in the server, flushed to Redis in batches) with 1, driven by the
 # independent Go client e2e/rls-client (`bench`: descriptors api_key=key-<n>, remote_address=10.0.x.y,
 # path=/orders; n uniform in [0, KEYS)).
 #
-#   scripts/bench/rls-load.sh                               # ~1.5 minutes after building sluice
+#   scripts/bench/rls-load.sh                               # ~2 minutes after building sluice
 #   SLUICE_BIN=/tmp/rls-bench/sluice scripts/bench/rls-load.sh
 #   DURATION=5s WARMUP=1s scripts/bench/rls-load.sh        # quick look
 #
-# Both servers get the same limits: domain / namespace `bench`, one fixedWindow 100000 per 1s rule
+# All servers get the same limits: domain / namespace `bench`, one fixedWindow 100000 per 1s rule
 # per descriptor key, one counter per value (the policies are written into a temp dir here;
-# envoyproxy/ratelimit's are envoy-ratelimit.sh's bench config), so nothing is denied and each
-# descriptor costs each server one counter update. Sluice runs with --grpc-response-headers off
+# envoyproxy/ratelimit's are envoy-ratelimit.sh's bench config, Limitador's limitador.sh's, which
+# address the descriptors by position), so nothing is denied and each descriptor costs each server
+# one counter update. Limitador answers with empty `statuses`, so its sample call is checked by
+# the counters it leaves in Redis instead (one per limit). Sluice runs with --grpc-response-headers off
 # (envoyproxy/ratelimit sends no headers by default); one extra memory run with headers on shows
 # what they cost.
 #
@@ -26,9 +30,13 @@
 # `INFO commandstats` (by command). /proc/loadavg is recorded before and after each run.
 #
 # Env: DURATION (10s), WARMUP (2s), CONNS (4), CONCURRENCY (64), KEYS (10000), SERVER_CPU (0),
-#      CLIENT_CPU (1), REDIS_PORT (18479), GRPC_PORT (18481), SLUICE_BIN (a sluice binary; else
-#      `cargo build --release --bin sluice`, honouring CARGO_TARGET_DIR), OUT (markdown results
-#      file, appended to), SLUICE_CACHE (where envoy-ratelimit.sh and rls-client.sh cache builds).
+#      CLIENT_CPU (1), REDIS_PORT (18479), GRPC_PORT (18481), HTTP_PORT (18480, Limitador's HTTP
+#      API), SLUICE_BIN (a sluice binary; else `cargo build --release --bin sluice`, honouring
+#      CARGO_TARGET_DIR), OUT (markdown results file, appended to), SLUICE_CACHE (where
+#      envoy-ratelimit.sh, limitador.sh and rls-client.sh cache builds), LIMITADOR (1: Limitador
+#      rows required, fail if `limitador.sh build` has no binary (it needs a source tree, see
+#      there: SLUICE_LIMITADOR_SRC); auto: skip them if so, saying so on stderr and in OUT; 0: skip),
+#      SLUICE_LIMITADOR_BIN (a limitador-server binary).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -43,6 +51,8 @@ SERVER_CPU="${SERVER_CPU:-0}"
 CLIENT_CPU="${CLIENT_CPU:-1}"
 REDIS_PORT="${REDIS_PORT:-18479}"
 GRPC_PORT="${GRPC_PORT:-18481}"
+HTTP_PORT="${HTTP_PORT:-18480}"
+LIMITADOR="${LIMITADOR:-1}"
 OUT="${OUT:-$(mktemp -t rls-load.XXXXXX.md)}"
 log() { printf '%s\n' "$*" >&2; }
 
@@ -71,6 +81,31 @@ RLS="$("$ROOT/e2e/rls-client.sh")"
 RATELIMIT="$("$BENCH/envoy-ratelimit.sh" build)"
 RL_VERSION="$(basename "$(dirname "$RATELIMIT")")"
 RL_VERSION="${RL_VERSION#envoy-ratelimit-}"
+LIMITADOR_SKIPPED=
+case "$LIMITADOR" in
+    0) LIMITADOR_SKIPPED="Limitador rows skipped: LIMITADOR=0" ;;
+    1 | auto)
+        if [ -n "${SLUICE_LIMITADOR_BIN:-}" ]; then
+            [ -x "$SLUICE_LIMITADOR_BIN" ] || LIMITADOR_SKIPPED="Limitador rows skipped: SLUICE_LIMITADOR_BIN=$SLUICE_LIMITADOR_BIN is not executable"
+        elif SLUICE_LIMITADOR_BIN="$("$BENCH/limitador.sh" build)"; then
+            :
+        else
+            LIMITADOR_SKIPPED="Limitador rows skipped: no limitador-server binary (scripts/bench/limitador.sh build SRC)"
+        fi
+        if [ -n "$LIMITADOR_SKIPPED" ] && [ "$LIMITADOR" = 1 ]; then
+            log "$LIMITADOR_SKIPPED; LIMITADOR=auto skips them, LIMITADOR=0 always"; exit 1
+        fi
+        ;;
+    *) log "LIMITADOR must be 1, auto or 0"; exit 2 ;;
+esac
+if [ -n "$LIMITADOR_SKIPPED" ]; then
+    log "*** $LIMITADOR_SKIPPED ***"
+    LIMITADOR_VERSION="skipped"
+else
+    export SLUICE_LIMITADOR_BIN
+    LIMITADOR_VERSION="$(basename "$(dirname "$SLUICE_LIMITADOR_BIN")")"
+    LIMITADOR_VERSION="${LIMITADOR_VERSION#limitador-}"
+fi
 
 WORK="$(mktemp -d -t rls-load.XXXXXX)"
 PIDS=()
@@ -167,6 +202,47 @@ start_ratelimit() {
     METRICS=
     check_sample
 }
+start_limitador() { # redis|redis_cached [storage args...]
+    # limitador.sh execs the server, so $! is its PID. It has no grpc.health.v1 service: ready
+    # when a ShouldRateLimit call gets an answer.
+    taskset -c "$SERVER_CPU" "$BENCH/limitador.sh" run "$WORK/limitador" "$REDIS_PORT" "$GRPC_PORT" \
+        "$HTTP_PORT" "$@" >"$WORK/server.log" 2>&1 & SERVER_PID=$!; PIDS+=("$SERVER_PID")
+    local i
+    for i in $(seq 150); do
+        if kill -0 "$SERVER_PID" 2>/dev/null &&
+            echo '{"op":"rls","domain":"bench-ready","descriptors":[{"entries":[{"key":"k","value":"v"}]}],"timeout_ms":500}' |
+            rls 2>/dev/null | grep -q '"ok":true'; then
+            break
+        fi
+        [ "$i" != 150 ] || { log "limitador (pid $SERVER_PID) did not answer"; tail -20 "$WORK/server.log" >&2; exit 1; }
+        sleep 0.2
+    done
+    METRICS=
+    check_sample_limitador
+}
+# Limitador's answers carry no statuses (so no limit to look at): the sample must come back OK
+# and leave exactly the three counters in Redis, one per limit (descriptors[0].api_key,
+# [1].remote_address, [2].path). redis_cached writes them on its next flush (every second by
+# default) and the 1-second windows expire, so the sample is repeated until they show up.
+check_sample_limitador() {
+    local answer keys i
+    cli FLUSHALL >/dev/null
+    for i in $(seq 25); do
+        answer=$(echo '{"op":"rls","domain":"bench","descriptors":[{"entries":[{"key":"api_key","value":"key-1"}]},{"entries":[{"key":"remote_address","value":"10.0.0.1"}]},{"entries":[{"key":"path","value":"/orders"}]}]}' | rls)
+        grep -q '"overall_code":"OK"' <<<"$answer" || { log "sample answer: $answer"; log "the sample was not OK"; exit 1; }
+        sleep 0.2
+        keys=$(cli --scan --pattern '*,counter:*')
+        if [ "$(grep -c . <<<"$keys")" = 3 ] &&
+            grep -qF '"descriptors[0].api_key":"key-1"' <<<"$keys" &&
+            grep -qF '"descriptors[1].remote_address":"10.0.0.1"' <<<"$keys" &&
+            grep -qF '"descriptors[2].path":"/orders"' <<<"$keys"; then
+            log "sample answer: $answer"
+            log "  counters in Redis after $i sample call(s): $(tr '\n' ' ' <<<"$keys")"
+            return 0
+        fi
+    done
+    log "sample answer: $answer"; log "the sample did not leave the three counters in Redis: $keys"; exit 1
+}
 stop_server() {
     kill "$SERVER_PID" 2>/dev/null || true
     for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
@@ -184,14 +260,15 @@ sluice_failures() { # store errors + fallbacks so far, from /metrics
     echo "### rls-load $(date -u +%Y-%m-%dT%H:%MZ): DURATION=$DURATION WARMUP=$WARMUP CONNS=$CONNS CONCURRENCY=$CONCURRENCY KEYS=$KEYS"
     echo
     echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); servers and Redis $REDIS_VERSION on CPU $SERVER_CPU, rls-client on CPU $CLIENT_CPU."
-    echo "sluice: $SLUICE; envoyproxy/ratelimit $RL_VERSION."
+    echo "sluice: $SLUICE; envoyproxy/ratelimit $RL_VERSION; Kuadrant/Limitador $LIMITADOR_VERSION."
+    [ -z "$LIMITADOR_SKIPPED" ] || { echo; echo "**$LIMITADOR_SKIPPED.**"; }
     echo
     echo "| target | descriptors | decisions/s | p50 µs | p99 µs | p99.9 µs | server CPU µs/decision | Redis CPU µs/decision | Redis commands/decision | requests | ok | over_limit | errors | load before | load after |"
     echo "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"
 } >>"$OUT"
 
-measure() { # name descriptors uses_redis(0|1)
-    local name=$1 nd=$2 redis=$3 t0 t1 c0 c1 f0 f1 out load0 load1
+measure() { # name descriptors uses_redis(0|1) [commands the server sends besides scripts, e.g. MGET]
+    local name=$1 nd=$2 redis=$3 direct=${4:-} t0 t1 c0 c1 f0 f1 out load0 load1
     local bench=(bench -addr "127.0.0.1:$GRPC_PORT" -conns "$CONNS" -concurrency "$CONCURRENCY" -keys "$KEYS" -domain bench -descriptors "$nd")
     cli FLUSHALL >/dev/null
     taskset -c "$CLIENT_CPU" "$RLS" "${bench[@]}" -warmup 0s -duration "$WARMUP" >/dev/null
@@ -206,7 +283,7 @@ measure() { # name descriptors uses_redis(0|1)
     # {"requests":N,"ok":N,...} -> shell-free parsing with awk
     local row
     row=$(awk -v j="$out" -v n="$name" -v d="$nd" -v r="$redis" -v t0="$t0" -v t1="$t1" -v hz="$(getconf CLK_TCK)" \
-        -v c0="$c0" -v c1="$c1" -v cmds="$cmds" -v l0="$load0" -v l1="$load1" 'BEGIN {
+        -v c0="$c0" -v c1="$c1" -v cmds="$cmds" -v direct="$direct" -v l0="$load0" -v l1="$load1" 'BEGIN {
         gsub(/[{}"]/, "", j); k = split(j, kv, ",")
         for (i = 1; i <= k; i++) { split(kv[i], p, ":"); v[p[1]] = p[2] }
         req = v["requests"]
@@ -214,11 +291,13 @@ measure() { # name descriptors uses_redis(0|1)
         if (r == 1) {
             rcpu = sprintf("%.2f", (c1 - c0) * 1e6 / req)
             # Commands a script runs are counted in commandstats too: when scripts ran, the other
-            # commands are listed as what they ran (neither server sends anything else).
+            # commands are listed as what they ran, but for the ones the caller names as sent
+            # directly ($4: Limitador sends MGET; Sluice and envoyproxy/ratelimit nothing else).
             m = split(cmds, lines, ";"); sent = 0; inner = 0; ls = ""; li = ""
+            nd2 = split(direct, dl, " "); for (i = 1; i <= nd2; i++) isdirect[toupper(dl[i])] = 1
             for (i = 1; i <= m; i++) if (split(lines[i], q, "=") == 2) {
                 c = toupper(q[1])
-                if (c ~ /^(EVALSHA|EVAL|EVALSHA_RO|EVAL_RO|FCALL|FCALL_RO|SCRIPT\|LOAD)$/) script[c] = q[2]
+                if (c ~ /^(EVALSHA|EVAL|EVALSHA_RO|EVAL_RO|FCALL|FCALL_RO|SCRIPT\|LOAD)$/ || (c in isdirect)) script[c] = q[2]
                 else other[c] = q[2]
             }
             for (c in script) { sent += script[c]; ls = ls (ls == "" ? "" : " + ") sprintf("%s %.3f", c, script[c] / req) }
@@ -258,6 +337,17 @@ start_ratelimit
 measure "envoyproxy/ratelimit Redis" 1 1
 measure "envoyproxy/ratelimit Redis" 3 1
 stop_server
+if [ -z "$LIMITADOR_SKIPPED" ]; then
+    start_limitador redis
+    measure "Limitador Redis" 1 1 MGET
+    measure "Limitador Redis" 3 1 MGET
+    stop_server
+    start_limitador redis_cached
+    measure "Limitador redis_cached" 1 1
+    stop_server
+else
+    log "*** $LIMITADOR_SKIPPED ***"
+fi
 echo >>"$OUT"
 log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 cat "$OUT"
