@@ -123,11 +123,6 @@ async fn main() {
     let mut conn = client.get_multiplexed_async_connection().await.expect("connect");
     let store = Arc::new(RedisStore::connect(RedisConfig::single(url.clone())).await.expect("store"));
 
-    println!(
-        "| decision | Redis CPU µs/decision | µs per call (commandstats) | × INCRBY script | calls/decision | commands inside/decision |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|");
-
     // The yardstick: one INCRBY in a script, on random keys, at the same concurrency.
     let incr = redis::Script::new("return redis.call('INCRBY', KEYS[1], 1)");
     let _: i64 = incr.key("warm").invoke_async(&mut conn.clone()).await.expect("INCRBY script");
@@ -151,8 +146,53 @@ async fn main() {
     })
     .await;
     let per_call = yardstick.stats.get("evalsha").map_or(0.0, |(_, u)| *u);
-    println!("{}", row("INCRBY script (yardstick)", &yardstick, decisions / concurrency * concurrency, None));
 
+    // A hot denied key: one rule, one key, exhausted at once; the same requests with and without
+    // the denial cache, which answers the repeats without Redis.
+    println!("| hot denied key | decisions/s (client) | Redis CPU µs/decision | calls/decision |");
+    println!("|---|---:|---:|---:|");
+    for cache in [0usize, RedisConfig::DEFAULT_DENIAL_CACHE] {
+        let mut config = RedisConfig::single(url.clone());
+        config.denial_cache = cache;
+        let store = Arc::new(RedisStore::connect(config).await.expect("store"));
+        let hot = Arc::new(Limit::new(Algorithm::FixedWindow, 1, 3_600_000_000, None, None).expect("valid limit"));
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("FLUSHALL");
+        let started = std::time::Instant::now();
+        let sample = measure(&mut conn, || async {
+            let tasks: Vec<_> = (0..concurrency)
+                .map(|_| {
+                    let (store, hot) = (store.clone(), hot.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..decisions / concurrency {
+                            let checks = [RuleCheck { rule: 77, limit: &hot, key: b"hot", cost: 1, enforce: true }];
+                            let _ = store.check_tagged("bench", None, &checks).await.expect("decided");
+                        }
+                    })
+                })
+                .collect();
+            for task in tasks {
+                task.await.expect("task");
+            }
+        })
+        .await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let n = decisions / concurrency * concurrency;
+        let calls: u64 = ENTRY_POINTS.iter().filter_map(|e| sample.stats.get(*e)).map(|(c, _)| c).sum();
+        println!(
+            "| denial cache {} | {:.0} | {:.2} | {:.3} |",
+            if cache == 0 { "off" } else { "on" },
+            n as f64 / elapsed,
+            sample.cpu_us / n as f64,
+            calls as f64 / n as f64
+        );
+    }
+    println!();
+
+    println!(
+        "| decision | Redis CPU µs/decision | µs per call (commandstats) | × INCRBY script | calls/decision | commands inside/decision |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    println!("{}", row("INCRBY script (yardstick)", &yardstick, decisions / concurrency * concurrency, None));
     for rules in [1usize, 3] {
         for algorithm in ALGORITHMS {
             let limit = Arc::new(limit(algorithm));
