@@ -8,7 +8,7 @@
 #   e2e/control-plane.sh start DIR [PID]  start etcd + kube-apiserver with state in DIR, wait for /readyz,
 #                                         write DIR/kubeconfig (admin) and DIR/operator.kubeconfig
 #                                         (user "sluice-operator", no groups: only what RBAC grants it);
-#                                         with PID, tear down by itself once that process is gone
+#                                         with PID, tear down (and remove DIR) by itself once that process is gone
 #   e2e/control-plane.sh stop DIR         stop what `start DIR` started
 #   e2e/control-plane.sh helm             build (or reuse) helm; print its path
 #
@@ -192,8 +192,9 @@ EOF
     sleep 0.2
   done
   if [ -n "$owner" ]; then
-    # Watchdog: a test binary that dies (or forgets to stop us) must not leave servers behind.
-    ( while kill -0 "$owner" 2>/dev/null; do sleep 1; done; cmd_stop "$dir" ) >/dev/null 2>&1 &
+    # Watchdog: a test binary that dies (or forgets to stop us) must not leave servers behind,
+    # nor its state: the owner's temporary directory is never dropped (it lives in a static).
+    ( while kill -0 "$owner" 2>/dev/null; do sleep 1; done; cmd_stop "$dir"; rm -rf "$dir" ) >/dev/null 2>&1 &
     disown
   fi
   log "ready at https://127.0.0.1:$api_port (kubeconfig $dir/kubeconfig)"
