@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One hot key over its limit, through Envoy's rate limit service: Sluice on Redis with and
+# without its denial cache, and Limitador's redis and redis_cached storage, side by side on one
+# Redis. Every server has the same limit, 2 per second on one api_key; the Go load client
+# (e2e/rls-client bench -keys 1) sends as fast as it can for DURATION seconds, so nearly every
+# call is a denial. Reported: decisions/s, admitted (exact is 2 per second of the run, give or take
+# the window the run starts in), server and Redis CPU per decision.
+#
+#   SLUICE_BIN=target/release/sluice scripts/bench/rls-hot-denied.sh
+#
+# Env: DURATION (10), SERVER_CPU (0; the server and Redis), CLIENT_CPU (1), SLUICE_BIN (else
+#      `cargo build --release --bin sluice`), LIMITADOR (1; 0 skips Limitador).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+DURATION="${DURATION:-10}"
+SERVER_CPU="${SERVER_CPU:-0}"
+CLIENT_CPU="${CLIENT_CPU:-1}"
+log() { printf '%s\n' "$*" >&2; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+if [ -z "${SLUICE_BIN:-}" ]; then
+    (cd "$ROOT" && cargo build --release --quiet --bin sluice)
+    SLUICE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/sluice"
+fi
+CLIENT="$("$ROOT/e2e/rls-client.sh")"
+LIMITADOR_BIN=""
+if [ "${LIMITADOR:-1}" = 1 ]; then
+    LIMITADOR_BIN="$("$ROOT/scripts/bench/limitador.sh" build)"
+fi
+
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+REDIS_PORT="$(free_port)"
+taskset -c "$SERVER_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize no --loglevel warning >/dev/null 2>&1 & PIDS+=($!)
+for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+cli() { redis-cli -p "$REDIS_PORT" "$@"; }
+redis_cpu() { cli INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+cat > "$WORK/policies.yaml" <<'YAML'
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: hot, namespace: bench}
+spec:
+  rules:
+    - name: per-api-key
+      match: {descriptor: [{key: api_key}]}
+      key: [{descriptor: api_key}]
+      algorithm: fixedWindow
+      limit: {requests: 2, per: 1s}
+YAML
+
+echo "| server | decisions/s | admitted in ${DURATION} s | server CPU µs/decision | Redis CPU µs/decision | Redis calls/decision |"
+echo "|---|---:|---:|---:|---:|---:|"
+run() { # name, grpc port, server pid
+    local name=$1 port=$2 pid=$3
+    for _ in $(seq 100); do
+        echo '{"op":"rls","domain":"bench","descriptors":[{"entries":[{"key":"api_key","value":"warm"}]}]}' \
+            | "$CLIENT" stdio -addr "127.0.0.1:$port" 2>/dev/null | grep -q '"ok":true' && break
+        sleep 0.1
+    done
+    cli FLUSHALL >/dev/null; cli CONFIG RESETSTAT >/dev/null
+    local c0 t0 c1 t1 out
+    c0=$(redis_cpu); t0=$(cpu_ticks "$pid")
+    out=$(taskset -c "$CLIENT_CPU" "$CLIENT" bench -addr "127.0.0.1:$port" -domain bench -descriptors 1 -keys 1 \
+        -conns 4 -concurrency 64 -warmup 0s -duration "${DURATION}s")
+    t1=$(cpu_ticks "$pid"); c1=$(redis_cpu)
+    local calls
+    calls=$(cli INFO commandstats | awk -F'[:=,]' '/^cmdstat_(fcall|evalsha|eval|mget|incrby):/ {s += $3} END {print s + 0}')
+    python3 - "$name" "$out" "$c0" "$c1" "$t0" "$t1" "$calls" "$(getconf CLK_TCK)" <<'PY'
+import json, sys
+name, out, c0, c1, t0, t1, calls, hz = sys.argv[1:]
+r = json.loads(out)
+n = max(r["requests"], 1)
+print(f"| {name} | {r['rps']:.0f} | {r['ok']} | {(float(t1) - float(t0)) / float(hz) * 1e6 / n:.1f} | "
+      f"{(float(c1) - float(c0)) * 1e6 / n:.2f} | {int(calls) / n:.3f} |")
+PY
+}
+
+for cache in 0 100000; do
+    port="$(free_port)"
+    RUST_LOG=warn taskset -c "$SERVER_CPU" "$SLUICE_BIN" serve -p "$WORK/policies.yaml" --listen 127.0.0.1:0 \
+        --grpc-listen "127.0.0.1:$port" --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" \
+        --redis-denial-cache "$cache" 2>/dev/null & pid=$!; PIDS+=("$pid")
+    run "Sluice, Redis, denial cache $([ "$cache" = 0 ] && echo off || echo on)" "$port" "$pid"
+    kill "$pid"
+done
+if [ -n "$LIMITADOR_BIN" ]; then
+    for storage in redis redis_cached; do
+        port="$(free_port)"; http="$(free_port)"; mkdir -p "$WORK/$storage"
+        SLUICE_LIMITADOR_MAX_VALUE=2 SLUICE_LIMITADOR_BIN="$LIMITADOR_BIN" taskset -c "$SERVER_CPU" \
+            "$ROOT/scripts/bench/limitador.sh" run "$WORK/$storage" "$REDIS_PORT" "$port" "$http" "$storage" \
+            >/dev/null 2>&1 & pid=$!; PIDS+=("$pid")
+        sleep 0.5
+        server="$(pgrep -P "$pid" -n limitador-serv || echo "$pid")"
+        run "Limitador, $storage" "$port" "$server"
+        kill "$pid" 2>/dev/null || true
+    done
+fi
+log "load: $(cut -d' ' -f1-3 /proc/loadavg)"
