@@ -50,6 +50,11 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   if w == nil and ktype ~= 'none' then
     redis.call('DEL', key)
   end
-  redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(count + cost))
+  if w ~= nil and w.start == start then
+    -- The stored window goes on: only its count changes.
+    redis.call('HSET', key, 'count', fmt(count + cost))
+  else
+    redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(count + cost))
+  end
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end

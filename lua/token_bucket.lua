@@ -57,6 +57,10 @@ function sluice.token_bucket.consume(key, ktype, b, l, now, cost)
   if b == nil and ktype ~= 'none' then
     redis.call('DEL', key) -- another algorithm's state: start over, as Rust replaces it
   end
-  redis.call('HSET', key, 'a', 'tb', 'credit', fmt(credit), 'updated', fmt(updated))
+  if b ~= nil then
+    redis.call('HSET', key, 'credit', fmt(credit), 'updated', fmt(updated)) -- already a 'tb' state
+  else
+    redis.call('HSET', key, 'a', 'tb', 'credit', fmt(credit), 'updated', fmt(updated))
+  end
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end
