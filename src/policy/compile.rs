@@ -70,8 +70,9 @@ pub struct CompiledPolicy {
 pub struct CompiledRule {
     pub(super) id: RuleId,
     pub(super) identity: String,
-    pub(super) policy: String,
-    pub(super) name: String,
+    /// Shared, so results can name the rule without copying (`namespace/policy`).
+    pub(super) policy: std::sync::Arc<str>,
+    pub(super) name: std::sync::Arc<str>,
     pub(super) limit: Limit,
     pub(super) per_text: String,
     pub(super) max_delay_text: Option<String>,
@@ -176,6 +177,10 @@ impl CompiledRule {
     }
     pub fn name(&self) -> &str {
         &self.name
+    }
+    /// [`Self::policy`] and [`Self::name`] as shared strings, for results that outlive a borrow.
+    pub fn shared_names(&self) -> (std::sync::Arc<str>, std::sync::Arc<str>) {
+        (self.policy.clone(), self.name.clone())
     }
     pub fn limit(&self) -> &Limit {
         &self.limit
@@ -477,8 +482,8 @@ fn compile_rule(
     Ok(CompiledRule {
         id: rule_id(&identity),
         identity,
-        policy: format!("{namespace}/{policy}"),
-        name: rule.name.clone(),
+        policy: format!("{namespace}/{policy}").into(),
+        name: rule.name.as_str().into(),
         limit,
         per_text: rule.limit.per.clone(),
         max_delay_text: rule.limit.max_delay.clone(),

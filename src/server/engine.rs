@@ -32,14 +32,14 @@ pub struct CheckResponse {
     pub headers: Vec<(&'static str, String)>,
     pub rules: Vec<RuleResult>,
     /// The snapshot version that decided (empty before the first load).
-    pub snapshot: String,
+    pub snapshot: Arc<str>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct RuleResult {
-    pub policy: String,
-    pub rule: String,
+    pub policy: Arc<str>,
+    pub rule: Arc<str>,
     pub allowed: bool,
     pub shadow: bool,
     pub limit: u64,
@@ -114,6 +114,8 @@ fn replica_share(limit: &Limit, replicas: u32) -> Limit {
 /// A snapshot with what the engine derives from it.
 pub struct Live {
     pub snapshot: Arc<Snapshot>,
+    /// The snapshot's version, shared by every response it decides.
+    version: Arc<str>,
     /// Unix microseconds when it went live.
     pub loaded_at: Micros,
     extras: HashMap<RuleId, RuleExtras, BuildHasherDefault<crate::rule::PrehashedHasher>>,
@@ -139,7 +141,8 @@ pub struct Engine<S> {
 
 impl<S: Store> Engine<S> {
     pub fn new(store: S, clock: Arc<dyn Clock>, metrics: Arc<Metrics>) -> Engine<S> {
-        let empty = Live { snapshot: Arc::new(Snapshot::default()), loaded_at: 0, extras: HashMap::default() };
+        let snapshot = Arc::new(Snapshot::default());
+        let empty = Live { version: snapshot.version().into(), snapshot, loaded_at: 0, extras: HashMap::default() };
         Engine {
             live: ArcSwap::from_pointee(empty),
             loaded: std::sync::atomic::AtomicBool::new(false),
@@ -195,7 +198,7 @@ impl<S: Store> Engine<S> {
         let now = self.clock.now();
         self.metrics.snapshot_rules.set(snapshot.rule_count() as i64);
         self.metrics.snapshot_loaded_seconds.set(now as f64 / 1e6);
-        self.live.store(Arc::new(Live { snapshot, loaded_at: now, extras }));
+        self.live.store(Arc::new(Live { version: snapshot.version().into(), snapshot, loaded_at: now, extras }));
         self.loaded.store(true, std::sync::atomic::Ordering::Release);
         *self.last_error.lock() = None;
         self.metrics.reloads.get_or_create(&crate::telemetry::ResultLabels { result: "success" }).inc();
@@ -312,7 +315,7 @@ impl<S: Store> Engine<S> {
                 delay_ms: 0,
                 headers: Vec::new(),
                 rules: Vec::new(),
-                snapshot: live.snapshot.version().to_string(),
+                snapshot: live.version.clone(),
             };
         }
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
@@ -358,9 +361,10 @@ impl<S: Store> Engine<S> {
                     decision,
                 });
             }
+            let (policy, rule) = m.rule.shared_names();
             rules.push(RuleResult {
-                policy: m.rule.policy().to_string(),
-                rule: m.rule.name().to_string(),
+                policy,
+                rule,
                 allowed: decision.allowed,
                 shadow,
                 limit: m.rule.limit().capacity(),
@@ -380,7 +384,7 @@ impl<S: Store> Engine<S> {
             delay_ms: if allowed { ceil_ms(delay) } else { 0 },
             headers: rate_limit_headers(&header_inputs, allowed, now),
             rules,
-            snapshot: live.snapshot.version().to_string(),
+            snapshot: live.version.clone(),
         }
     }
 

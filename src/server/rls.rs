@@ -326,7 +326,7 @@ fn descriptor_status(rules: &[RuleResult], indices: &[usize]) -> DescriptorStatu
 
 /// `policy/rule`, without the namespace the caller named as its domain.
 fn rule_name(rule: &RuleResult) -> String {
-    let policy = rule.policy.rsplit_once('/').map_or(rule.policy.as_str(), |(_, name)| name);
+    let policy = rule.policy.rsplit_once('/').map_or(&*rule.policy, |(_, name)| name);
     format!("{policy}/{}", rule.rule)
 }
 
