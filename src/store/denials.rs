@@ -20,7 +20,7 @@
 //! request were not asked (see [`super::Verdict::cached_denial`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -39,37 +39,52 @@ struct Denial {
     remaining: u64,
 }
 
+/// Shards of the cache: it is consulted before every Redis call, so one lock would serialize
+/// every decision of the process.
+const SHARDS: usize = 16;
+
 /// Denials by state key; bounded.
 #[derive(Debug)]
 pub struct DenialCache {
-    entries: Mutex<HashMap<Vec<u8>, Denial>>,
-    capacity: usize,
+    shards: Vec<Mutex<HashMap<Vec<u8>, Denial>>>,
+    /// Entries per shard.
+    shard_capacity: usize,
+    /// Entries in all shards, so an empty cache (the usual case) costs one atomic load.
+    held: AtomicUsize,
     hits: AtomicU64,
 }
 
 impl DenialCache {
     /// A cache of at most `capacity` (rule, key) denials; 0 keeps nothing.
     pub fn new(capacity: usize) -> DenialCache {
-        DenialCache { entries: Mutex::new(HashMap::new()), capacity, hits: AtomicU64::new(0) }
+        DenialCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shard_capacity: capacity.div_ceil(SHARDS),
+            held: AtomicUsize::new(0),
+            hits: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: &[u8]) -> &Mutex<HashMap<Vec<u8>, Denial>> {
+        static HASHER: std::sync::LazyLock<ahash::RandomState> = std::sync::LazyLock::new(ahash::RandomState::new);
+        &self.shards[HASHER.hash_one(key) as usize % SHARDS]
     }
 
     /// The denial that answers this request at `now`, if any: the index of the rule whose
     /// cached denial covers it, and the verdict. `keys[i]` is the state key of `checks[i]`.
     pub fn answer(&self, keys: &[Vec<u8>], checks: &[RuleCheck<'_>], now: Micros) -> Option<Verdict> {
-        if self.capacity == 0 {
-            return None;
-        }
-        let entries = self.entries.lock();
-        if entries.is_empty() {
+        if self.held.load(Ordering::Relaxed) == 0 {
             return None;
         }
         let (index, denial) = checks.iter().zip(keys).enumerate().find_map(|(i, (check, key))| {
+            if !check.enforce {
+                return None;
+            }
+            let entries = self.shard(key).lock();
             let denial = entries.get(key)?;
-            let covers =
-                check.enforce && now < denial.until && check.cost >= denial.cost && denial.limit == *check.limit;
+            let covers = now < denial.until && check.cost >= denial.cost && denial.limit == *check.limit;
             covers.then(|| (i, denial.clone()))
         })?;
-        drop(entries);
         self.hits.fetch_add(1, Ordering::Relaxed);
         let decisions = checks
             .iter()
@@ -100,18 +115,20 @@ impl DenialCache {
 
     /// Keeps the denials of a verdict the store gave for a call sent at `sent_at`.
     pub fn record(&self, keys: &[Vec<u8>], checks: &[RuleCheck<'_>], verdict: &Verdict, sent_at: Micros) {
-        if self.capacity == 0 || verdict.allowed {
+        if self.shard_capacity == 0 || verdict.allowed {
             return;
         }
-        let mut entries = self.entries.lock();
         for ((check, key), decision) in checks.iter().zip(keys).zip(&verdict.decisions) {
             let (false, true, Some(retry_after)) = (decision.allowed, check.enforce, decision.retry_after) else {
                 continue;
             };
             let until = sent_at.saturating_add(retry_after);
-            if entries.len() >= self.capacity && !entries.contains_key(key) {
+            let mut entries = self.shard(key).lock();
+            if entries.len() >= self.shard_capacity && !entries.contains_key(key) {
+                let before = entries.len();
                 entries.retain(|_, d| d.until > sent_at);
-                if entries.len() >= self.capacity {
+                self.held.fetch_sub(before - entries.len(), Ordering::Relaxed);
+                if entries.len() >= self.shard_capacity {
                     continue;
                 }
             }
@@ -122,7 +139,9 @@ impl DenialCache {
                 reset_at: sent_at.saturating_add(decision.reset_after),
                 remaining: decision.remaining,
             };
-            entries.insert(key.clone(), denial);
+            if entries.insert(key.clone(), denial).is_none() {
+                self.held.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -133,7 +152,7 @@ impl DenialCache {
 
     /// Denials held (expired ones included until room is needed).
     pub fn len(&self) -> usize {
-        self.entries.lock().len()
+        self.held.load(Ordering::Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -178,7 +197,7 @@ mod tests {
     #[test]
     fn the_other_rules_of_a_cached_denial_are_not_asked_and_memory_is_bounded() {
         let limit = Limit::new(Algorithm::FixedWindow, 10, 1_000_000, None, None).unwrap();
-        let cache = DenialCache::new(2);
+        let cache = DenialCache::new(SHARDS);
         let check = |key: &'static [u8]| RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true };
         cache.record(&[b"n".to_vec()], &[check(b"n")], &denied(None), 0);
         assert!(cache.is_empty(), "a cost that never fits is no repeat bounded in time");
@@ -188,10 +207,12 @@ mod tests {
         assert_eq!(hit.cached_denial, Some(1));
         assert!(hit.decisions[0].allowed, "not asked: it refused nothing");
         assert_eq!(hit.decisions[1].retry_after, Some(90));
-        for key in [b"c", b"d", b"e"] {
-            cache.record(&[key.to_vec()], &[check(key)], &denied(Some(100)), 10);
+        let many: Vec<Vec<u8>> = (0..20 * SHARDS).map(|i| format!("k{i}").into_bytes()).collect();
+        for key in &many {
+            let c = RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true };
+            cache.record(std::slice::from_ref(key), &[c], &denied(Some(100)), 10);
         }
-        assert!(cache.len() <= 2);
+        assert!(cache.len() <= SHARDS, "one entry per shard at most: {}", cache.len());
         assert!(DenialCache::new(0).answer(&keys, &[check(b"b"), check(b"a")], 10).is_none());
     }
 }
