@@ -23,10 +23,14 @@ HELM_VERSION="${SLUICE_HELM_VERSION:-v3.22.0}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 OUT="$CACHE/k8s-$K8S_VERSION"
 BIN="$OUT/bin"
+# The API server and kubectl for every e2e test; the node's components for the one-node cluster
+# (e2e/node.sh).
+K8S_COMPONENTS=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy)
 
 log() { echo "control-plane: $*" >&2; }
 
 build_kubernetes() {
+  # Arguments: the cmd/ components to build.
   # k8s.io/kubernetes's go.mod replaces every staging module (k8s.io/api, k8s.io/apiserver, …) with
   # ./staging/src/… and requires them at v0.0.0, which the proxy does not serve (golang/go#35878).
   # A throwaway module maps each of them to the published v0.X.Y of the same release.
@@ -48,7 +52,11 @@ package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 EOF
   go mod tidy >/dev/null
@@ -57,29 +65,30 @@ EOF
   # /version must be real: clients and the apiserver's own compatibility-version checks read it.
   local ldflags="-s -w -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=$minor \
 -X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z -X $v.gitCommit=0000000000000000000000000000000000000000"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver
-  mv "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN/kubectl.tmp" k8s.io/kubernetes/cmd/kubectl
-  mv "$BIN/kubectl.tmp" "$BIN/kubectl"
+  local component
+  for component in "$@"; do
+    CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN/$component.tmp" "k8s.io/kubernetes/cmd/$component"
+    mv "$BIN/$component.tmp" "$BIN/$component"
+  done
+}
+
+# go_build_main SRC MODULE VERSION PACKAGE OUT: builds PACKAGE, a main package of MODULE, from a
+# throwaway module in SRC that merely requires MODULE@VERSION. (`go install` of etcd/server fails:
+# its go.mod has replace lines; requiring it from another module works.)
+go_build_main() {
+  local src="$1" module="$2" version="$3" package="$4" out="$5"
+  rm -rf "$src" && mkdir -p "$src" && cd "$src"
+  go mod init sluice.dev/build >/dev/null 2>&1
+  # The tools-file idiom: importing the main package lets `go mod tidy` resolve its whole graph.
+  printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$package" > tools.go
+  go mod edit -require="$module@$version"
+  go mod tidy >/dev/null
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp" "$package"
+  mv "$out.tmp" "$out"
 }
 
 build_etcd() {
-  # go install of etcd/server fails (its go.mod has replace lines); building it from a module that
-  # merely requires it works, and server/v3's main.go is package main.
-  local src="$OUT/src-etcd"
-  rm -rf "$src" && mkdir -p "$src" && cd "$src"
-  go mod init sluice.dev/etcd-build >/dev/null 2>&1
-  cat > tools.go <<'EOF'
-//go:build tools
-
-package tools
-
-import _ "go.etcd.io/etcd/server/v3"
-EOF
-  go mod edit -require="go.etcd.io/etcd/server/v3@$ETCD_VERSION"
-  go mod tidy >/dev/null
-  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3
-  mv "$BIN/etcd.tmp" "$BIN/etcd"
+  go_build_main "$OUT/src-etcd" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3 "$BIN/etcd"
 }
 
 # helm renders the chart for scripts/test.sh's check of charts/sluice/rendered/; `go install` of
@@ -103,8 +112,13 @@ cmd_build() {
   if [ ! -x "$BIN/etcd" ] || [ "$(cat "$BIN/etcd.version" 2>/dev/null)" != "$ETCD_VERSION" ]; then
     log "building etcd $ETCD_VERSION"; (build_etcd); echo "$ETCD_VERSION" > "$BIN/etcd.version"
   fi
-  if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kubectl" ]; then
-    log "building kube-apiserver and kubectl $K8S_VERSION (cold: 10-20 min on 2 cores)"; (build_kubernetes)
+  local missing=() component
+  for component in "${K8S_COMPONENTS[@]}"; do
+    [ -x "$BIN/$component" ] || missing+=("$component")
+  done
+  if ((${#missing[@]})); then
+    log "building ${missing[*]} $K8S_VERSION (cold: 10-20 min on 2 cores for the first, minutes for each other)"
+    (build_kubernetes "${missing[@]}")
   fi
   log "binaries ready in $BIN ($((SECONDS - start)) s)"
   echo "$BIN"
@@ -121,19 +135,61 @@ free_port() {
   log "no free port found"; exit 1
 }
 
+# wait_healthy PIDFILE SECONDS CMD...: until CMD succeeds; fails when the process exits first or
+# the time runs out.
+wait_healthy() {
+  local pidfile="$1" deadline=$((SECONDS + $2)); shift 2
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)) || ! kill -0 "$(cat "$pidfile")" 2>/dev/null; then return 1; fi
+    sleep 0.2
+  done
+}
+
+issue_cert() {  # issue_cert PKI NAME SUBJECT [SANS]: NAME.key and NAME.crt, signed by PKI/ca.*
+  local pki="$1" name="$2" subject="$3" sans="${4:-}"
+  openssl req -newkey rsa:2048 -nodes -subj "$subject" -keyout "$pki/$name.key" -out "$pki/$name.csr" 2>/dev/null
+  if [ -n "$sans" ]; then printf 'subjectAltName=%s\n' "$sans" > "$pki/$name.ext"; else : > "$pki/$name.ext"; fi
+  openssl x509 -req -in "$pki/$name.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+    -days 3 -extfile "$pki/$name.ext" -out "$pki/$name.crt" 2>/dev/null
+}
+
+write_kubeconfig() {  # write_kubeconfig FILE SERVER USER TOKEN CA_BASE64
+  cat > "$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: "$2", certificate-authority-data: "$5"}
+users:
+- name: $3
+  user: {token: "$4"}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: $3}
+current-context: e2e
+EOF
+}
+
+# kill_pidfile FILE: SIGTERM, up to 5 s, then SIGKILL the process FILE names; removes FILE.
+kill_pidfile() {
+  local file="$1" pid
+  [ -f "$file" ] || return 0
+  pid="$(cat "$file")"
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
+  rm -f "$file"
+}
+
 cmd_start() {
   local dir="$1" owner="${2:-}"
-  [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/etcd" ] || cmd_build >/dev/null
+  if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/etcd" ]; then cmd_build >/dev/null; fi
   mkdir -p "$dir" && dir="$(cd "$dir" && pwd)"
   local pki="$dir/pki"; mkdir -p "$pki"
   # One CA signs the serving certificate (with 127.0.0.1 as an IP SAN so rustls can verify it).
   openssl req -x509 -newkey rsa:2048 -nodes -days 3 -subj /CN=sluice-e2e-ca \
     -keyout "$pki/ca.key" -out "$pki/ca.crt" 2>/dev/null
-  openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver \
-    -keyout "$pki/apiserver.key" -out "$pki/apiserver.csr" 2>/dev/null
-  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n' > "$pki/ext.cnf"
-  openssl x509 -req -in "$pki/apiserver.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
-    -days 3 -extfile "$pki/ext.cnf" -out "$pki/apiserver.crt" 2>/dev/null
+  issue_cert "$pki" apiserver /CN=kube-apiserver "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc"
   openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
   openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
   # Static tokens: an admin in system:masters, and the operator's user with no groups at all, so the
@@ -143,54 +199,49 @@ cmd_start() {
   printf '%s,admin,admin,"system:masters"\n%s,sluice-operator,sluice-operator\n' \
     "$admin_token" "$operator_token" > "$pki/tokens.csv"
 
-  local etcd_port peer_port api_port
-  etcd_port="$(free_port)"; peer_port="$(free_port)"; api_port="$(free_port)"
-  "$BIN/etcd" --data-dir="$dir/etcd" --name=e2e \
-    --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
-    --initial-cluster="e2e=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true \
-    >"$dir/etcd.log" 2>&1 &
-  echo $! > "$dir/etcd.pid"
-  "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_port" --cert-dir="$pki" \
-    --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
-    --secure-port="$api_port" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
-    --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
-    --disable-admission-plugins=ServiceAccount --authorization-mode=RBAC \
-    --service-account-issuer="https://127.0.0.1:$api_port/" --service-account-key-file="$pki/sa.pub" \
-    --service-account-signing-key-file="$pki/sa.key" --token-auth-file="$pki/tokens.csv" \
-    >"$dir/kube-apiserver.log" 2>&1 &
-  echo $! > "$dir/kube-apiserver.pid"
+  # free_port's probe and the server's bind race with anything else picking ports, so a server
+  # that exits at start is retried on fresh ports (its log tail is shown when it gives up).
+  local etcd_port peer_port api_port attempt
+  for attempt in 1 2 3; do
+    etcd_port="$(free_port)"; peer_port="$(free_port)"
+    while [ "$peer_port" = "$etcd_port" ]; do peer_port="$(free_port)"; done
+    rm -rf "$dir/etcd"
+    "$BIN/etcd" --data-dir="$dir/etcd" --name=e2e \
+      --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
+      --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
+      --initial-cluster="e2e=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true \
+      >"$dir/etcd.log" 2>&1 &
+    echo $! > "$dir/etcd.pid"
+    if wait_healthy "$dir/etcd.pid" 30 curl -fsS "http://127.0.0.1:$etcd_port/health"; then break; fi
+    log "etcd did not start (attempt $attempt); last log lines:"; tail -5 "$dir/etcd.log" >&2
+    kill_pidfile "$dir/etcd.pid"
+    if [ "$attempt" = 3 ]; then exit 1; fi
+  done
+  for attempt in 1 2 3; do
+    api_port="$(free_port)"
+    while [ "$api_port" = "$etcd_port" ] || [ "$api_port" = "$peer_port" ]; do api_port="$(free_port)"; done
+    "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_port" --cert-dir="$pki" \
+      --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+      --secure-port="$api_port" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
+      --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+      --disable-admission-plugins=ServiceAccount --authorization-mode=RBAC \
+      --service-account-issuer="https://127.0.0.1:$api_port/" --service-account-key-file="$pki/sa.pub" \
+      --service-account-signing-key-file="$pki/sa.key" --token-auth-file="$pki/tokens.csv" \
+      >"$dir/kube-apiserver.log" 2>&1 &
+    echo $! > "$dir/kube-apiserver.pid"
+    # Ready means /readyz answers ok (etcd reachable, post-start hooks such as RBAC bootstrap done).
+    if wait_healthy "$dir/kube-apiserver.pid" 120 curl -fsS --cacert "$pki/ca.crt" \
+        -H "Authorization: Bearer $admin_token" "https://127.0.0.1:$api_port/readyz"; then break; fi
+    log "kube-apiserver did not become ready (attempt $attempt); last log lines:"
+    tail -20 "$dir/kube-apiserver.log" >&2
+    kill_pidfile "$dir/kube-apiserver.pid"
+    if [ "$attempt" = 3 ]; then cmd_stop "$dir"; exit 1; fi
+  done
 
   local ca; ca="$(base64 -w0 < "$pki/ca.crt")"
-  for who in admin operator; do
-    local token="$admin_token" file="$dir/kubeconfig"
-    [ "$who" = operator ] && token="$operator_token" && file="$dir/operator.kubeconfig"
-    cat > "$file" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: e2e
-  cluster: {server: "https://127.0.0.1:$api_port", certificate-authority-data: "$ca"}
-users:
-- name: $who
-  user: {token: "$token"}
-contexts:
-- name: e2e
-  context: {cluster: e2e, user: $who}
-current-context: e2e
-EOF
-  done
+  write_kubeconfig "$dir/kubeconfig" "https://127.0.0.1:$api_port" admin "$admin_token" "$ca"
+  write_kubeconfig "$dir/operator.kubeconfig" "https://127.0.0.1:$api_port" sluice-operator "$operator_token" "$ca"
 
-  # Ready means /readyz answers ok (etcd reachable, post-start hooks such as RBAC bootstrap done).
-  local deadline=$((SECONDS + 120))
-  until curl -fsS --cacert "$pki/ca.crt" -H "Authorization: Bearer $admin_token" \
-      "https://127.0.0.1:$api_port/readyz" >/dev/null 2>&1; do
-    if ((SECONDS > deadline)) || ! kill -0 "$(cat "$dir/kube-apiserver.pid")" 2>/dev/null; then
-      log "kube-apiserver did not become ready; last log lines:"; tail -20 "$dir/kube-apiserver.log" >&2
-      cmd_stop "$dir"; exit 1
-    fi
-    sleep 0.2
-  done
   if [ -n "$owner" ]; then
     # Watchdog: a test binary that dies (or forgets to stop us) must not leave servers behind,
     # nor its state: the owner's temporary directory is never dropped (it lives in a static).
@@ -202,23 +253,18 @@ EOF
 }
 
 cmd_stop() {
-  local dir="$1"
-  for p in kube-apiserver etcd; do
-    if [ -f "$dir/$p.pid" ]; then
-      local pid; pid="$(cat "$dir/$p.pid")"
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -9 "$pid" 2>/dev/null || true
-      rm -f "$dir/$p.pid"
-    fi
-  done
+  local dir="$1" p
+  for p in kube-apiserver etcd; do kill_pidfile "$dir/$p.pid"; done
 }
 
-case "${1:-}" in
-  build) cmd_build ;;
-  start) shift; cmd_start "$@" ;;
-  stop) shift; cmd_stop "$@" ;;
-  bin-dir) echo "$BIN" ;;
-  helm) cmd_helm ;;
-  *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir | helm" >&2; exit 2 ;;
-esac
+# Sourced (by e2e/node.sh) for its functions only.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in
+    build) cmd_build ;;
+    start) shift; cmd_start "$@" ;;
+    stop) shift; cmd_stop "$@" ;;
+    bin-dir) echo "$BIN" ;;
+    helm) cmd_helm ;;
+    *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir | helm" >&2; exit 2 ;;
+  esac
+fi

@@ -7,6 +7,8 @@
 //!
 //! `cargo run --release --example redis_cost -- redis://127.0.0.1:6379 [decisions] [concurrency]`
 //! (scripts/bench/redis-cost.sh starts a private Redis for it). The Redis must be otherwise idle.
+//! `BATCHES=N` sets the store's batched calls in flight (`--redis-batches`; 0: one call per
+//! request); the default is the store's.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -121,7 +123,15 @@ async fn main() {
     let concurrency: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(32);
     let client = redis::Client::open(url.as_str()).expect("redis url");
     let mut conn = client.get_multiplexed_async_connection().await.expect("connect");
-    let store = Arc::new(RedisStore::connect(RedisConfig::single(url.clone())).await.expect("store"));
+    let batches: usize =
+        std::env::var("BATCHES").ok().and_then(|b| b.parse().ok()).unwrap_or(RedisConfig::DEFAULT_BATCHES);
+    let config = |url: &str| {
+        let mut config = RedisConfig::single(url);
+        config.batches = batches;
+        config
+    };
+    println!("batched calls in flight: {batches}");
+    let store = Arc::new(RedisStore::connect(config(&url)).await.expect("store"));
 
     // The yardstick: one INCRBY in a script, on random keys, at the same concurrency.
     let incr = redis::Script::new("return redis.call('INCRBY', KEYS[1], 1)");
@@ -152,7 +162,7 @@ async fn main() {
     println!("| hot denied key | decisions/s (client) | Redis CPU µs/decision | calls/decision |");
     println!("|---|---:|---:|---:|");
     for cache in [0usize, RedisConfig::DEFAULT_DENIAL_CACHE] {
-        let mut config = RedisConfig::single(url.clone());
+        let mut config = config(&url);
         config.denial_cache = cache;
         let store = Arc::new(RedisStore::connect(config).await.expect("store"));
         let hot = Arc::new(Limit::new(Algorithm::FixedWindow, 1, 3_600_000_000, None, None).expect("valid limit"));

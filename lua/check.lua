@@ -1,7 +1,8 @@
 -- Sluice decision function: decides EVERY rule a request matched in one atomic call. Loaded
 -- with the modules as a Redis Functions library and called by FCALL (src/store/redis.rs
--- registers `decide` under a name carrying the library's hash); on a Redis without Functions
--- (before 7.0) the same source runs as an EVALSHA script that calls `decide(KEYS, ARGV)`.
+-- registers `decide` under a name carrying the library's hash, and `decide_many`, below, which
+-- decides several requests in one call, under that name with `_many`); on a Redis without
+-- Functions (before 7.0) the same source runs as an EVALSHA script that calls `decide(KEYS, ARGV)`.
 --
 -- KEYS[i]  the state key of rule i (src/store/keys.rs). All keys share one hash tag, hence one
 --          cluster slot.
@@ -72,61 +73,50 @@ local function rule_params(text)
   return l
 end
 
-local function decide(KEYS, ARGV)
-  local n = #KEYS
-  if #ARGV ~= 1 + 2 * n then
-    return redis.error_reply('sluice: expected ' .. (1 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
-  end
-
-  local now
-  if ARGV[1] == '' then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  else
-    now = int(ARGV[1])
-    if now == nil then
-      return redis.error_reply('sluice: now must be a non-negative integer')
-    end
-  end
-
+-- Decides one request's n rules: rule i's key is KEYS[k0 + i], its parameters ARGV[a0 + 2i] and
+-- its cost ARGV[a0 + 2i + 1]. Appends its reply (allowed, then five integers per rule) to `out`.
+-- Returns an error text instead when an argument is malformed (nothing written then).
+local function decide_request(KEYS, ARGV, k0, a0, n, now, out)
+  local base = #out
   if n == 1 then
     -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
     -- rule admits the request either way), and it consumes only when it admitted.
-    local l, cost, key = rule_params(ARGV[2]), int(ARGV[3]), KEYS[1]
+    local l, cost, key = rule_params(ARGV[a0 + 2]), int(ARGV[a0 + 3]), KEYS[k0 + 1]
     if l == nil or cost == nil then
-      return redis.error_reply('sluice: bad arguments for rule 1')
+      return 'sluice: bad arguments for rule 1'
     end
     local state, ktype = l.module.read(key)
     local ok, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, cost)
     if ok then
       l.module.consume(key, ktype, state, l, now, cost)
     end
-    return { (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay }
+    out[base + 1], out[base + 2], out[base + 3], out[base + 4], out[base + 5], out[base + 6] =
+      (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay
+    return nil
   end
 
   local rules, costs = {}, {}
   for i = 1, n do
-    local l = rule_params(ARGV[2 * i])
-    local cost = int(ARGV[2 * i + 1])
+    local l = rule_params(ARGV[a0 + 2 * i])
+    local cost = int(ARGV[a0 + 2 * i + 1])
     if l == nil or cost == nil then
-      return redis.error_reply('sluice: bad arguments for rule ' .. i)
+      return 'sluice: bad arguments for rule ' .. i
     end
     rules[i], costs[i] = l, cost
   end
 
   -- Phase 1: decide, read-only. The reply is filled as we go: { allowed, then per rule five
   -- integers } (see the contract above).
-  local reply = { 1 }
+  out[base + 1] = 1
   local ktypes, states = {}, {}
   local allowed = true
   for i = 1, n do
-    local l, key = rules[i], KEYS[i]
+    local l, key = rules[i], KEYS[k0 + i]
     local state, ktype = l.module.read(key)
     ktypes[i], states[i] = ktype, state
     local ok, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, costs[i])
-    local b = 5 * i - 3
-    reply[b], reply[b + 1], reply[b + 2], reply[b + 3], reply[b + 4] =
-      ok and 1 or 0, remaining, reset_after, retry_after, delay
+    local b = base + 5 * i - 3
+    out[b], out[b + 1], out[b + 2], out[b + 3], out[b + 4] = ok and 1 or 0, remaining, reset_after, retry_after, delay
     if l.enforce and not ok then
       allowed = false
     end
@@ -135,24 +125,23 @@ local function decide(KEYS, ARGV)
   if not allowed then
     -- Nothing will be consumed: a rule that had room reports its state as it stands, not as it
     -- would have been after this request.
-    reply[1] = 0
+    out[base + 1] = 0
     for i = 1, n do
-      local b = 5 * i - 3
-      if reply[b] == 1 then
+      local b = base + 5 * i - 3
+      if out[b] == 1 then
         local l = rules[i]
         local ok, remaining, reset_after, retry_after, delay = l.module.check(l, states[i], now, 0)
-        reply[b], reply[b + 1], reply[b + 2], reply[b + 3], reply[b + 4] =
-          ok and 1 or 0, remaining, reset_after, retry_after, delay
+        out[b], out[b + 1], out[b + 2], out[b + 3], out[b + 4] = ok and 1 or 0, remaining, reset_after, retry_after, delay
       end
     end
-    return reply
+    return nil
   end
 
   -- Phase 2: consume, the whole request being admitted, in each rule whose own decision allowed.
   local written = nil
   for i = 1, n do
-    if reply[5 * i - 3] == 1 then
-      local l, key = rules[i], KEYS[i]
+    if out[base + 5 * i - 3] == 1 then
+      local l, key = rules[i], KEYS[k0 + i]
       local ktype, state = ktypes[i], states[i]
       if written ~= nil and written[key] then
         -- The same key twice in one request: consume on top of the first write, as the memory
@@ -160,11 +149,81 @@ local function decide(KEYS, ARGV)
         state, ktype = l.module.read(key)
       end
       l.module.consume(key, ktype, state, l, now, costs[i])
-      if n > 1 then
-        written = written or {}
-        written[key] = true
-      end
+      written = written or {}
+      written[key] = true
     end
   end
-  return reply
+  return nil
+end
+
+-- The decision instant from a `now` argument: "" is the server's clock, read once per call
+-- (`clock` caches it), else a non-negative integer (µs). nil for anything else.
+local function instant(text, clock)
+  if text == '' then
+    if clock.now == nil then
+      local t = redis.call('TIME')
+      clock.now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    end
+    return clock.now
+  end
+  return int(text)
+end
+
+local function decide(KEYS, ARGV)
+  local n = #KEYS
+  if #ARGV ~= 1 + 2 * n then
+    return redis.error_reply('sluice: expected ' .. (1 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
+  end
+  local now = instant(ARGV[1], {})
+  if now == nil then
+    return redis.error_reply('sluice: now must be a non-negative integer')
+  end
+  local out = {}
+  local err = decide_request(KEYS, ARGV, 0, 0, n, now, out)
+  if err ~= nil then
+    return redis.error_reply(err)
+  end
+  return out
+end
+
+-- Several requests in one call, decided one after the other exactly as that many `decide` calls
+-- in a row (each all-or-nothing on its own; a later request sees an earlier one's writes).
+--
+-- ARGV[1]  the number of requests m; then per request: its now ("" for the server's clock, read
+--          once for the whole call), its number of rules n, then its 2n parameter and cost
+--          arguments as for `decide`. KEYS: every request's keys, in order.
+-- Returns the m replies of `decide` concatenated (1 + 5n integers each).
+-- Every argument is checked before anything is decided, so a malformed call writes nothing.
+local function decide_many(KEYS, ARGV)
+  local m = int(ARGV[1])
+  if m == nil then
+    return redis.error_reply('sluice: the number of requests must be a non-negative integer')
+  end
+  local a, k = 2, 0
+  for j = 1, m do
+    local n = int(ARGV[a + 1])
+    if n == nil or n < 1 then
+      return redis.error_reply('sluice: request ' .. j .. ' has no rule count')
+    end
+    for i = 1, n do
+      if rule_params(ARGV[a + 2 * i]) == nil or int(ARGV[a + 2 * i + 1]) == nil then
+        return redis.error_reply('sluice: bad arguments for rule ' .. i .. ' of request ' .. j)
+      end
+    end
+    if ARGV[a] ~= '' and int(ARGV[a]) == nil then
+      return redis.error_reply('sluice: now of request ' .. j .. ' must be a non-negative integer')
+    end
+    a, k = a + 2 + 2 * n, k + n
+  end
+  if a - 1 ~= #ARGV or k ~= #KEYS then
+    return redis.error_reply('sluice: ' .. m .. ' requests need ' .. k .. ' keys and ' .. (a - 1) .. ' arguments, got ' .. #KEYS .. ' and ' .. #ARGV)
+  end
+  local out, clock = {}, {}
+  a, k = 2, 0
+  for _ = 1, m do
+    local n = int(ARGV[a + 1])
+    decide_request(KEYS, ARGV, k, a, n, instant(ARGV[a], clock), out)
+    a, k = a + 2 + 2 * n, k + n
+  end
+  return out
 end

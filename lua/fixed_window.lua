@@ -2,14 +2,17 @@
 -- Mirrors src/algorithm/fixed_window.rs.
 --
 -- State: hash {a = "fw", start = the window's start in µs (a multiple of per), count = admitted
--- cost in it}. The start, not an index, so an edit of `per` cannot misread an old window.
+-- cost in it, e = the instant (µs) the key's TTL was last set to end at}. The start, not an
+-- index, so an edit of `per` cannot misread an old window.
 -- Rule fields used: requests, per. A clock behind the stored window stays in that window.
--- TTL = end of the window − now.
+-- TTL = end of the window − now. A window going on keeps its end, so its TTL is set once, when
+-- `e` differs from the end: a new window, an edited `per`, or a write by a release that does
+-- not keep `e` (it sets the TTL itself, and leaves a stale `e` that cannot match).
 
 sluice.fixed_window = {}
 
 function sluice.fixed_window.read(key)
-  local v, ktype = read_hash(key, 'a', 'start', 'count')
+  local v, ktype = read_hash(key, 'a', 'start', 'count', 'e')
   if v == nil then
     return nil, ktype
   end
@@ -17,7 +20,7 @@ function sluice.fixed_window.read(key)
   if v[1] ~= 'fw' or start == nil or count == nil then
     return nil, ktype
   end
-  return { start = start, count = count }, ktype
+  return { start = start, count = count, e = int(v[4]) }, ktype
 end
 
 local function fw_current(l, w, now)
@@ -51,10 +54,14 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
     redis.call('DEL', key)
   end
   if w ~= nil and w.start == start then
-    -- The stored window goes on: only its count changes.
-    redis.call('HSET', key, 'count', fmt(count + cost))
+    -- The stored window goes on: only its count changes, and its TTL when not yet set to its end.
+    if w.e == pristine_at then
+      redis.call('HSET', key, 'count', fmt(count + cost))
+      return
+    end
+    redis.call('HSET', key, 'count', fmt(count + cost), 'e', fmt(pristine_at))
   else
-    redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(count + cost))
+    redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(count + cost), 'e', fmt(pristine_at))
   end
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end

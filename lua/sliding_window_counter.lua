@@ -2,7 +2,9 @@
 -- floor(estimate) + cost ≤ requests. Mirrors src/algorithm/sliding_counter.rs, including its
 -- whole-millisecond weights (previous × per_ms stays below 2^53, so the floor is exact here too).
 --
--- State: hash {a = "swc", start = the current window's start in µs, previous, current}. Counts
+-- State: hash {a = "swc", start = the current window's start in µs, previous, current, e = the
+-- instant (µs) the key's TTL was last set to end at: a write whose pristine instant is `e` leaves
+-- the TTL alone, as in fixed_window.lua}. Counts
 -- are capped at `requests` when read (a count above the limit denies the same either way, and the
 -- cap keeps previous × per_ms exact after `requests` is cut).
 -- Rule fields used: requests, per. A clock behind the stored window stays in it.
@@ -13,7 +15,7 @@ sluice.sliding_window_counter = {}
 local U32_MAX = 4294967295
 
 function sluice.sliding_window_counter.read(key)
-  local v, ktype = read_hash(key, 'a', 'start', 'previous', 'current')
+  local v, ktype = read_hash(key, 'a', 'start', 'previous', 'current', 'e')
   if v == nil then
     return nil, ktype
   end
@@ -21,7 +23,7 @@ function sluice.sliding_window_counter.read(key)
   if v[1] ~= 'swc' or start == nil or previous == nil or current == nil then
     return nil, ktype
   end
-  return { start = start, previous = previous, current = current }, ktype
+  return { start = start, previous = previous, current = current, e = int(v[5]) }, ktype
 end
 
 local function swc_roll(l, c, now)
@@ -103,7 +105,12 @@ function sluice.sliding_window_counter.consume(key, ktype, counts, l, now, cost)
   if counts == nil and ktype ~= 'none' then
     redis.call('DEL', key)
   end
+  if counts ~= nil and counts.start == c.start and counts.e == pristine_at then
+    -- The same window, its TTL already ending where this state is pristine.
+    redis.call('HSET', key, 'previous', fmt(c.previous), 'current', fmt(current))
+    return
+  end
   redis.call('HSET', key, 'a', 'swc', 'start', fmt(c.start), 'previous', fmt(c.previous),
-    'current', fmt(current))
+    'current', fmt(current), 'e', fmt(pristine_at))
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end

@@ -6,8 +6,12 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the tests start or drive: Redis (shared store), openssl (TLS test
 # certificates and the control plane's), nginx (examples/nginx against the ext_authz mode),
-# jq and curl (the control-plane build and start script).
-packages=(redis-server redis-tools openssl nginx jq curl)
+# jq and curl (the control-plane build and start script); for the one-node cluster
+# (e2e/local-node.sh): containerd, runc, the CNI plugins, iptables and conntrack (kube-proxy),
+# busybox-static (the demo app's image), libc6-dev (the static pause binary), ca-certificates
+# (the image's trust store); shellcheck for the e2e scripts.
+packages=(redis-server redis-tools openssl nginx jq curl containerd runc containernetworking-plugins
+  iptables conntrack iproute2 util-linux busybox-static libc6-dev gcc ca-certificates shellcheck)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,6 +47,7 @@ helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
   || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
 
 echo "==> formatting and lints"
+shellcheck -x e2e/*.sh scripts/test.sh .ci/run
 cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
 cargo clippy --locked --all-targets --quiet -- -D warnings
 
@@ -54,7 +59,14 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --locked --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
+# The install path on a real one-node cluster: release image, helm install, injected sidecar,
+# failover, upgrade, uninstall (docs/operator.md, "The one-node cluster").
+echo "==> real node: e2e/local-node.sh"
+node_start=$SECONDS node_status=0
+e2e/local-node.sh 2>&1 | tee -a "$log" || node_status=$?
+if [ "$node_status" -eq 0 ]; then node_result="passed"; else node_result="FAILED"; status=$node_status; fi
 # One closing line for the whole run (cargo's last line is the doc-tests', which has none).
+echo "sluice: real-node flow $node_result in $((SECONDS - node_start)) s"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
      END { printf "sluice: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"
 exit "$status"

@@ -242,7 +242,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
         tokio::spawn(async move { rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
     });
-    let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
     let router = http::router_with(state);
     let server = match tls {
         Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, stopped)),
@@ -252,6 +252,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     terminated.await;
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
+    engine.stop_snapshot_waits();
     server.await?.context("HTTP server failed")?;
     if let Some(grpc_server) = grpc_server {
         grpc_server.await?.context("gRPC server failed")?;

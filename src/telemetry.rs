@@ -87,6 +87,9 @@ pub struct Metrics {
     pub denial_cache_hits: Counter,
     /// (rule, key) denials the cache holds.
     pub denial_cache_entries: Gauge,
+    /// Batched Redis calls, and the decisions they carried.
+    pub redis_batched_calls: Counter,
+    pub redis_batched_decisions: Counter,
     /// Calls to the Kubernetes TokenReview API, by result (cache hits make none).
     pub token_reviews: Family<ResultLabels, Counter>,
     /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
@@ -193,6 +196,18 @@ impl Metrics {
             "(rule, key) denials held by the denial cache",
             denial_cache_entries.clone(),
         );
+        let redis_batched_calls = Counter::default();
+        registry.register(
+            "redis_batched_calls",
+            "Redis calls that carried the decisions of every request waiting for one (single Redis)",
+            redis_batched_calls.clone(),
+        );
+        let redis_batched_decisions = Counter::default();
+        registry.register(
+            "redis_batched_decisions",
+            "Requests decided in batched Redis calls; divided by the calls, the mean batch",
+            redis_batched_decisions.clone(),
+        );
         let token_reviews = Family::<ResultLabels, Counter>::default();
         registry.register(
             "auth_token_reviews",
@@ -260,6 +275,8 @@ impl Metrics {
             rls_requests,
             denial_cache_hits,
             denial_cache_entries,
+            redis_batched_calls,
+            redis_batched_decisions,
             token_reviews,
             memory_evictions,
             record_lock: parking_lot::Mutex::new(()),
@@ -281,6 +298,10 @@ impl Metrics {
         if let Some(cache) = status.denial_cache {
             self.denial_cache_hits.inc_by(cache.hits.saturating_sub(self.denial_cache_hits.get()));
             self.denial_cache_entries.set(cache.entries as i64);
+        }
+        if let Some(batches) = status.batches {
+            self.redis_batched_calls.inc_by(batches.calls.saturating_sub(self.redis_batched_calls.get()));
+            self.redis_batched_decisions.inc_by(batches.decisions.saturating_sub(self.redis_batched_decisions.get()));
         }
         for (namespace, &total) in &status.evicted_keys_by_namespace {
             let counter = self.memory_evictions.get_or_create(&NamespaceLabels { namespace: namespace.clone() });

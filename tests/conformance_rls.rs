@@ -13,7 +13,7 @@ mod conformance;
 
 use std::sync::Arc;
 
-use conformance::{T0, Vector, load};
+use conformance::{T0, load};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -27,29 +27,9 @@ use sluice::server::rls::RateLimiter;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
 
-/// One policy per vector, in namespace (= domain) `v<index>`.
-fn policies(vectors: &[Vector]) -> String {
-    let mut yaml = String::new();
-    for (vi, vector) in vectors.iter().enumerate() {
-        yaml.push_str(&format!(
-            "---\napiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: vector, namespace: v{vi}}}\nspec:\n  rules:\n"
-        ));
-        for (name, spec) in &vector.rules.0 {
-            let mut limit = format!("requests: {}, per: {}", spec.requests, spec.per);
-            if let Some(burst) = spec.burst {
-                limit.push_str(&format!(", burst: {burst}"));
-            }
-            if let Some(delay) = &spec.max_delay {
-                limit.push_str(&format!(", maxDelay: {delay}"));
-            }
-            let mode = spec.mode.as_deref().unwrap_or("enforce");
-            yaml.push_str(&format!(
-                "  - name: {name}\n    match: {{descriptor: [{{key: rule, exact: {name}}}, {{key: k}}]}}\n    key: [{{descriptor: k}}]\n    algorithm: {}\n    limit: {{{limit}}}\n    mode: {mode}\n",
-                serde_json::to_value(spec.algorithm).unwrap().as_str().unwrap()
-            ));
-        }
-    }
-    yaml
+/// Each rule matches descriptors `rule=<name>, k=<key>` and counts per `k` (namespace = domain).
+fn selects(name: &str) -> String {
+    format!("    match: {{descriptor: [{{key: rule, exact: {name}}}, {{key: k}}]}}\n    key: [{{descriptor: k}}]\n")
 }
 
 fn descriptor(rule: &str, key: &str) -> RateLimitDescriptor {
@@ -64,7 +44,9 @@ fn micros(text: &str) -> u64 {
 #[tokio::test]
 async fn every_vector_decides_the_same_through_the_rate_limit_service() {
     let vectors = load();
-    let loaded = sluice::policy::load_str(&policies(&vectors), std::path::Path::new("vectors.yaml")).unwrap();
+    let loaded =
+        sluice::policy::load_str(&conformance::policies(&vectors, selects), std::path::Path::new("vectors.yaml"))
+            .unwrap();
     let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
     assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
     let clock = FakeClock::new(T0);

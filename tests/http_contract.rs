@@ -261,3 +261,171 @@ async fn ext_authz_denial_status_can_be_403_for_nginx() {
     assert_eq!(bad.status, 400);
     assert!(bad.text().contains("x-sluice-deny-status"));
 }
+
+/// `POST /v1/checks` decides each check as `POST /v1/check` would, in order, with the same
+/// headers; a bad check is refused on its own.
+#[tokio::test]
+async fn batch_checks_decide_like_single_checks_and_refuse_one_bad_check_alone() {
+    let batch = Api::new(POLICY);
+    let single = Api::new(POLICY);
+    let mut requests: Vec<Value> = (0..5).map(|_| order("k1")).collect();
+    requests.insert(2, json!({"path": "orders"}));
+    requests.push(order("k2"));
+    let reply = batch.post_body("/v1/checks", serde_json::to_vec(&json!({"requests": requests})).unwrap()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let results = reply.json()["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), 7);
+    assert_eq!(results[2], json!({"status": 400, "error": "path: must start with '/', got \"orders\""}));
+    let decided: Vec<&Value> = results.iter().enumerate().filter(|(i, _)| *i != 2).map(|(_, r)| r).collect();
+    let allowed: Vec<bool> = decided.iter().map(|r| r["allowed"].as_bool().unwrap()).collect();
+    assert_eq!(allowed, [true, true, true, false, false, true], "limit 3 on k1, then k2 on its own");
+    for (i, result) in decided.iter().enumerate() {
+        let key = if i == 5 { "k2" } else { "k1" };
+        let one = single.check(&order(key)).await;
+        for field in ["allowed", "status", "delayMs", "snapshot"] {
+            assert_eq!(result[field], one[field], "check {i}: {field}");
+        }
+        assert_eq!(result["retryAfterMs"].is_null(), one["retryAfterMs"].is_null(), "check {i}");
+        let names = |v: &Value| v["headers"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(result), names(&one), "check {i}: header names");
+        assert_eq!(result["headers"]["X-RateLimit-Remaining"], one["headers"]["X-RateLimit-Remaining"], "check {i}");
+        assert!(result.get("rules").is_none(), "the batch answer leaves out the per-rule detail");
+    }
+    assert!(decided[3]["headers"]["Retry-After"].as_str().is_some(), "a denial says when to retry");
+
+    let metrics = batch.get("/metrics").await.text();
+    assert!(
+        metrics.contains(
+            r#"sluice_decisions_total{policy="tenant-acme/orders-api",rule="per-api-key",outcome="limited"} 2"#
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn batch_envelope_and_size_are_checked() {
+    let api = Api::new(POLICY);
+    for (body, want) in [
+        (json!([order("k1")]), "expected {\"requests\": [check, …]}"),
+        (json!({"requests": [order("k1")], "extra": 1}), "unknown field `extra`"),
+        (json!({"checks": []}), "expected {\"requests\""),
+    ] {
+        let reply = api.post_body("/v1/checks", serde_json::to_vec(&body).unwrap()).await;
+        assert_eq!(reply.status, 400, "{body}");
+        assert!(reply.json()["error"].as_str().unwrap().contains(want), "{body}: {}", reply.text());
+    }
+    let empty = api.post_body("/v1/checks", br#"{"requests": []}"#.to_vec()).await;
+    assert_eq!((empty.status, empty.json()), (StatusCode::OK, json!({"results": []})));
+
+    let too_many: Vec<Value> = (0..http::MAX_BATCH_CHECKS + 1).map(|i| order(&format!("k{i}"))).collect();
+    let reply = api.post_body("/v1/checks", serde_json::to_vec(&json!({"requests": too_many})).unwrap()).await;
+    assert_eq!(reply.status, 400);
+    assert!(reply.text().contains("at most 256 per batch"), "{}", reply.text());
+
+    // Larger than one check may be (64 KiB), within the batch limit: decided.
+    let full: Vec<Value> = (0..http::MAX_BATCH_CHECKS).map(|i| order(&format!("{i}-{}", "x".repeat(300)))).collect();
+    let body = serde_json::to_vec(&json!({"requests": full})).unwrap();
+    assert!(body.len() > http::MAX_BODY_BYTES && body.len() < http::MAX_BATCH_BODY_BYTES);
+    let reply = api.post_body("/v1/checks", body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["results"].as_array().unwrap().len(), http::MAX_BATCH_CHECKS);
+    // One check over the single check's limit is refused on its own.
+    let huge = json!({"path": "/", "headers": {"x-api-key": "x".repeat(http::MAX_BODY_BYTES)}});
+    let reply =
+        api.post_body("/v1/checks", serde_json::to_vec(&json!({"requests": [huge, order("k1")]})).unwrap()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let results = reply.json()["results"].clone();
+    assert_eq!(results[0], json!({"status": 413, "error": "check larger than 65536 bytes"}));
+    assert_eq!(results[1]["allowed"], true);
+    let reply = api.post_body("/v1/checks", vec![b' '; http::MAX_BATCH_BODY_BYTES + 1]).await;
+    assert_eq!(reply.status, 413);
+    assert!(reply.text().contains("larger than 1048576 bytes"), "{}", reply.text());
+    // The single check keeps its own limit.
+    let reply = api.post_body("/v1/check", vec![b' '; http::MAX_BODY_BYTES + 1]).await;
+    assert_eq!(reply.status, 413);
+}
+
+fn engine_with(policies: &str) -> (Arc<Engine<Arc<MemoryStore>>>, axum::Router) {
+    let clock = Arc::new(SystemClock);
+    let engine =
+        Arc::new(Engine::new(Arc::new(MemoryStore::with_clock(1000, clock.clone())), clock, Arc::new(Metrics::new())));
+    engine.install(Arc::new(compile(policies)));
+    let router = http::router(engine.clone());
+    (engine, router)
+}
+
+fn compile(policies: &str) -> sluice::policy::Snapshot {
+    let loaded = sluice::policy::load_str(policies, std::path::Path::new("policies.yaml")).expect("policies");
+    sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect()).snapshot
+}
+
+async fn get_snapshot(router: &axum::Router, query: &str, etag: Option<&str>) -> Reply {
+    let mut request = Request::get(format!("/v1/snapshot{query}"));
+    if let Some(etag) = etag {
+        request = request.header("if-none-match", etag);
+    }
+    let response = router.clone().oneshot(request.body(Body::empty()).unwrap()).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    Reply { status: parts.status, headers: parts.headers, body: body.collect().await.expect("body").to_bytes() }
+}
+
+/// `GET /v1/snapshot?wait=` with the current ETag is held until a new snapshot is installed
+/// (answered at once, 200 with the new ETag) or the wait ends (304), and a stop ends it early.
+#[tokio::test]
+async fn a_snapshot_request_waits_for_a_change() {
+    let (engine, router) = engine_with(POLICY);
+    let first = get_snapshot(&router, "", None).await;
+    let etag = first.headers["etag"].to_str().unwrap().to_string();
+    assert!(first.headers.get(http::SNAPSHOT_WAIT_HEADER).is_none(), "no wait asked, none announced");
+
+    // Unchanged: held for the whole wait, then 304 saying the wait was honoured.
+    let started = std::time::Instant::now();
+    let unchanged = get_snapshot(&router, "?wait=300ms", Some(&etag)).await;
+    assert_eq!(unchanged.status, StatusCode::NOT_MODIFIED);
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300), "{:?}", started.elapsed());
+    assert_eq!(unchanged.headers[http::SNAPSHOT_WAIT_HEADER], "300");
+
+    // A change while held: answered with the new snapshot.
+    let held = tokio::spawn({
+        let (router, etag) = (router.clone(), etag.clone());
+        async move { get_snapshot(&router, "?wait=30s", Some(&etag)).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(!held.is_finished(), "held while unchanged");
+    engine.install(Arc::new(compile(&POLICY.replace("requests: 3", "requests: 4"))));
+    let changed =
+        tokio::time::timeout(std::time::Duration::from_secs(5), held).await.expect("answered on the change").unwrap();
+    assert_eq!(changed.status, StatusCode::OK);
+    let new_etag = changed.headers["etag"].to_str().unwrap().to_string();
+    assert_ne!(new_etag, etag);
+    assert_eq!(changed.json()["version"], new_etag.trim_matches('"'));
+
+    // An ETag that is not current is answered at once.
+    let stale =
+        tokio::time::timeout(std::time::Duration::from_secs(5), get_snapshot(&router, "?wait=30s", Some(&etag)))
+            .await
+            .unwrap();
+    assert_eq!(stale.status, StatusCode::OK);
+
+    // The process stopping ends a held request at once.
+    let held = tokio::spawn({
+        let router = router.clone();
+        async move { get_snapshot(&router, "?wait=30s", Some(&new_etag)).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    engine.stop_snapshot_waits();
+    let stopped =
+        tokio::time::timeout(std::time::Duration::from_secs(5), held).await.expect("ended by the stop").unwrap();
+    assert_eq!(stopped.status, StatusCode::NOT_MODIFIED);
+    assert!(stopped.headers.get(http::SNAPSHOT_WAIT_HEADER).is_none(), "a stopping endpoint pushes no more");
+
+    for (query, want) in [
+        ("?wait=61s", "wait: at most 60s"),
+        ("?wait=soon", "wait: "),
+        ("?since=1", "unknown query parameter \"since=1\""),
+    ] {
+        let reply = get_snapshot(&router, query, None).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(reply.json()["error"].as_str().unwrap().contains(want), "{query}: {}", reply.text());
+    }
+}

@@ -73,12 +73,36 @@ fn limit_pool() -> Vec<Limit> {
 
 /// The reference: the pure algorithms driven exactly as every store must drive them (decide all,
 /// then consume in each admitting rule only when no enforcing rule denied).
-/// For each key a step wrote: the TTL in ms the script must have set, or `None` for no key.
-type Written = Vec<(Vec<u8>, Option<u64>)>;
+/// What a step must have left as a key's TTL.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ttl {
+    /// No key.
+    Gone,
+    /// This many ms, set by this step.
+    Set(u64),
+    /// Untouched by this step: a fixed window or sliding counter going on, whose TTL an earlier
+    /// step already set to end where the state is pristine (the test has persisted it since).
+    Kept,
+}
+
+/// For each key a step wrote, what its TTL must be.
+type Written = Vec<(Vec<u8>, Ttl)>;
 
 #[derive(Default)]
 struct Model {
     states: HashMap<Vec<u8>, State>,
+    /// For windowed states: the pristine instant the key's TTL was last set to end at (the
+    /// script's `e` field).
+    ttl_ends_at: HashMap<Vec<u8>, Micros>,
+}
+
+/// The window start of the states whose script keeps their TTL while the window goes on.
+fn window_start(state: Option<&State>) -> Option<(u8, Micros)> {
+    match state {
+        Some(State::Window { start, .. }) => Some((0, *start)),
+        Some(State::Counter { start, .. }) => Some((1, *start)),
+        _ => None,
+    }
 }
 
 impl Model {
@@ -105,16 +129,30 @@ impl Model {
                 }
                 let mut state = self.states.remove(key);
                 let existed = state.is_some();
+                let window_before = window_start(state.as_ref());
                 let pristine_at = algorithm::apply(c.limit, &mut state, now, c.cost);
                 let empty_log = matches!(&state, Some(State::Log(l)) if l.is_empty());
                 if (!existed && pristine_at <= now) || empty_log {
                     // Not created (zero cost on a fresh key) or an empty log (pristine, like no
                     // state at all): no key in Redis.
-                    written.push((key.clone(), None));
+                    self.ttl_ends_at.remove(key);
+                    written.push((key.clone(), Ttl::Gone));
                 } else {
+                    let window_after = window_start(state.as_ref());
                     self.states.insert(key.clone(), state.expect("applied"));
                     let us = pristine_at.saturating_sub(now);
-                    written.push((key.clone(), Some(us.div_ceil(1000).max(1))));
+                    let set = Ttl::Set(us.div_ceil(1000).max(1));
+                    if window_after.is_none() {
+                        self.ttl_ends_at.remove(key);
+                        written.push((key.clone(), set));
+                    } else if window_after == window_before && self.ttl_ends_at.get(key) == Some(&pristine_at) {
+                        // Set by an earlier write of this same step, if any, else by an earlier step.
+                        let earlier = written.iter().rev().find(|(k, _)| k == key).map(|(_, t)| *t);
+                        written.push((key.clone(), earlier.unwrap_or(Ttl::Kept)));
+                    } else {
+                        self.ttl_ends_at.insert(key.clone(), pristine_at);
+                        written.push((key.clone(), set));
+                    }
                 }
             }
         }
@@ -205,8 +243,11 @@ async fn lua_decisions_equal_rust_algorithms() {
                 // pristine (the model never expires anything either).
                 let persisted: bool = con.persist(&key).await.unwrap();
                 match ttl {
-                    None => assert_eq!(pttl, -2, "key must not exist: {}", context()),
-                    Some(ttl) => {
+                    Ttl::Gone => assert_eq!(pttl, -2, "key must not exist: {}", context()),
+                    Ttl::Kept => {
+                        assert_eq!(pttl, -1, "the TTL should have been left alone: {}", context());
+                    }
+                    Ttl::Set(ttl) => {
                         let ttl = ttl as i64;
                         if pttl != -2 {
                             assert!(pttl <= ttl && pttl >= ttl - 250, "pttl {pttl} expected {ttl}: {}", context());
@@ -216,6 +257,7 @@ async fn lua_decisions_equal_rust_algorithms() {
                             // forgot a nearly pristine key, so the model must forget it too.
                             assert!(ttl <= 250, "key with a {ttl} ms TTL vanished: {}", context());
                             model.states.remove(&key);
+                            model.ttl_ends_at.remove(&key);
                         }
                     }
                 }
@@ -687,4 +729,63 @@ async fn repeated_denials_are_answered_without_redis_and_stay_exact() {
     assert_eq!(admitted, 30, "zero over-admission with three caches");
     let hits: u64 = replicas.iter().filter_map(|r| r.status().denial_cache).map(|d| d.hits).sum();
     assert!(hits > 0, "the denials after the bound were answered from the caches");
+}
+
+/// Requests that arrive while the store's calls are under way go together in the next call
+/// (`decide_many`), each decided exactly as on its own: here Redis is paused, so the first two
+/// requests' calls wait, and the 18 that arrive meanwhile share the third. A batch mixing
+/// requests on one key admits exactly the limit, in order, and the three-rule requests in it
+/// stay all-or-nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_share_one_call_and_are_decided_as_on_their_own() {
+    let server = RedisServer::start();
+    let mut con = raw(&server).await;
+    let mut config = RedisConfig::single(server.url());
+    config.timeout = Duration::from_secs(10);
+    config.denial_cache = 0;
+    let store = Arc::new(RedisStore::connect(config).await.expect("store"));
+    let window = limit(Algorithm::FixedWindow, 5, 60 * SEC, None, None);
+    let tight = limit(Algorithm::FixedWindow, 100, 60 * SEC, None, None);
+    let bucket = limit(Algorithm::TokenBucket, 3, 60 * SEC, Some(3), None);
+    // Load the library first, so that the counted calls below are decisions only.
+    store.check_tagged("batch", Some(T0), &[check(9, &window, b"warm", 1, true)]).await.unwrap();
+
+    // Within the client's own response timeout (500 ms).
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(350).arg("ALL").query_async(&mut con).await.unwrap();
+    let decide = |i: usize| {
+        let (store, window, tight, bucket) = (store.clone(), window.clone(), tight.clone(), bucket.clone());
+        tokio::spawn(async move {
+            // Odd requests: one rule on the shared key; even: three rules, the last a bucket of 3.
+            let checks: Vec<RuleCheck<'_>> = if i % 2 == 1 {
+                vec![check(1, &window, b"shared", 1, true)]
+            } else {
+                vec![check(2, &tight, b"a", 1, true), check(3, &tight, b"b", 1, true), check(4, &bucket, b"c", 1, true)]
+            };
+            store.check_tagged("batch", Some(T0 + SEC), &checks).await.unwrap()
+        })
+    };
+    let first: Vec<_> = (0..2).map(decide).collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let rest: Vec<_> = (2..20).map(decide).collect();
+    let mut verdicts = Vec::new();
+    for task in first.into_iter().chain(rest) {
+        verdicts.push(task.await.unwrap());
+    }
+
+    let single: Vec<&Verdict> = verdicts.iter().enumerate().filter(|(i, _)| i % 2 == 1).map(|(_, v)| v).collect();
+    assert_eq!(single.iter().filter(|v| v.allowed).count(), 5, "exactly the limit of the shared key");
+    let multi: Vec<&Verdict> = verdicts.iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, v)| v).collect();
+    assert_eq!(multi.iter().filter(|v| v.allowed).count(), 3, "the bucket of 3 admits 3 three-rule requests");
+    for verdict in &multi {
+        assert_eq!(verdict.decisions.len(), 3);
+        assert_eq!(verdict.allowed, verdict.decisions[2].allowed, "the bucket decides each request");
+    }
+    // All-or-nothing inside the batch: the two windows counted only the 3 admitted requests.
+    let counted: Vec<Option<String>> =
+        redis::cmd("HMGET").arg(state_key("batch", 2, b"a")).arg("count").query_async(&mut con).await.unwrap();
+    assert_eq!(counted, [Some("3".to_string())]);
+
+    let status = store.status().batches.expect("batches on a single Redis");
+    assert_eq!(status.decisions, 21, "the warm-up, then 20");
+    assert_eq!(status.calls, 4, "the warm-up, the two calls Redis held, then one call for the 18 that waited");
 }

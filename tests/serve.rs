@@ -102,8 +102,20 @@ async fn hot_reload_applies_edits_and_keeps_the_last_good_snapshot() {
 async fn sigterm_drains_and_exits_zero() {
     let dir = policy_dir(POLICY);
     let mut s = start(dir.path());
-    let status = s.terminate();
+    // A sidecar's snapshot request, held while nothing changes: the stop must end it, not wait
+    // out its 60 s.
+    let etag = reqwest::get(s.url("/v1/snapshot")).await.unwrap().headers()["etag"].to_str().unwrap().to_string();
+    let held = tokio::spawn({
+        let url = s.url("/v1/snapshot?wait=60s");
+        async move { reqwest::Client::new().get(url).header("if-none-match", etag).send().await.map(|r| r.status()) }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!held.is_finished(), "the snapshot request is held");
+    let started = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || s.terminate()).await.unwrap();
     assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(30), "the held request delayed the stop: {:?}", started.elapsed());
+    assert_eq!(held.await.unwrap().expect("answered before the exit").as_u16(), 304);
 }
 
 #[test]

@@ -300,3 +300,34 @@ fn a_bad_token_file_stops_start_up() {
     assert_ne!(code, Some(0));
     assert!(stderr.contains("tokens[0].token"), "{stderr}");
 }
+
+/// A batch is one caller: each of its checks is held to what that caller may ask, and a check
+/// about another tenant is refused on its own, consuming nothing there.
+#[tokio::test]
+async fn a_batch_holds_every_check_to_its_callers_namespaces() {
+    let s = start();
+    let c = client();
+    let victim = json!({"namespace": "tenant-a", "path": "/", "clientIp": "203.0.113.9"});
+    let own = json!({"path": "/", "headers": {"authorization": "Bearer user-1"}});
+    let batch = json!({"requests": [victim, own, victim, {"path": "/", "cost": 0}]});
+    let response = c.post(s.serve.url("/v1/checks")).json(&batch).send().await.unwrap();
+    assert_eq!(response.status(), 401, "a batch needs a credential like a check");
+    let response = c
+        .post(s.serve.url("/v1/checks"))
+        .header("x-sluice-authorization", bearer(TENANT_B))
+        .json(&batch)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let reply: Value = response.json().await.unwrap();
+    let results = reply["results"].as_array().unwrap();
+    assert_eq!(results[0]["status"], 403, "{reply}");
+    assert!(results[0]["error"].as_str().unwrap().contains("\"tenant-a\""), "{reply}");
+    assert_eq!(results[1]["allowed"], true, "tenant-b's own check is decided: {reply}");
+    assert_eq!(results[1]["headers"]["X-RateLimit-Remaining"], "4", "{reply}");
+    assert_eq!(results[2]["status"], 403);
+    assert!(results[3]["error"].as_str().unwrap().contains("cost: caller sidecars-b may not set"), "{reply}");
+    let (_, reply) = check(&c, &s.serve, Some(TENANT_A), victim).await;
+    assert_eq!(reply["rules"][0]["remaining"], 1, "the refused checks did not touch tenant-a: {reply}");
+}

@@ -119,9 +119,10 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
         let admitted = hammer(&servers, path, 48, bound as usize * 4).await;
         assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");
     }
-    // At most one round trip per decision: every decision is one FCALL, or none when a replica's
-    // denial cache answered a repeated denial. A fresh Redis has no library loaded, so the very
-    // first calls of each replica fail (function not found), load it and retry.
+    // At most one round trip per decision: every decision is in exactly one FCALL (a batched
+    // call carries the requests that waited for it), or in none when a replica's denial cache
+    // answered a repeated denial. A fresh Redis has no library loaded, so the very first calls
+    // of each replica fail (function not found), load it and retry.
     let stats = redis.cli(&["INFO", "commandstats"]);
     let field = |cmd: &str, name: &str| -> u64 {
         stats
@@ -134,16 +135,24 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
     };
     let answered = field("fcall", "calls") - field("fcall", "failed_calls");
     let c = client();
-    let mut cached = 0;
+    let (mut cached, mut calls, mut batched) = (0, 0, 0);
     for server in servers.iter() {
         let metrics = c.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        cached += metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("sluice_redis_denial_cache_hits_total "))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .expect("the denial cache's hits are a metric");
+        let counter = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+        };
+        cached += counter("sluice_redis_denial_cache_hits_total");
+        calls += counter("sluice_redis_batched_calls_total");
+        batched += counter("sluice_redis_batched_decisions_total");
     }
-    assert_eq!(answered + cached, 4 * (50 + 40 + 30 + 20), "one function call per decision Redis saw: {stats}");
+    assert_eq!(answered, calls, "every call Redis answered is one the replicas made: {stats}");
+    assert_eq!(batched + cached, 4 * (50 + 40 + 30 + 20), "each decision in exactly one call, or cached: {stats}");
+    assert!(calls <= batched, "a call carries one decision or more");
+    eprintln!("e2e measurement: {batched} decisions in {calls} calls, {cached} from the denial caches");
     assert!(cached > 0, "repeated denials were answered by the replicas' caches");
     assert_eq!(field("eval", "calls") + field("evalsha", "calls"), 0, "{stats}");
 }

@@ -190,9 +190,10 @@ fn start_sidecar_with_timeout(upstream: SocketAddr, endpoint: &str, timeout: &st
         "app=web,tier=front",
         "--endpoint-timeout",
         timeout,
-        "--snapshot-interval",
-        "100ms",
     ];
+    if !extra.contains(&"--snapshot-interval") {
+        args.extend_from_slice(&["--snapshot-interval", "100ms"]);
+    }
     args.extend_from_slice(extra);
     let process = SluiceProcess::start(&args);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -504,6 +505,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         upstream: "127.0.0.1:1".parse().unwrap(),
         check_uri: endpoint("/v1/check"),
+        checks_uri: endpoint("/v1/checks"),
         snapshot_uri: endpoint("/v1/snapshot"),
         namespace: "tenant-acme".into(),
         labels: [("app".to_string(), "web".to_string())].into(),
@@ -513,6 +515,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         snapshot_interval: Duration::from_millis(100),
         token_file: None,
         endpoint_ca: None,
+        endpoint_batches: 4,
     };
     let clock = FakeClock::new(1_700_000_000_000_000);
     let metrics = Arc::new(SidecarMetrics::new());
@@ -886,4 +889,257 @@ async fn an_h2c_upgrade_is_declined_and_served_as_http1() {
     let seen: serde_json::Value = serde_json::from_str(body.trim()).unwrap_or_default();
     assert_eq!(seen["upgrade"], "", "{body}");
     assert_eq!(seen["http2Settings"], "", "HTTP2-Settings never reaches an HTTP/1.1 application");
+}
+
+/// An endpoint that answers `POST /v1/checks` (and records each batch's size), holding the first
+/// batch for `hold` so that the requests arriving meanwhile must wait for the next exchange. Each
+/// answer names the key of the check it answers, so a decision handed to the wrong request shows.
+async fn start_batch_endpoint(hold: Duration) -> (SocketAddr, Arc<std::sync::Mutex<Vec<usize>>>) {
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let app = Router::new()
+        .route(
+            "/v1/snapshot",
+            get(|| async {
+                let snapshot =
+                    serde_json::json!({"version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": []});
+                ([("etag", "\"v1\"")], axum::Json(snapshot))
+            }),
+        )
+        .route(
+            "/v1/checks",
+            post(
+                move |State(sizes): State<Arc<std::sync::Mutex<Vec<usize>>>>,
+                      axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let requests = body["requests"].as_array().cloned().unwrap_or_default();
+                    let first = {
+                        let mut sizes = sizes.lock().unwrap();
+                        sizes.push(requests.len());
+                        sizes.len() == 1
+                    };
+                    if first {
+                        tokio::time::sleep(hold).await;
+                    }
+                    let results: Vec<serde_json::Value> = requests
+                        .iter()
+                        .map(|check| {
+                            let key = check["headers"]["x-api-key"].as_str().unwrap_or("").to_string();
+                            let allowed = !key.starts_with("deny");
+                            serde_json::json!({"allowed": allowed, "status": if allowed { 200 } else { 429 },
+                                "retryAfterMs": if allowed { None } else { Some(1500) }, "delayMs": 0,
+                                "headers": {"X-Answer-For": key}, "snapshot": "v1"})
+                        })
+                        .collect();
+                    axum::Json(serde_json::json!({"results": results}))
+                },
+            ),
+        )
+        .with_state(sizes.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, sizes)
+}
+
+/// While an exchange with the endpoint is under way, the requests that arrive wait and then go
+/// together in one `POST /v1/checks`; each gets its own decision back.
+#[tokio::test]
+async fn requests_waiting_for_a_busy_endpoint_share_one_exchange() {
+    let (up, _state) = start_upstream().await;
+    let (endpoint, sizes) = start_batch_endpoint(Duration::from_millis(1500)).await;
+    let sidecar = start_sidecar_with_timeout(up, &format!("http://{endpoint}"), "5s", &["--endpoint-batches", "1"]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    let first = tokio::spawn({
+        let (c, url) = (c.clone(), sidecar.url("/plain"));
+        async move { get_with_key(&c, &url, "first").await }
+    });
+    // The first exchange is held by the endpoint; these 20 arrive meanwhile.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let keys: Vec<String> = (0..20).map(|i| if i % 4 == 0 { format!("deny-{i}") } else { format!("k{i}") }).collect();
+    let url = sidecar.url("/plain");
+    let replies = futures::future::join_all(keys.iter().map(|key| get_with_key(&c, &url, key))).await;
+    assert_eq!(first.await.unwrap().status(), 200);
+    for (key, reply) in keys.iter().zip(&replies) {
+        assert_eq!(reply.headers()["x-answer-for"], key.as_str(), "each request gets its own decision");
+        let want = if key.starts_with("deny") { 429 } else { 200 };
+        assert_eq!(reply.status(), want, "{key}");
+        if want == 429 {
+            assert_eq!(reply.headers()["retry-after"], "2", "{key}: 1500 ms, rounded up");
+        }
+    }
+    assert_eq!(*sizes.lock().unwrap(), [1, 20], "one exchange alone, then the 20 that waited together");
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains("\nsluice_sidecar_endpoint_exchanges_total{kind=\"batch\"} 2\n"), "{metrics}");
+    assert!(metrics.contains("\nsluice_sidecar_batched_checks_total 21\n"), "{metrics}");
+    assert!(metrics.contains("sluice_sidecar_decisions_total{source=\"endpoint\",result=\"deny\"} 5"), "{metrics}");
+}
+
+/// Concurrent requests on one key through the real endpoint, batched: exactly the limit reaches
+/// the app, every decision from the endpoint.
+#[tokio::test]
+async fn batched_checks_through_the_real_endpoint_admit_exactly_the_limit() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar_with_timeout(up, &serve.url(""), "5s", &[]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    let url = sidecar.url("/limited");
+    let replies = futures::future::join_all((0..60).map(|_| get_with_key(&c, &url, "hot"))).await;
+    let admitted = replies.iter().filter(|r| r.status() == 200).count();
+    let limited = replies.iter().filter(|r| r.status() == 429).count();
+    assert_eq!((admitted, limited), (2, 58), "limit 2 per hour on one key");
+    assert_eq!(state.hits.load(Ordering::SeqCst), 2, "denied requests never reach the app");
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains("\nsluice_sidecar_batched_checks_total 60\n"), "{metrics}");
+    assert!(metrics.contains("sluice_sidecar_decisions_total{source=\"endpoint\",result=\"deny\"} 58"), "{metrics}");
+    assert!(!metrics.contains("kind=\"single\""), "{metrics}");
+}
+
+/// An endpoint without `/v1/checks` (a release before it, during a rolling upgrade) still decides
+/// every request: after its 404 the sidecar sends single checks.
+#[tokio::test]
+async fn an_endpoint_without_the_batch_api_gets_single_checks() {
+    let (up, _state) = start_upstream().await;
+    let (endpoint, seen) = start_fake_endpoint().await;
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &[]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    for key in ["a", "b", "c"] {
+        let reply = get_with_key(&c, &sidecar.url("/plain"), key).await;
+        assert_eq!(reply.status(), 200);
+        assert_eq!(reply.headers()["x-ratelimit-limit"], "10", "decided by the endpoint");
+    }
+    assert_eq!(seen.lock().unwrap().len(), 3);
+    let metrics = sidecar.metrics().await;
+    assert!(
+        metrics.contains("\nsluice_sidecar_endpoint_exchanges_total{kind=\"batch\"} 1\n"),
+        "only the first tried: {metrics}"
+    );
+    assert!(metrics.contains("\nsluice_sidecar_endpoint_exchanges_total{kind=\"single\"} 3\n"), "{metrics}");
+    assert!(!metrics.contains("source=\"local\""), "{metrics}");
+}
+
+const OTHER_POLICY: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: other, namespace: tenant-acme}
+spec:
+  rules:
+    - name: per-key
+      match: {paths: [{prefix: /other}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1h}
+"#;
+
+/// While the endpoint pushes the snapshot (it holds the sidecar's snapshot request until a
+/// change), a request that no rule applies to is allowed without an exchange; a policy added at
+/// the endpoint applies to the next request at once, not after the poll interval (30 s here).
+#[tokio::test]
+async fn requests_no_rule_applies_to_skip_the_endpoint_and_new_policies_arrive_at_once() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        dir.path().to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--reload-interval",
+        "50ms",
+    ]);
+    let sidecar = start_sidecar(up, &serve.url(""), &["--snapshot-interval", "30s"]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_pushed 1\n").await;
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(get_with_key(&c, &sidecar.url("/other/1"), "k").await.status(), 200);
+    }
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains("sluice_sidecar_decisions_total{source=\"no_rule\",result=\"allow\"} 3"), "{metrics}");
+    assert!(!metrics.contains("sluice_sidecar_endpoint_exchanges_total"), "no exchange for them: {metrics}");
+    // A rule that applies is still asked about.
+    assert_eq!(get_with_key(&c, &sidecar.url("/limited"), "k").await.status(), 200);
+    assert!(sidecar.metrics().await.contains("sluice_sidecar_batched_checks_total 1\n"));
+
+    let before = reqwest::get(serve.url("/v1/snapshot")).await.unwrap().headers()["etag"].clone();
+    let written = Instant::now();
+    std::fs::write(dir.path().join("other.yaml"), OTHER_POLICY).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let etag = reqwest::get(serve.url("/v1/snapshot")).await.unwrap().headers()["etag"].clone();
+        if etag != before {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the endpoint never loaded the new policy");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let installed = Instant::now();
+    // Within a few seconds, far below the 30 s poll interval: only a push gets it there.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if sidecar.metrics().await.contains("\nsluice_sidecar_snapshot_updates_total 2\n") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the sidecar did not get the new snapshot: {}", sidecar.metrics().await);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "e2e measurement: new policy installed at the endpoint {} ms after the write; cached by the sidecar {} ms later",
+        (installed - written).as_millis(),
+        installed.elapsed().as_millis()
+    );
+    let hits_before = state.hits.load(Ordering::SeqCst);
+    assert_eq!(get_with_key(&c, &sidecar.url("/other/1"), "k2").await.status(), 200);
+    let denied = get_with_key(&c, &sidecar.url("/other/1"), "k2").await;
+    assert_eq!(denied.status(), 429, "the new rule is enforced");
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits_before + 1);
+}
+
+/// An endpoint that refuses batches as a whole (400) and hangs on the first two single checks:
+/// each of those exchanges ends at the deadline, so later requests get exchanges again and are
+/// decided by the endpoint once it answers.
+#[tokio::test]
+async fn a_hanging_single_check_does_not_hold_an_exchange_for_ever() {
+    let (up, _state) = start_upstream().await;
+    let singles = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/v1/snapshot",
+            get(|| async {
+                let snapshot =
+                    serde_json::json!({"version": "v1", "loaded": true, "headerNames": ["x-api-key"], "sources": []});
+                ([("etag", "\"v1\"")], axum::Json(snapshot))
+            }),
+        )
+        .route("/v1/checks", post(|| async { (StatusCode::BAD_REQUEST, "no batches here") }))
+        .route(
+            "/v1/check",
+            post(|State(singles): State<Arc<AtomicUsize>>| async move {
+                if singles.fetch_add(1, Ordering::SeqCst) < 2 {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                }
+                axum::Json(serde_json::json!({"allowed": true, "status": 200, "retryAfterMs": null, "delayMs": 0,
+                    "headers": {"X-RateLimit-Limit": "10"}, "rules": []}))
+            }),
+        )
+        .with_state(singles.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &["--endpoint-batches", "2"]);
+    sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
+    let c = client();
+    for key in ["a", "b"] {
+        let reply = get_with_key(&c, &sidecar.url("/plain"), key).await;
+        assert_eq!(reply.status(), 200);
+        assert!(reply.headers().get("x-ratelimit-limit").is_none(), "{key}: decided without the endpoint");
+    }
+    // Both exchanges hung; once their deadline passes they are free again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for key in ["c", "d"] {
+        let reply = get_with_key(&c, &sidecar.url("/plain"), key).await;
+        assert_eq!(reply.headers()["x-ratelimit-limit"], "10", "{key}: decided by the endpoint again");
+    }
+    assert!(singles.load(Ordering::SeqCst) >= 4);
 }

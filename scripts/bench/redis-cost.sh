@@ -10,7 +10,8 @@
 # (used_cpu_user + used_cpu_sys deltas, commandstats usec), so the client's share of the machine
 # does not enter them.
 # Env: DECISIONS (20000 per row), CONCURRENCY (32), REDIS_CPU (0), CLIENT_CPU (1), SKIP_BUILD (1
-#      to reuse the release example).
+#      to reuse the release example), BATCHES (the store's batched calls in flight; 0: one call
+#      per request).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -333,6 +333,10 @@ start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT"
 measure "Sluice Redis" 1 1
 measure "Sluice Redis" 3 1
 stop_server
+start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s --redis-batches 0
+measure "Sluice Redis, one call per request" 1 1
+measure "Sluice Redis, one call per request" 3 1
+stop_server
 start_ratelimit
 measure "envoyproxy/ratelimit Redis" 1 1
 measure "envoyproxy/ratelimit Redis" 3 1

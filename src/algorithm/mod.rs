@@ -258,6 +258,9 @@ pub enum State {
     /// Sliding window counter: the current window's start and the counts of the previous and
     /// current windows.
     Counter { start: Micros, previous: u32, current: u32 },
+    /// Sliding window log holding one entry, inline: most keys of a log limit see one request
+    /// per window (or one burst in one microsecond), and the boxed deque would add 96 bytes.
+    LogOne(LogEntry),
     /// Sliding window log: admitted requests still inside the window, oldest first.
     Log(Box<VecDeque<LogEntry>>),
 }

@@ -260,7 +260,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
         tokio::spawn(async move { crate::server::rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
     });
-    let state = http::ApiState { engine, auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
     let admin_server = admin.map(|admin| {
         tracing::info!(address = ?admin.local_addr().ok(), "admin (healthz, readyz, metrics) listening");
         tokio::spawn(serve::serve_http(admin, http::admin_router(state.engine.clone()), stopped.clone()))
@@ -277,6 +277,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     shutdown.await;
     tracing::info!("shutting down");
     let _ = stop.send(true);
+    engine.stop_snapshot_waits();
     // Dropping the election's receivers (the status loop's, the audit's, the certificate
     // follower's: all end on stop) releases the Lease, so a graceful stop hands leadership over
     // at once instead of after the lease duration.

@@ -50,6 +50,11 @@ pub struct StoreArgs {
     /// such a request could not be admitted there either); 0 turns the cache off.
     #[arg(long, env = "SLUICE_REDIS_DENIAL_CACHE", default_value_t = RedisConfig::DEFAULT_DENIAL_CACHE)]
     pub redis_denial_cache: usize,
+    /// Calls in flight at once on a single Redis; requests that arrive while all are under way
+    /// go together in the next (one call decides them all, one after the other, each exactly as
+    /// on its own). 0: one call per request.
+    #[arg(long, env = "SLUICE_REDIS_BATCHES", default_value_t = RedisConfig::DEFAULT_BATCHES)]
+    pub redis_batches: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +102,7 @@ impl StoreArgs {
         let mut config = RedisConfig::new(endpoint);
         config.timeout = self.redis_timeout;
         config.denial_cache = self.redis_denial_cache;
+        config.batches = self.redis_batches;
         config.breaker = BreakerConfig {
             failure_threshold: self.redis_breaker_failures.max(1),
             cool_down: self.redis_breaker_cooldown,

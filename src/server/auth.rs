@@ -25,6 +25,7 @@ use http::HeaderMap;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use super::reload::SettledChange;
 use crate::policy::DEFAULT_NAMESPACE;
 
 /// The request header that carries the caller's credential.
@@ -284,7 +285,7 @@ fn parse_hex_digest(hex: &str) -> Option<[u8; 32]> {
 pub struct StaticTokens {
     path: PathBuf,
     table: ArcSwap<TokenTable>,
-    fingerprint: parking_lot::Mutex<Vec<u8>>,
+    change: parking_lot::Mutex<SettledChange>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -301,7 +302,7 @@ impl StaticTokens {
         Ok(StaticTokens {
             path: path.to_path_buf(),
             table: ArcSwap::from_pointee(table),
-            fingerprint: parking_lot::Mutex::new(fingerprint),
+            change: parking_lot::Mutex::new(SettledChange::new(fingerprint)),
         })
     }
 
@@ -313,17 +314,14 @@ impl StaticTokens {
         self.table.load_full()
     }
 
-    /// Re-reads the file if its content changed: `Ok(true)` when a new table went live. An
-    /// invalid file keeps the current table.
+    /// Re-reads the file; once a change has stood still for one poll ([`SettledChange`]),
+    /// `Ok(true)` when a new table went live. An invalid file keeps the current table.
     pub fn reload_if_changed(&self) -> Result<bool, TokenFileError> {
         let bytes = std::fs::read(&self.path)
             .map_err(|e| TokenFileError { path: self.path.clone(), message: e.to_string() })?;
-        let fingerprint = Sha256::digest(&bytes).to_vec();
-        let mut last = self.fingerprint.lock();
-        if *last == fingerprint {
+        if !self.change.lock().poll(Sha256::digest(&bytes).to_vec()) {
             return Ok(false);
         }
-        *last = fingerprint;
         let text = String::from_utf8(bytes)
             .map_err(|_| TokenFileError { path: self.path.clone(), message: "not UTF-8".into() })?;
         let table = TokenTable::parse(&text).map_err(|message| TokenFileError { path: self.path.clone(), message })?;
@@ -458,9 +456,11 @@ tokens:
         let tokens = StaticTokens::load(&path).unwrap();
         assert!(!tokens.reload_if_changed().unwrap(), "unchanged");
         std::fs::write(&path, "tokens: [{name: a, token: short}]").unwrap();
+        assert!(!tokens.reload_if_changed().unwrap(), "a change is read twice alike before it counts");
         assert!(tokens.reload_if_changed().is_err());
         assert!(tokens.table().lookup("aaaaaaaaaaaaaaaaaaaa").is_some(), "still the old table");
         std::fs::write(&path, "tokens: [{name: b, token: bbbbbbbbbbbbbbbbbbbb, namespaces: [y]}]").unwrap();
+        assert!(!tokens.reload_if_changed().unwrap());
         assert!(tokens.reload_if_changed().unwrap());
         assert!(tokens.table().lookup("aaaaaaaaaaaaaaaaaaaa").is_none());
         assert!(tokens.table().lookup("bbbbbbbbbbbbbbbbbbbb").is_some());

@@ -60,7 +60,7 @@ pub struct RuleResult {
     pub not_decided: bool,
 }
 
-fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> Result<S::Ok, S::Error> {
+pub(super) fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> Result<S::Ok, S::Error> {
     use serde::ser::SerializeMap;
     let mut map = s.serialize_map(Some(pairs.len()))?;
     for (k, v) in pairs {
@@ -129,8 +129,19 @@ pub struct ReloadError {
     pub message: String,
 }
 
+/// What a snapshot long-poll waits for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotEvents {
+    /// Snapshots installed so far.
+    pub installs: u64,
+    pub stopping: bool,
+}
+
 pub struct Engine<S> {
     live: ArcSwap<Live>,
+    /// Wakes snapshot long-polls (`GET /v1/snapshot?wait=…`): on every install, and once when
+    /// the process stops.
+    events: tokio::sync::watch::Sender<SnapshotEvents>,
     loaded: std::sync::atomic::AtomicBool,
     last_error: Mutex<Option<ReloadError>>,
     store: S,
@@ -145,6 +156,7 @@ impl<S: Store> Engine<S> {
         let empty = Live { version: snapshot.version().into(), snapshot, loaded_at: 0, extras: HashMap::default() };
         Engine {
             live: ArcSwap::from_pointee(empty),
+            events: tokio::sync::watch::Sender::new(SnapshotEvents::default()),
             loaded: std::sync::atomic::AtomicBool::new(false),
             last_error: Mutex::new(None),
             store,
@@ -200,6 +212,7 @@ impl<S: Store> Engine<S> {
         self.metrics.snapshot_loaded_seconds.set(now as f64 / 1e6);
         self.live.store(Arc::new(Live { version: snapshot.version().into(), snapshot, loaded_at: now, extras }));
         self.loaded.store(true, std::sync::atomic::Ordering::Release);
+        self.events.send_modify(|events| events.installs += 1);
         *self.last_error.lock() = None;
         self.metrics.reloads.get_or_create(&crate::telemetry::ResultLabels { result: "success" }).inc();
     }
@@ -214,12 +227,33 @@ impl<S: Store> Engine<S> {
         self.loaded.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Installs and the stop, for a caller waiting for the snapshot to change. Subscribe before
+    /// reading [`Engine::live`], so that no install between the two goes unseen.
+    pub fn snapshot_events(&self) -> tokio::sync::watch::Receiver<SnapshotEvents> {
+        self.events.subscribe()
+    }
+
+    /// The process is stopping: snapshot long-polls answer now instead of holding a graceful
+    /// stop for their whole wait.
+    pub fn stop_snapshot_waits(&self) {
+        self.events.send_modify(|events| events.stopping = true);
+    }
+
     pub fn live(&self) -> Arc<Live> {
         self.live.load_full()
     }
 
     pub fn last_error(&self) -> Option<ReloadError> {
         self.last_error.lock().clone()
+    }
+
+    /// Whether any rule of the live snapshot applies to `request` (a request no rule applies to
+    /// is allowed with no headers and no state touched, whoever decides it).
+    pub fn matches_any(&self, request: &RequestView<'_>) -> bool {
+        let live = self.live.load();
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        live.snapshot.resolve(request, &mut matched);
+        !matched.is_empty()
     }
 
     /// Decides one request against the live snapshot. Every entry point (check API, ext_authz,

@@ -1,5 +1,6 @@
-//! The HTTP API over the engine: `POST /v1/check`, `POST /v1/explain`, the Envoy ext_authz-compatible `/v1/authz/…`,
-//! health, readiness, metrics and the live snapshot.
+//! The HTTP API over the engine: `POST /v1/check`, its batch form `POST /v1/checks`,
+//! `POST /v1/explain`, the Envoy ext_authz-compatible `/v1/authz/…`, health, readiness, metrics
+//! and the live snapshot.
 //!
 //! The check, authz and snapshot APIs first establish the [`Caller`] (see [`super::auth`]):
 //! 401 when no valid credential was presented, 403 when the caller asks about what it may not,
@@ -17,7 +18,7 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
@@ -32,6 +33,11 @@ use crate::telemetry::{ReasonLabels, StatusLabels};
 
 /// Check bodies are small; anything larger is refused with 413 before parsing.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// The most checks one `POST /v1/checks` may carry.
+pub const MAX_BATCH_CHECKS: usize = 256;
+/// A batch body's limit: room for [`MAX_BATCH_CHECKS`] typical checks, not for that many of the
+/// largest single ones (a sender with large checks sends smaller batches).
+pub const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
 
 /// Request headers the ext_authz mode reads for what Envoy cannot put in the path.
 pub const NAMESPACE_HEADER: &str = "x-sluice-namespace";
@@ -75,6 +81,7 @@ pub fn admin_router<S: Store>(engine: Arc<Engine<S>>) -> Router {
 pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))
+        .route("/v1/checks", post(checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
         .route("/v1/explain", post(explain::<S>))
         .route("/v1/authz", any(authz::<S>))
         .route("/v1/authz/", any(authz::<S>))
@@ -100,11 +107,11 @@ fn bad_request(engine_metrics: &crate::telemetry::Metrics, error: BadRequest) ->
     error_response(StatusCode::BAD_REQUEST, error.0)
 }
 
-fn body_rejection(engine_metrics: &crate::telemetry::Metrics, rejection: BytesRejection) -> Response {
+fn body_rejection(engine_metrics: &crate::telemetry::Metrics, rejection: BytesRejection, limit: usize) -> Response {
     let status = rejection.status();
     engine_metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
     let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-        format!("request body larger than {MAX_BODY_BYTES} bytes")
+        format!("request body larger than {limit} bytes")
     } else {
         format!("could not read the request body: {}", rejection.body_text())
     };
@@ -144,7 +151,7 @@ async fn caller_and_request<S: Store>(
 ) -> Result<(Caller, CheckRequest), Response> {
     let metrics = state.engine.metrics();
     let caller = state.auth.caller(headers).await.map_err(|error| auth_failure(metrics, error))?;
-    let body = body.map_err(|rejection| body_rejection(metrics, rejection))?;
+    let body = body.map_err(|rejection| body_rejection(metrics, rejection, MAX_BODY_BYTES))?;
     let request = CheckRequest::from_json(&body).map_err(|error| bad_request(metrics, error))?;
     Ok((caller, request))
 }
@@ -162,6 +169,130 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Resu
     let decision = engine.check(&view).await;
     engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
+}
+
+/// `POST /v1/checks` body: `{"requests": [check, …]}`, each check a `POST /v1/check` body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBatch<'a> {
+    #[serde(borrow)]
+    requests: Vec<&'a serde_json::value::RawValue>,
+}
+
+/// One answer of a batch: the decision without the per-rule detail (`POST /v1/check` has it),
+/// or why this one check was refused.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum BatchResult<'a> {
+    Decided(LeanDecision<'a>),
+    Refused { status: u16, error: String },
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LeanDecision<'a> {
+    allowed: bool,
+    status: u16,
+    retry_after_ms: Option<u64>,
+    delay_ms: u64,
+    #[serde(serialize_with = "super::engine::ordered_map")]
+    headers: &'a [(&'static str, String)],
+    snapshot: &'a str,
+}
+
+/// Many checks in one call, for a proxy that has several requests waiting (the sidecar under
+/// load): one HTTP exchange instead of one per request. Each check is parsed, authorized and
+/// decided exactly as `POST /v1/check` would, concurrently, and answered in order; one bad check
+/// is refused on its own (`{"status": 400, "error": …}`) without failing the others. The
+/// caller's credential covers the whole batch.
+async fn checks<S: Store>(
+    State(state): Shared<S>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let engine = &state.engine;
+    let metrics = engine.metrics();
+    let caller = match state.auth.caller(&headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(metrics, error),
+    };
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_rejection(metrics, rejection, MAX_BATCH_BODY_BYTES),
+    };
+    let batch: RawBatch = match serde_json::from_slice(&body) {
+        Ok(batch) => batch,
+        Err(e) => {
+            return bad_request(metrics, BadRequest(format!("expected {{\"requests\": [check, …]}}: {e}")));
+        }
+    };
+    if batch.requests.len() > MAX_BATCH_CHECKS {
+        return bad_request(
+            metrics,
+            BadRequest(format!("requests: {} checks, at most {MAX_BATCH_CHECKS} per batch", batch.requests.len())),
+        );
+    }
+    // Each check within what `POST /v1/check` takes, so a batch cannot carry one it would refuse.
+    let parsed: Vec<Result<CheckRequest, (StatusCode, String)>> = batch
+        .requests
+        .iter()
+        .map(|raw| {
+            let text = raw.get();
+            if text.len() > MAX_BODY_BYTES {
+                return Err((StatusCode::PAYLOAD_TOO_LARGE, format!("check larger than {MAX_BODY_BYTES} bytes")));
+            }
+            CheckRequest::from_json(text.as_bytes()).map_err(|error| (StatusCode::BAD_REQUEST, error.0))
+        })
+        .collect();
+    let views: Vec<Result<RequestView, (StatusCode, String)>> = parsed
+        .iter()
+        .map(|request| match request {
+            Ok(request) => request.view(&caller).map_err(|error| {
+                metrics.auth_failures.get_or_create(&ReasonLabels { reason: "forbidden" }).inc();
+                (StatusCode::FORBIDDEN, error.to_string())
+            }),
+            Err((status, error)) => Err((*status, error.clone())),
+        })
+        .collect();
+    let decisions =
+        futures::future::join_all(views.iter().filter_map(|view| view.as_ref().ok()).map(|view| engine.check(view)))
+            .await;
+    let mut decisions = decisions.iter();
+    let results: Vec<BatchResult> = views
+        .into_iter()
+        .map(|view| match view {
+            Ok(_) => match decisions.next() {
+                Some(decision) => {
+                    metrics.responses_ok.inc();
+                    BatchResult::Decided(LeanDecision {
+                        allowed: decision.allowed,
+                        status: decision.status,
+                        retry_after_ms: decision.retry_after_ms,
+                        delay_ms: decision.delay_ms,
+                        headers: &decision.headers,
+                        snapshot: &decision.snapshot,
+                    })
+                }
+                None => BatchResult::Refused { status: 500, error: "no decision".into() },
+            },
+            Err((status, error)) => {
+                metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+                BatchResult::Refused { status: status.as_u16(), error }
+            }
+        })
+        .collect();
+    let mut body = Vec::with_capacity(32 + 320 * results.len());
+    if let Err(e) = serde_json::to_writer(&mut body, &BatchResults { results: &results }) {
+        return error_response(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the decisions: {e}"));
+    }
+    let mut response = Response::new(Body::from(body));
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+#[derive(Serialize)]
+struct BatchResults<'a> {
+    results: &'a [BatchResult<'a>],
 }
 
 /// Why each rule of the caller's namespace applies or not, with the decision a check would make
@@ -432,19 +563,78 @@ struct SnapshotBody<'a> {
 
 /// The live snapshot as far as the caller may see it: a tenant gets its own namespaces' policies
 /// and header names only, under the version a compile of exactly those would have.
-async fn snapshot<S: Store>(State(state): Shared<S>, request_headers: HeaderMap) -> Response {
+/// The longest `GET /v1/snapshot?wait=` honoured.
+pub const MAX_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Answered when `wait` was honoured: a client can tell an endpoint that holds an unchanged
+/// snapshot's request (and so tells it of a change at once) from one that answers at once.
+pub const SNAPSHOT_WAIT_HEADER: &str = "x-sluice-snapshot-wait";
+
+/// `?wait=DURATION` of a snapshot request: none, or at most [`MAX_SNAPSHOT_WAIT`].
+fn snapshot_wait(uri: &Uri) -> Result<Option<std::time::Duration>, BadRequest> {
+    let Some(query) = uri.query() else { return Ok(None) };
+    let mut wait = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("wait", text)) => {
+                let duration =
+                    crate::duration::parse_std_duration(text).map_err(|e| BadRequest(format!("wait: {e}")))?;
+                if duration > MAX_SNAPSHOT_WAIT {
+                    return Err(BadRequest(format!("wait: at most {}s", MAX_SNAPSHOT_WAIT.as_secs())));
+                }
+                wait = Some(duration);
+            }
+            _ => return Err(BadRequest(format!("unknown query parameter {pair:?} (only wait=DURATION)"))),
+        }
+    }
+    Ok(wait)
+}
+
+/// The caller's part of the live snapshot. With `If-None-Match` naming the current version and
+/// `?wait=DURATION`, the request is held until the part changes (then 200 at once) or the wait
+/// ends (304): a sidecar learns of a policy change as soon as it is installed, without polling.
+async fn snapshot<S: Store>(State(state): Shared<S>, uri: Uri, request_headers: HeaderMap) -> Response {
     let engine = &state.engine;
     let caller = match state.auth.caller(&request_headers).await {
         Ok(caller) => caller,
         Err(error) => return auth_failure(engine.metrics(), error),
     };
-    let live = engine.live();
+    let wait = match snapshot_wait(&uri) {
+        Ok(wait) => wait,
+        Err(error) => return bad_request(engine.metrics(), error),
+    };
+    let if_none_match = request_headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok());
+    let mut events = engine.snapshot_events();
+    let deadline = wait.map(|wait| tokio::time::Instant::now() + wait);
+    let (live, etag) = loop {
+        events.borrow_and_update();
+        let live = engine.live();
+        let etag = format!("\"{}\"", live.snapshot.part(caller.visible_namespaces()).version());
+        if if_none_match != Some(etag.as_str()) {
+            break (live, etag);
+        }
+        // A stopping endpoint no longer pushes: its 304 does not say the wait was honoured, so
+        // a sidecar goes back to asking every interval (elsewhere) instead of asking again at once.
+        let unchanged = |held: bool| {
+            let mut response = (StatusCode::NOT_MODIFIED, [(header::ETAG, etag.clone())]).into_response();
+            if let Some(wait) = wait.filter(|_| held) {
+                response.headers_mut().insert(SNAPSHOT_WAIT_HEADER, HeaderValue::from(wait.as_millis() as u64));
+            }
+            response
+        };
+        let Some(deadline) = deadline else { return unchanged(false) };
+        if events.borrow().stopping {
+            return unchanged(false);
+        }
+        tokio::select! {
+            changed = events.changed() => {
+                if changed.is_err() {
+                    return unchanged(false);
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => return unchanged(true),
+        }
+    };
     let part = live.snapshot.part(caller.visible_namespaces());
-    let version = part.version();
-    let etag = format!("\"{version}\"");
-    if request_headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) == Some(etag.as_str()) {
-        return (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response();
-    }
     let body = SnapshotBody {
         loaded: engine.is_loaded(),
         loaded_at_ms: live.loaded_at / 1000,
@@ -453,7 +643,11 @@ async fn snapshot<S: Store>(State(state): Shared<S>, request_headers: HeaderMap)
         last_reload_error: engine.last_error(),
         store: engine.store_status(),
     };
-    ([(header::ETAG, etag)], axum::Json(body)).into_response()
+    let mut response = ([(header::ETAG, etag)], axum::Json(body)).into_response();
+    if let Some(wait) = wait {
+        response.headers_mut().insert(SNAPSHOT_WAIT_HEADER, HeaderValue::from(wait.as_millis() as u64));
+    }
+    response
 }
 
 async fn not_found(uri: Uri) -> Response {

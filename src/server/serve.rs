@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::engine::Engine;
+use super::reload::SettledChange;
 use std::collections::HashMap;
 
 use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files};
@@ -58,15 +59,17 @@ fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
     hasher.finalize().to_vec()
 }
 
-/// Polls `paths` every `interval` and swaps in a new snapshot when they change. A bad edit keeps
-/// the last good snapshot; the error is logged and shown at `/v1/snapshot`.
+/// Polls `paths` every `interval` and swaps in a new snapshot when they have changed and then
+/// stood still for one interval ([`SettledChange`]: a file caught half-way through a write is not
+/// loaded). A bad edit keeps the last good snapshot; the error is logged and shown at
+/// `/v1/snapshot`.
 pub async fn watch_policies<S: Store>(
     engine: Arc<Engine<S>>,
     paths: Vec<PathBuf>,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut last = fingerprint(&paths);
+    let mut change = SettledChange::new(fingerprint(&paths));
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -74,28 +77,33 @@ pub async fn watch_policies<S: Store>(
             _ = ticker.tick() => {}
             _ = shutdown.changed() => return,
         }
-        let paths_for_read = paths.clone();
-        let Ok(current) = tokio::task::spawn_blocking(move || fingerprint(&paths_for_read)).await else {
-            continue;
-        };
-        if current == last {
-            continue;
+        poll_policies(&engine, &paths, &mut change).await;
+    }
+}
+
+/// One poll of [`watch_policies`]: reads the files' fingerprint and, when `change` says the new
+/// content has settled, loads it.
+async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: &mut SettledChange) {
+    let paths_for_read = paths.to_vec();
+    let Ok(current) = tokio::task::spawn_blocking(move || fingerprint(&paths_for_read)).await else {
+        return;
+    };
+    if !change.poll(current) {
+        return;
+    }
+    let paths_for_load = paths.to_vec();
+    match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load)).await {
+        Ok(Ok(snapshot)) => {
+            let version = snapshot.version().to_string();
+            let rules = snapshot.rule_count();
+            engine.install(Arc::new(snapshot));
+            tracing::info!(%version, rules, "policies reloaded");
         }
-        last = current;
-        let paths_for_load = paths.clone();
-        match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load)).await {
-            Ok(Ok(snapshot)) => {
-                let version = snapshot.version().to_string();
-                let rules = snapshot.rule_count();
-                engine.install(Arc::new(snapshot));
-                tracing::info!(%version, rules, "policies reloaded");
-            }
-            Ok(Err(message)) => {
-                tracing::error!(error = %message, "policy reload failed; keeping the last good snapshot");
-                engine.reload_failed(message);
-            }
-            Err(join) => engine.reload_failed(format!("reload task failed: {join}")),
+        Ok(Err(message)) => {
+            tracing::error!(error = %message, "policy reload failed; keeping the last good snapshot");
+            engine.reload_failed(message);
         }
+        Err(join) => engine.reload_failed(format!("reload task failed: {join}")),
     }
 }
 
@@ -131,5 +139,60 @@ pub async fn serve_https(
             handle.graceful_shutdown(Some(Duration::from_secs(20)));
             serving.await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SystemClock;
+    use crate::store::memory::MemoryStore;
+    use crate::telemetry::Metrics;
+
+    const POLICY: &str = "apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: p, namespace: default}
+spec:
+  rules:
+    - name: r
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 3, per: 1h}
+";
+
+    fn installs(engine: &Engine<Arc<MemoryStore>>) -> u64 {
+        engine.snapshot_events().borrow().installs
+    }
+
+    /// A file written in place is empty between its truncation and its write: a poll that reads
+    /// it then must not lift every limit, and the finished file goes live on the next poll.
+    #[tokio::test]
+    async fn a_policy_file_caught_half_written_is_not_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("policies.yaml");
+        std::fs::write(&file, POLICY).unwrap();
+        let paths = vec![dir.path().to_path_buf()];
+        let clock = Arc::new(SystemClock);
+        let engine =
+            Engine::new(Arc::new(MemoryStore::with_clock(100, clock.clone())), clock, Arc::new(Metrics::new()));
+        engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+        let mut change = SettledChange::new(fingerprint(&paths));
+        assert_eq!(installs(&engine), 1);
+
+        std::fs::write(&file, "").unwrap();
+        poll_policies(&engine, &paths, &mut change).await;
+        std::fs::write(&file, POLICY.replace("requests: 3", "requests: 5")).unwrap();
+        poll_policies(&engine, &paths, &mut change).await;
+        assert_eq!(installs(&engine), 1, "neither the empty file nor the new one seen once is loaded");
+        poll_policies(&engine, &paths, &mut change).await;
+        assert_eq!(installs(&engine), 2, "the new file, read twice alike, is");
+        poll_policies(&engine, &paths, &mut change).await;
+        assert_eq!(installs(&engine), 2, "and only once");
+
+        // Emptied on purpose and left so: that is an edit like any other.
+        std::fs::write(&file, "").unwrap();
+        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change).await;
+        assert_eq!(installs(&engine), 3);
     }
 }

@@ -74,6 +74,11 @@ pub struct SidecarArgs {
     /// rotates.
     #[arg(long, env = "SLUICE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Check exchanges with the endpoint in flight at once. Requests that arrive while all are
+    /// busy wait for the next free one and share it (`POST /v1/checks`): under load, one
+    /// exchange decides many requests. 0 sends every check on its own (`POST /v1/check`).
+    #[arg(long, env = "SLUICE_ENDPOINT_BATCHES", default_value_t = 2)]
+    pub endpoint_batches: usize,
 }
 
 /// The checked configuration.
@@ -82,8 +87,9 @@ pub struct Config {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub upstream: Authority,
-    /// `…/v1/check` and `…/v1/snapshot` on the endpoint.
+    /// `…/v1/check`, `…/v1/checks` and `…/v1/snapshot` on the endpoint.
     pub check_uri: Uri,
+    pub checks_uri: Uri,
     pub snapshot_uri: Uri,
     pub namespace: String,
     pub labels: BTreeMap<String, String>,
@@ -94,6 +100,8 @@ pub struct Config {
     pub token_file: Option<PathBuf>,
     /// The CA certificates (PEM) an https endpoint must be signed by.
     pub endpoint_ca: Option<Vec<u8>>,
+    /// 0: no batches.
+    pub endpoint_batches: usize,
 }
 
 impl Config {
@@ -153,6 +161,7 @@ impl Config {
             admin_listen: args.admin_listen,
             upstream,
             check_uri: endpoint_uri("/v1/check")?,
+            checks_uri: endpoint_uri("/v1/checks")?,
             snapshot_uri: endpoint_uri("/v1/snapshot")?,
             namespace,
             labels,
@@ -162,6 +171,7 @@ impl Config {
             snapshot_interval: args.snapshot_interval,
             token_file: args.token_file,
             endpoint_ca,
+            endpoint_batches: args.endpoint_batches,
         })
     }
 }
@@ -250,6 +260,7 @@ mod tests {
             token_file: None,
             endpoint_ca: None,
             endpoint_ca_pem: None,
+            endpoint_batches: 4,
         }
     }
 
@@ -258,6 +269,7 @@ mod tests {
         let c = Config::from_args(args("127.0.0.1:3000", "http://sluice:8080/")).unwrap();
         assert_eq!(c.upstream.as_str(), "127.0.0.1:3000");
         assert_eq!(c.check_uri.to_string(), "http://sluice:8080/v1/check");
+        assert_eq!(c.checks_uri.to_string(), "http://sluice:8080/v1/checks");
         assert_eq!(c.snapshot_uri.to_string(), "http://sluice:8080/v1/snapshot");
         assert_eq!(c.namespace, "default");
         assert!(Config::from_args(args("127.0.0.1", "http://sluice:8080")).is_err(), "port required");

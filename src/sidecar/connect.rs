@@ -6,7 +6,9 @@
 //! Linux delays the ACK by up to 40 ms — so every request through the sidecar would stall 40 ms
 //! that a direct client on a new connection never sees. The sidecar cannot turn the
 //! application's Nagle off, so it acknowledges at once instead: TCP_QUICKACK on its side of the
-//! connection, re-armed after every read because Linux leaves quick-ack mode again by itself.
+//! connection, re-armed after every read that received data, because Linux leaves quick-ack mode
+//! again by itself. (Not after a read that found nothing: hyper polls until `Pending`, and a
+//! setsockopt per poll was a third of the sidecar's syscalls.)
 
 use std::future::Future;
 use std::io;
@@ -32,8 +34,11 @@ impl QuickAck {
 impl AsyncRead for QuickAck {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        let before = buf.filled().len();
         let poll = Pin::new(&mut this.0).poll_read(cx, buf);
-        this.rearm();
+        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.rearm();
+        }
         poll
     }
 }

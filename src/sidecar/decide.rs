@@ -7,20 +7,20 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, ETAG, HeaderName, HeaderValue, IF_NONE_MATCH};
-use http::{HeaderMap, Request, StatusCode, Uri};
+use http::header::{ETAG, HeaderName, HeaderValue, IF_NONE_MATCH};
+use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::batch::Batcher;
 use super::config::{Config, OnFailure};
+use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
@@ -29,8 +29,6 @@ use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
 
-/// The endpoint's answers are small; this only guards against a misdirected URL.
-const MAX_ENDPOINT_BODY: usize = 4 << 20;
 /// Keys the local fallback may hold: a sidecar sees one pod's traffic.
 const LOCAL_MAX_KEYS: usize = 100_000;
 /// Retry-After when refusing because the limiter is unreachable.
@@ -75,6 +73,8 @@ pub enum Source {
     Endpoint,
     Local,
     FailureMode,
+    /// No rule of the live snapshot applies: allowed without asking (see `Decider::without_endpoint`).
+    NoRule,
 }
 
 impl Source {
@@ -83,11 +83,12 @@ impl Source {
             Source::Endpoint => "endpoint",
             Source::Local => "local",
             Source::FailureMode => "failure_mode",
+            Source::NoRule => "no_rule",
         }
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum EndpointError {
     #[error("endpoint unreachable: {0}")]
     Unreachable(String),
@@ -124,37 +125,6 @@ enum HeaderFilter {
     Only(Vec<String>),
 }
 
-/// The bearer token the sidecar presents, re-read from its file as the kubelet rotates it.
-struct Credential {
-    path: std::path::PathBuf,
-    value: arc_swap::ArcSwapOption<HeaderValue>,
-}
-
-impl Credential {
-    fn new(path: std::path::PathBuf) -> Credential {
-        let credential = Credential { path, value: arc_swap::ArcSwapOption::empty() };
-        credential.refresh();
-        credential
-    }
-
-    /// Re-reads the file; a read error keeps the last token (a rotation replaces the file
-    /// atomically, so a failed read is transient).
-    fn refresh(&self) {
-        match std::fs::read_to_string(&self.path) {
-            Ok(text) => match HeaderValue::from_str(&format!("Bearer {}", text.trim())) {
-                Ok(mut value) => {
-                    value.set_sensitive(true);
-                    if self.value.load().as_deref() != Some(&value) {
-                        self.value.store(Some(Arc::new(value)));
-                    }
-                }
-                Err(_) => tracing::warn!(path = %self.path.display(), "token file does not hold a usable token"),
-            },
-            Err(error) => tracing::warn!(path = %self.path.display(), %error, "cannot read the token file"),
-        }
-    }
-}
-
 /// One request as the limiter sees it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -171,18 +141,6 @@ pub struct CheckInput<'a> {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct EndpointDecision {
-    allowed: bool,
-    #[serde(default)]
-    retry_after_ms: Option<u64>,
-    #[serde(default)]
-    delay_ms: u64,
-    #[serde(default)]
-    headers: BTreeMap<String, String>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
 struct SnapshotDocument {
     version: String,
     #[serde(default = "yes")]
@@ -193,51 +151,23 @@ struct SnapshotDocument {
     sources: Vec<RateLimitPolicy>,
 }
 
+/// What a snapshot request brought: the new snapshot's ETag (`None`: unchanged), and whether the
+/// endpoint held the request (it pushes changes).
+struct Fetched {
+    etag: Option<HeaderValue>,
+    held: bool,
+}
+
+/// How long the endpoint may hold a snapshot request while nothing changes.
+const SNAPSHOT_WAIT: Duration = Duration::from_secs(30);
+
 fn yes() -> bool {
     true
 }
 
-type EndpointClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
-
-/// The client to the endpoint: plain HTTP, or HTTPS verified against the given CA only (never
-/// the system roots: in a cluster the endpoint's certificate comes from the operator's CA, and
-/// anything else answering at that name is an impostor).
-fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarError> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut http = HttpConnector::new();
-    // Checks are one small write and one small read: Nagle would add a delayed-ACK wait.
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(config.endpoint_timeout));
-    http.enforce_http(false);
-    let mut roots = rustls::RootCertStore::empty();
-    if let Some(pem) = &config.endpoint_ca {
-        for cert in CertificateDer::pem_slice_iter(pem) {
-            let cert = cert.map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
-            roots.add(cert).map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
-        }
-        if roots.is_empty() {
-            return Err(super::SidecarError::Config("endpoint CA: no certificate in the PEM".into()));
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| super::SidecarError::Config(format!("TLS: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector))
-}
-
 pub struct Decider {
-    client: EndpointClient,
-    check_uri: Uri,
-    snapshot_uri: Uri,
+    endpoint: Arc<Endpoint>,
+    batcher: Arc<Batcher>,
     timeout: Duration,
     on_failure: OnFailure,
     pub namespace: String,
@@ -246,9 +176,15 @@ pub struct Decider {
     header_filter: ArcSwap<HeaderFilter>,
     /// One first-snapshot fetch at a time, shared by the requests that wait for it.
     first_snapshot: tokio::sync::Mutex<()>,
-    credential: Option<Credential>,
     /// The last snapshot fetched, enforced locally while the endpoint is away.
     local: Engine<Arc<MemoryStore>>,
+    /// The cached snapshot compiled to the endpoint's own version (nothing rejected here).
+    local_is_exact: AtomicBool,
+    /// The last snapshot request succeeded and the endpoint holds unchanged-snapshot requests
+    /// (it answers as soon as the snapshot changes), so the cached one is current.
+    snapshot_is_pushed: AtomicBool,
+    /// The ETag of the snapshot installed; installs happen one at a time under this lock.
+    installed: parking_lot::Mutex<Option<HeaderValue>>,
     /// The breaker's and the local fallback's time, and the check timings.
     clock: Arc<dyn Clock>,
     metrics: Arc<SidecarMetrics>,
@@ -265,12 +201,22 @@ impl Decider {
         metrics: Arc<SidecarMetrics>,
         clock: Arc<dyn Clock>,
     ) -> Result<Decider, super::SidecarError> {
-        let client = endpoint_client(config)?;
+        let endpoint = Arc::new(Endpoint {
+            client: endpoint_client(config)?,
+            check_uri: config.check_uri.clone(),
+            checks_uri: config.checks_uri.clone(),
+            snapshot_uri: config.snapshot_uri.clone(),
+            snapshot_wait_uri: format!("{}?wait={}s", config.snapshot_uri, SNAPSHOT_WAIT.as_secs())
+                .parse()
+                .map_err(|_| super::SidecarError::Config(format!("cannot append ?wait= to {}", config.snapshot_uri)))?,
+            credential: config.token_file.clone().map(Credential::new),
+        });
+        let batcher =
+            Arc::new(Batcher::new(endpoint.clone(), config.endpoint_batches, config.endpoint_timeout, metrics.clone()));
         let store = Arc::new(MemoryStore::with_clock(LOCAL_MAX_KEYS, clock.clone()));
         Ok(Decider {
-            client,
-            check_uri: config.check_uri.clone(),
-            snapshot_uri: config.snapshot_uri.clone(),
+            endpoint,
+            batcher,
             timeout: config.endpoint_timeout,
             on_failure: config.on_failure,
             namespace: config.namespace.clone(),
@@ -278,8 +224,10 @@ impl Decider {
             breaker: Breaker::new(BreakerConfig::default()),
             header_filter: ArcSwap::from_pointee(HeaderFilter::Unknown),
             first_snapshot: tokio::sync::Mutex::new(()),
-            credential: config.token_file.clone().map(Credential::new),
             local: Engine::new(store, clock.clone(), Arc::new(Metrics::new())),
+            local_is_exact: AtomicBool::new(false),
+            snapshot_is_pushed: AtomicBool::new(false),
+            installed: parking_lot::Mutex::new(None),
             clock,
             metrics,
         })
@@ -303,7 +251,7 @@ impl Decider {
             if matches!(**self.header_filter.load(), HeaderFilter::Unknown)
                 && let Some(permit) = self.breaker.try_acquire(self.clock.now())
             {
-                let fetched = tokio::time::timeout(self.timeout, self.fetch_snapshot(None))
+                let fetched = tokio::time::timeout(self.timeout, self.fetch_snapshot(None, false))
                     .await
                     .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)));
                 match fetched {
@@ -354,18 +302,17 @@ impl Decider {
         }
     }
 
-    fn authorize(&self, request: http::request::Builder) -> http::request::Builder {
-        match self.credential.as_ref().and_then(|c| c.value.load_full()) {
-            Some(value) => request.header(crate::server::auth::AUTHORIZATION_HEADER, (*value).clone()),
-            None => request,
-        }
-    }
-
     pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
+        if let Some(decision) = self.without_endpoint(input) {
+            self.count(Source::NoRule, &decision);
+            return decision;
+        }
         let started = self.clock.now();
         let error = match self.breaker.try_acquire(started) {
             None => {
                 self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: "breaker_open" }).inc();
+                // An endpoint that cannot be asked cannot be trusted to push either.
+                self.set_pushed(false);
                 None
             }
             Some(permit) => {
@@ -399,6 +346,9 @@ impl Decider {
                     Err(error) => {
                         permit.failure(now);
                         self.metrics.endpoint_errors.get_or_create(&KindLabels { kind: error.kind() }).inc();
+                        // The held snapshot request may be just as stuck: until it answers
+                        // again, every request is asked about.
+                        self.set_pushed(false);
                         Some(error)
                     }
                 }
@@ -414,6 +364,21 @@ impl Decider {
         decision
     }
 
+    /// A request that no rule of the live snapshot applies to is allowed here, with no headers:
+    /// what the endpoint would answer, without the exchange. Only while the cached snapshot is
+    /// exactly the endpoint's (same version) and kept current by a held snapshot request, so a
+    /// new or changed policy reaches this pod as soon as the endpoint installs it; otherwise, and
+    /// for a request the endpoint would refuse as malformed, the endpoint is asked as always.
+    fn without_endpoint(&self, input: &CheckInput<'_>) -> Option<Decision> {
+        if !(self.snapshot_is_pushed.load(Ordering::Acquire) && self.local_is_exact.load(Ordering::Acquire)) {
+            return None;
+        }
+        if crate::server::request::check_path(input.path).is_err() || self.local.matches_any(&view_of(input)) {
+            return None;
+        }
+        Some(Decision::Allow { delay: Duration::ZERO, headers: Vec::new() })
+    }
+
     fn count(&self, source: Source, decision: &Decision) {
         let result = match decision {
             Decision::Allow { .. } => "allow",
@@ -426,92 +391,83 @@ impl Decider {
     async fn ask(&self, input: &CheckInput<'_>) -> Result<Decision, EndpointError> {
         let body =
             serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
-        let request = self
-            .authorize(Request::post(self.check_uri.clone()))
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
-        let response = self.client.request(request).await.map_err(|e| EndpointError::Unreachable(error_chain(&e)))?;
-        let status = response.status();
-        let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
-            .collect()
-            .await
-            .map_err(|e| EndpointError::Unreachable(e.to_string()))?
-            .to_bytes();
-        if status == StatusCode::BAD_REQUEST || status == StatusCode::PAYLOAD_TOO_LARGE {
-            return Err(EndpointError::Rejected(status, String::from_utf8_lossy(&body).into_owned()));
-        }
-        if !status.is_success() {
-            return Err(EndpointError::Status(status));
-        }
-        let answer: EndpointDecision =
-            serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
-        let headers = answer.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        Ok(decision_of(answer.allowed, answer.retry_after_ms, answer.delay_ms, headers))
+        self.batcher.check(body).await
     }
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         if self.local.is_loaded() {
-            let view = RequestView {
-                namespace: input.namespace,
-                labels: input.labels,
-                method: input.method,
-                path: input.path,
-                host: input.host,
-                client_ip: Some(input.client_ip),
-                headers: &input.headers,
-                cost: 1,
-                descriptor: None,
-            };
-            return (Source::Local, from_engine(self.local.check(&view).await));
+            return (Source::Local, from_engine(self.local.check(&view_of(input)).await));
         }
         (Source::FailureMode, self.failure_mode())
     }
 
-    /// Polls `GET /v1/snapshot` (If-None-Match, so an unchanged snapshot costs a 304) until
-    /// `shutdown`, keeping the header filter and the local fallback current.
+    /// Keeps the header filter and the local fallback current until `shutdown`: `GET
+    /// /v1/snapshot` with If-None-Match and `?wait=`, which the endpoint holds until the
+    /// snapshot changes (then it answers at once) or the wait ends (304), and which is renewed as
+    /// soon as it ends. An endpoint that answers at once (an older release) is asked every
+    /// `interval` instead, and a failed request is retried after `interval`.
     pub async fn poll_snapshots(self: Arc<Self>, interval: Duration, mut shutdown: watch::Receiver<bool>) {
-        let mut etag: Option<HeaderValue> = None;
-        let mut ticker = tokio::time::interval(interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut was_failing = false;
         loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = shutdown.wait_for(|stop| *stop) => return,
-            }
-            if let Some(credential) = &self.credential {
+            let started = tokio::time::Instant::now();
+            if let Some(credential) = &self.endpoint.credential {
                 credential.refresh();
             }
             // A snapshot can be large; give it more time than a check but never hang the loop.
-            let fetch = tokio::time::timeout(interval.max(Duration::from_secs(2)), self.fetch_snapshot(etag.clone()));
-            match fetch.await.unwrap_or_else(|_| Err("timed out".into())) {
-                Ok(Some(new_etag)) => {
-                    etag = Some(new_etag);
+            let limit = SNAPSHOT_WAIT + interval.max(Duration::from_secs(2));
+            // About what is installed (which the first request's own fetch may have changed).
+            let asked = self.installed.lock().clone();
+            let fetch = tokio::time::timeout(limit, self.fetch_snapshot(asked.clone(), true));
+            let outcome = tokio::select! {
+                outcome = fetch => outcome.unwrap_or_else(|_| Err("timed out".into())),
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            };
+            let held = match outcome {
+                Ok(fetched) => {
                     was_failing = false;
+                    // Pushed: the endpoint held a request about exactly the installed snapshot,
+                    // or answered it with the one this fetch installed.
+                    fetched.held && (fetched.etag.is_some() || *self.installed.lock() == asked)
                 }
-                Ok(None) => was_failing = false,
                 Err(message) => {
                     // Log transitions only: a dead endpoint must not flood the log once a second.
                     if !was_failing {
                         tracing::warn!(error = %message, "cannot fetch the policy snapshot; keeping the cached one");
                     }
                     was_failing = true;
+                    false
+                }
+            };
+            self.set_pushed(held);
+            if !held {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(started + interval) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
                 }
             }
         }
     }
 
-    /// `Ok(Some(etag))` after installing a new snapshot, `Ok(None)` when unchanged.
-    async fn fetch_snapshot(&self, etag: Option<HeaderValue>) -> Result<Option<HeaderValue>, String> {
-        let mut request = self.authorize(Request::get(self.snapshot_uri.clone()));
+    fn set_pushed(&self, pushed: bool) {
+        self.snapshot_is_pushed.store(pushed, Ordering::Release);
+        self.metrics.snapshot_pushed.set(i64::from(pushed));
+    }
+
+    /// Installs the endpoint's snapshot when it differs from `etag`; with `wait` (the poller),
+    /// asks the endpoint to hold the request while it does not. An install by the first request's
+    /// fetch (no `wait`) clears the pushed state: the poller's held request may be about another
+    /// version, so only its next answer says the installed one is current.
+    async fn fetch_snapshot(&self, etag: Option<HeaderValue>, wait: bool) -> Result<Fetched, String> {
+        let uri = if wait { &self.endpoint.snapshot_wait_uri } else { &self.endpoint.snapshot_uri };
+        let mut request = self.endpoint.authorize(Request::get(uri.clone()));
         if let Some(etag) = &etag {
             request = request.header(IF_NONE_MATCH, etag.clone());
         }
         let request = request.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
-        let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
+        let response = self.endpoint.client.request(request).await.map_err(|e| error_chain(&e))?;
+        let held = response.headers().contains_key(crate::server::http::SNAPSHOT_WAIT_HEADER);
         if response.status() == StatusCode::NOT_MODIFIED {
-            return Ok(None);
+            return Ok(Fetched { etag: None, held });
         }
         if !response.status().is_success() {
             return Err(format!("snapshot request answered {}", response.status()));
@@ -525,7 +481,7 @@ impl Decider {
         let document: SnapshotDocument = serde_json::from_slice(&body).map_err(|e| format!("snapshot: {e}"))?;
         if !document.loaded {
             // The endpoint has no policies yet; an empty cache would wrongly admit everything.
-            return Ok(None);
+            return Ok(Fetched { etag: None, held: false });
         }
         let names = document
             .header_names
@@ -547,12 +503,39 @@ impl Decider {
                 "the cached snapshot compiles to another version (different sluice releases?)"
             );
         }
+        let exact = compiled.rejected.is_empty() && compiled.snapshot.version() == document.version;
+        let etag = new_etag.or_else(|| HeaderValue::from_str(&format!("\"{}\"", document.version)).ok());
+        let mut installed = self.installed.lock();
+        if !wait {
+            self.set_pushed(false);
+        }
+        // Not exact while the new snapshot goes in: no request may skip the endpoint on a
+        // snapshot whose exactness is not yet known.
+        self.local_is_exact.store(false, Ordering::Release);
         self.local.install(Arc::new(compiled.snapshot));
+        self.local_is_exact.store(exact, Ordering::Release);
         self.header_filter.store(Arc::new(HeaderFilter::Only(names)));
+        installed.clone_from(&etag);
+        drop(installed);
         self.metrics.snapshot_cached.set(1);
         self.metrics.snapshot_updates.inc();
         tracing::info!(version = %document.version, "policy snapshot cached");
-        Ok(new_etag.or_else(|| HeaderValue::from_str(&format!("\"{}\"", document.version)).ok()))
+        Ok(Fetched { etag, held })
+    }
+}
+
+/// The request as the local engine sees it: what the endpoint gets in the check.
+fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
+    RequestView {
+        namespace: input.namespace,
+        labels: input.labels,
+        method: input.method,
+        path: input.path,
+        host: input.host,
+        client_ip: Some(input.client_ip),
+        headers: &input.headers,
+        cost: 1,
+        descriptor: None,
     }
 }
 
@@ -563,19 +546,36 @@ fn from_engine(response: CheckResponse) -> Decision {
 
 /// A check answer (the endpoint's, or the local engine's) as what the proxy does; headers that
 /// are not valid HTTP are dropped rather than failing the request.
-fn decision_of<'a>(
+pub(super) fn decision_of<'a>(
     allowed: bool,
     retry_after_ms: Option<u64>,
     delay_ms: u64,
     headers: impl Iterator<Item = (&'a str, &'a str)>,
 ) -> Decision {
-    let headers = headers
-        .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
-        .collect();
+    let headers = headers.filter_map(|(k, v)| Some((header_name(k)?, HeaderValue::from_str(v).ok()?))).collect();
     if allowed {
         Decision::Allow { delay: Duration::from_millis(delay_ms), headers }
     } else {
         Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
+    }
+}
+
+/// The names the engine answers with, parsed once (a name outside the standard set is otherwise
+/// parsed and copied for every request); any other valid name as sent.
+fn header_name(name: &str) -> Option<HeaderName> {
+    static KNOWN: std::sync::LazyLock<[HeaderName; 6]> = std::sync::LazyLock::new(|| {
+        [
+            HeaderName::from_static("ratelimit-policy"),
+            HeaderName::from_static("ratelimit"),
+            HeaderName::from_static("x-ratelimit-limit"),
+            HeaderName::from_static("x-ratelimit-remaining"),
+            HeaderName::from_static("x-ratelimit-reset"),
+            http::header::RETRY_AFTER,
+        ]
+    });
+    match KNOWN.iter().find(|known| known.as_str().eq_ignore_ascii_case(name)) {
+        Some(known) => Some(known.clone()),
+        None => HeaderName::from_bytes(name.as_bytes()).ok(),
     }
 }
 

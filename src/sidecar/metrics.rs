@@ -37,7 +37,12 @@ pub struct SidecarMetrics {
     pub breaker_open: Gauge<i64, AtomicI64>,
     pub snapshot_cached: Gauge<i64, AtomicI64>,
     pub snapshot_updates: Counter,
+    pub snapshot_pushed: Gauge<i64, AtomicI64>,
     pub upgrades_active: Gauge<i64, AtomicI64>,
+    /// HTTP exchanges with the endpoint for checks: `batch` (`POST /v1/checks`) or `single`.
+    pub endpoint_exchanges: Family<KindLabels, Counter>,
+    /// Checks sent in batches; ÷ batch exchanges = the mean batch size.
+    pub batched_checks: Counter,
 }
 
 impl Default for SidecarMetrics {
@@ -78,8 +83,22 @@ impl SidecarMetrics {
         );
         let snapshot_updates = Counter::default();
         registry.register("snapshot_updates", "New snapshots fetched from the endpoint", snapshot_updates.clone());
+        let snapshot_pushed = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "snapshot_pushed",
+            "Whether the endpoint holds this sidecar's snapshot request and answers it on a change, so requests no rule applies to skip the endpoint (0 or 1)",
+            snapshot_pushed.clone(),
+        );
         let upgrades_active = Gauge::<i64, AtomicI64>::default();
         registry.register("upgrades_active", "Upgraded connections (WebSocket) being relayed", upgrades_active.clone());
+        let endpoint_exchanges = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "endpoint_exchanges",
+            "HTTP exchanges with the endpoint for checks, by kind (batch or single)",
+            endpoint_exchanges.clone(),
+        );
+        let batched_checks = Counter::default();
+        registry.register("batched_checks", "Checks sent to the endpoint in batches", batched_checks.clone());
         SidecarMetrics {
             registry,
             requests,
@@ -90,7 +109,10 @@ impl SidecarMetrics {
             breaker_open,
             snapshot_cached,
             snapshot_updates,
+            snapshot_pushed,
             upgrades_active,
+            endpoint_exchanges,
+            batched_checks,
         }
     }
 

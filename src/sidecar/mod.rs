@@ -5,9 +5,11 @@
 //! snapshot is cached (`GET /v1/snapshot`) so that while the endpoint is away the same policies
 //! are enforced locally; see [`decide`].
 
-pub mod config;
+mod batch;
+mod config;
 pub mod connect;
 pub mod decide;
+mod endpoint;
 pub mod metrics;
 pub mod proxy;
 

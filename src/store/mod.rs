@@ -9,6 +9,7 @@ pub mod denials;
 pub mod keys;
 pub mod memory;
 pub mod redis;
+mod redis_batches;
 
 use std::future::Future;
 
@@ -130,6 +131,16 @@ pub struct StoreStatus {
     /// The shared store's denial cache: (rule, key) denials held, and requests it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub denial_cache: Option<DenialCacheStatus>,
+    /// Calls that carried several requests' decisions (single Redis), and those decisions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batches: Option<BatchStatus>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchStatus {
+    pub calls: u64,
+    pub decisions: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

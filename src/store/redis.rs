@@ -29,6 +29,7 @@ use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use super::breaker::{Breaker, BreakerConfig, BreakerState};
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
+use super::redis_batches::{Batches, Outcome};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
@@ -51,10 +52,17 @@ pub static FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| {
     format!("sluice_{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
 });
 
-/// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`].
+/// [`FUNCTION_NAME`] with `_many`: `decide_many`, several requests in one call.
+pub static MANY_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_many", &*FUNCTION_NAME));
+
+/// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`] and
+/// `decide_many` as [`MANY_FUNCTION_NAME`].
 pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
     let name = &*FUNCTION_NAME;
-    format!("#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\n")
+    let many = &*MANY_FUNCTION_NAME;
+    format!(
+        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\n"
+    )
 });
 
 /// The same code as a script, for Redis before 7.0. Scripts that read TIME and then write must
@@ -124,12 +132,16 @@ pub struct RedisConfig {
     /// (rule, key) denials this replica keeps to answer repeats without Redis (0: none); see
     /// [`super::denials`].
     pub denial_cache: usize,
+    /// Calls in flight at once on a single Redis, each carrying every request that waited for
+    /// it (see [`super::redis_batches`]); 0: one call per request.
+    pub batches: usize,
 }
 
 impl RedisConfig {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
     pub const DEFAULT_DENIAL_CACHE: usize = 100_000;
+    pub const DEFAULT_BATCHES: usize = 2;
 
     pub fn single(url: impl Into<String>) -> RedisConfig {
         RedisConfig::new(RedisEndpoint::Single(url.into()))
@@ -147,6 +159,7 @@ impl RedisConfig {
             breaker: BreakerConfig::default(),
             tls_root_ca: None,
             denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
+            batches: RedisConfig::DEFAULT_BATCHES,
         }
     }
 }
@@ -167,7 +180,9 @@ struct ClusterState {
 pub struct RedisStore {
     connection: Connection,
     /// Cleared for good once Redis says it has no Functions (before 7.0): scripts from then on.
-    functions: std::sync::atomic::AtomicBool,
+    functions: Arc<std::sync::atomic::AtomicBool>,
+    /// On a single Redis with `batches` > 0: concurrent requests share calls.
+    batches: Option<Arc<Batches>>,
     denials: DenialCache,
     breaker: Breaker,
     /// The breaker's time (its cool-down).
@@ -239,9 +254,17 @@ impl RedisStore {
                 Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
             }
         };
+        let functions = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let batches = match &connection {
+            Connection::Single(manager) if config.batches > 0 => {
+                Some(Arc::new(Batches::new(manager.clone(), functions.clone(), config.batches, config.timeout)))
+            }
+            _ => None,
+        };
         Ok(RedisStore {
             connection,
-            functions: std::sync::atomic::AtomicBool::new(true),
+            functions,
+            batches,
             denials: DenialCache::new(config.denial_cache),
             breaker: Breaker::new(config.breaker),
             clock,
@@ -283,7 +306,18 @@ impl RedisStore {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
         let args = script_args(now, checks);
-        let call = self.decide(&keys, &args);
+        let call = async {
+            if let Some(batches) =
+                self.batches.as_ref().filter(|_| self.functions.load(std::sync::atomic::Ordering::Relaxed))
+            {
+                match batches.decide(keys.clone(), args.clone()).await {
+                    Outcome::Reply(reply) => return Ok(reply),
+                    Outcome::Failed(error) => return Err(error),
+                    Outcome::Unbatched => {}
+                }
+            }
+            self.decide(&keys, &args).await
+        };
         match tokio::time::timeout(self.timeout, call).await {
             Err(_elapsed) => {
                 permit.failure(self.clock.now());
@@ -359,12 +393,12 @@ impl RedisStore {
 }
 
 /// Redis has no function by that name (never loaded here, or lost with a restart or failover).
-fn function_missing(error: &RedisError) -> bool {
+pub(super) fn function_missing(error: &RedisError) -> bool {
     error.to_string().contains("Function not found")
 }
 
 /// Redis before 7.0: FCALL is an unknown command.
-fn functions_unsupported(error: &RedisError) -> bool {
+pub(super) fn functions_unsupported(error: &RedisError) -> bool {
     let text = error.to_string().to_ascii_lowercase();
     text.contains("unknown command") && text.contains("fcall")
 }
@@ -397,6 +431,10 @@ impl Store for RedisStore {
             denial_cache: Some(super::DenialCacheStatus {
                 entries: self.denials.len() as u64,
                 hits: self.denials.hits(),
+            }),
+            batches: self.batches.as_ref().map(|b| super::BatchStatus {
+                calls: b.calls.load(std::sync::atomic::Ordering::Relaxed),
+                decisions: b.decisions.load(std::sync::atomic::Ordering::Relaxed),
             }),
             ..Default::default()
         }
@@ -645,8 +683,11 @@ mod tests {
         assert!(SCRIPT_SOURCE.starts_with("-- Shared prelude"));
         assert!(SCRIPT_SOURCE.trim_end().ends_with("return decide(KEYS, ARGV)"));
         assert!(LIBRARY_SOURCE.starts_with(&format!("#!lua name={}\n", &*FUNCTION_NAME)));
+        assert!(LIBRARY_SOURCE.contains(&format!("\nredis.register_function('{}', decide)\n", &*FUNCTION_NAME)));
         assert!(
-            LIBRARY_SOURCE.trim_end().ends_with(&format!("redis.register_function('{}', decide)", &*FUNCTION_NAME))
+            LIBRARY_SOURCE
+                .trim_end()
+                .ends_with(&format!("redis.register_function('{}_many', decide_many)", &*FUNCTION_NAME))
         );
         assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
     }

@@ -246,3 +246,30 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
     }
     failures
 }
+
+/// One policy per vector, in namespace `v<index>`; `selects(rule)` gives each rule's `match` and
+/// `key` lines (how the entry point under test tells the vector's rules and keys apart).
+pub fn policies(vectors: &[Vector], selects: fn(&str) -> String) -> String {
+    let mut yaml = String::new();
+    for (vi, vector) in vectors.iter().enumerate() {
+        yaml.push_str(&format!(
+            "---\napiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: vector, namespace: v{vi}}}\nspec:\n  rules:\n"
+        ));
+        for (name, spec) in &vector.rules.0 {
+            let mut limit = format!("requests: {}, per: {}", spec.requests, spec.per);
+            if let Some(burst) = spec.burst {
+                limit.push_str(&format!(", burst: {burst}"));
+            }
+            if let Some(delay) = &spec.max_delay {
+                limit.push_str(&format!(", maxDelay: {delay}"));
+            }
+            let mode = spec.mode.as_deref().unwrap_or("enforce");
+            yaml.push_str(&format!(
+                "  - name: {name}\n{}    algorithm: {}\n    limit: {{{limit}}}\n    mode: {mode}\n",
+                selects(name),
+                serde_json::to_value(spec.algorithm).unwrap().as_str().unwrap()
+            ));
+        }
+    }
+    yaml
+}

@@ -1,0 +1,387 @@
+#!/usr/bin/env bash
+# The install path on a real cluster, as a user runs it: shared by e2e/kind.sh (kind) and
+# e2e/local-node.sh (the one-node cluster of e2e/node.sh), so passing on one is evidence for the
+# other. Runs against $KUBECONFIG with kubectl and helm on PATH.
+#
+#   e2e/smoke.sh PHASE...
+#
+# Phases, in this order:
+#   install    helm install charts/sluice (e2e/values/smoke.yaml + $SMOKE_VALUES), wait until the
+#              Deployment is Available (readiness really passes)
+#   verify     webhook caBundles filled; an invalid policy refused through the webhook Service; a
+#              policy Enforced (apply-to-enforced time measured); a labelled Deployment's pods run
+#              the injected sidecar next to the app; traffic through the sidecar reaches the app
+#              and is answered 429 past the limit with RateLimit headers
+#   failover   delete the Lease holder's pod: the Lease moves to the other replica (time measured),
+#              which writes status for a policy change, and enforcement continues
+#   upgrade    helm upgrade with a changed value rolls every operator pod; enforcement continues
+#   suite      the operator's Rust e2e suite (cargo test --test e2e_operator) against this cluster,
+#              its operators authenticating with a token of the chart's ServiceAccount, so the
+#              chart's RBAC is what it proves sufficient (extra cargo test args: $SMOKE_SUITE_ARGS)
+#   uninstall  helm uninstall leaves no webhook configuration, and pod creation in the labelled
+#              namespace is not blocked
+#
+# Environment:
+#   SLUICE_IMAGE     image the chart runs, REPO:TAG (required)
+#   SMOKE_VALUES     extra values files, space-separated (e.g. the pull policy of a node)
+#   SMOKE_APP_IMAGE  the upstream app's image, a busybox (default busybox:1.36)
+#   SMOKE_WORK       scratch directory (default: a temporary one)
+# Figures are printed as lines starting with "smoke: measured".
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CHART="$HERE/../charts/sluice"
+RELEASE_NS=sluice-system
+SMOKE_NS=sluice-smoke
+: "${SLUICE_IMAGE:?SLUICE_IMAGE=REPO:TAG is required}"
+APP_IMAGE="${SMOKE_APP_IMAGE:-busybox:1.36}"
+WORK="${SMOKE_WORK:-$(mktemp -d -t sluice-smoke.XXXXXX)}"
+mkdir -p "$WORK"
+PORT_FORWARD=""
+
+log() { echo "smoke: $*" >&2; }
+die() { log "FAILED: $*"; diagnostics; exit 1; }
+
+diagnostics() {
+  log "diagnostics:"
+  kubectl get pods -A -o wide >&2 || true
+  kubectl -n "$RELEASE_NS" logs deployment/sluice --all-containers --tail=60 >&2 || true
+  kubectl -n "$SMOKE_NS" describe pods >&2 || true
+  kubectl -n "$SMOKE_NS" logs deployment/echo --all-containers --tail=40 >&2 || true
+  kubectl get events -A --sort-by=.lastTimestamp 2>/dev/null | tail -30 >&2 || true
+}
+
+stop_port_forward() {
+  if [ -n "$PORT_FORWARD" ]; then kill "$PORT_FORWARD" 2>/dev/null || true; wait "$PORT_FORWARD" 2>/dev/null || true; fi
+  PORT_FORWARD=""
+}
+trap stop_port_forward EXIT
+
+# Retries CMD every half second until it succeeds or MAX seconds pass.
+retry() {
+  local max="$1"; shift
+  local deadline=$((SECONDS + max))
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.5
+  done
+}
+
+now_ms() { date +%s%3N; }
+seconds_since() { awk -v a="$1" -v b="$(now_ms)" 'BEGIN { printf "%.1f", (b - a) / 1000 }'; }
+
+helm_values() {
+  local args=(--values "$HERE/values/smoke.yaml" --set "image.repository=${SLUICE_IMAGE%:*}" --set "image.tag=${SLUICE_IMAGE##*:}")
+  local file
+  for file in ${SMOKE_VALUES:-}; do args+=(--values "$file"); done
+  printf '%s\n' "${args[@]}"
+}
+
+# Running operator pods, without those being deleted: a terminating pod stays phase Running until
+# its container exits, so the phase alone would count a pod the rollout already replaced.
+operator_pods() {
+  kubectl -n "$RELEASE_NS" get pods -l app.kubernetes.io/name=sluice \
+    --field-selector=status.phase=Running \
+    -o jsonpath='{range .items[*]}{.metadata.name} {.metadata.deletionTimestamp}{"\n"}{end}' \
+    | awk 'NF == 1 { printf "%s ", $1 }'
+}
+
+# The Service sends traffic to exactly the running operator pods, all ready: after a rollout the
+# sidecar's next connection must not be routed to a pod that is going away.
+service_routes_to_operator_pods() {
+  local routed pods
+  routed="$(kubectl -n "$RELEASE_NS" get endpointslices -l kubernetes.io/service-name=sluice \
+    -o jsonpath='{range .items[*].endpoints[*]}{.targetRef.name}={.conditions.ready} {end}' | tr ' ' '\n' | sort | xargs)"
+  pods="$(for pod in $(operator_pods); do echo "$pod=true"; done | sort | xargs)"
+  [ -n "$pods" ] && [ "$routed" = "$pods" ]
+}
+
+# After a rollout: the replaced pods are gone and the Service routes only to their successors.
+settle_after_rollout() {  # settle_after_rollout OLD_PODS...
+  local pod
+  for pod in "$@"; do
+    kubectl -n "$RELEASE_NS" wait --for=delete "pod/$pod" --timeout=120s >&2 \
+      || die "pod $pod was not removed after the rollout"
+  done
+  retry 60 service_routes_to_operator_pods \
+    || die "the Service does not route to exactly the operator pods ($(operator_pods))"
+}
+
+phase_install() {
+  log "install: helm install charts/sluice"
+  local values; mapfile -t values < <(helm_values)
+  helm install sluice "$CHART" --namespace "$RELEASE_NS" --create-namespace "${values[@]}" \
+    --wait --timeout 5m || die "helm install did not finish"
+  kubectl -n "$RELEASE_NS" wait --for=condition=Available deployment/sluice --timeout=180s \
+    || die "the Deployment is not Available"
+  kubectl -n "$RELEASE_NS" get pods -o wide >&2
+}
+
+ca_bundles_filled() {
+  local kind bundles
+  for kind in validatingwebhookconfiguration mutatingwebhookconfiguration; do
+    bundles="$(kubectl get "$kind" sluice -o jsonpath='{range .webhooks[*]}{.clientConfig.caBundle}{"\n"}{end}')"
+    if [ -z "$bundles" ] || grep -qx '' <<<"$bundles"; then return 1; fi
+  done
+}
+
+refused() {
+  local out
+  if out="$(kubectl apply -f "$WORK/invalid.yaml" 2>&1)"; then
+    kubectl delete -f "$WORK/invalid.yaml" --ignore-not-found >/dev/null 2>&1 || true
+    return 1
+  fi
+  echo "$out" >&2
+  grep -q 'denied the request' <<<"$out" && grep -q 'spec.rules\[0\].match.paths\[0\].regex' <<<"$out"
+}
+
+write_policy() {  # write_policy LIMIT
+  cat > "$WORK/policy.yaml" <<EOF
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: echo, namespace: $SMOKE_NS}
+spec:
+  selector: {matchLabels: {app: echo}}
+  rules:
+    - name: per-key
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: $1, per: 1h}
+EOF
+}
+
+# Enforced=True for the policy's current generation.
+enforced_now() {
+  local out gen observed status
+  out="$(kubectl -n "$SMOKE_NS" get rlp echo -o jsonpath='{.metadata.generation} {.status.observedGeneration} {.status.conditions[?(@.type=="Enforced")].status}')"
+  read -r gen observed status <<<"$out"
+  [ "$gen" = "$observed" ] && [ "$status" = True ]
+}
+
+# apply_policy LIMIT: applies it and prints how long until Enforced for its generation.
+apply_policy() {
+  write_policy "$1"
+  local start; start="$(now_ms)"
+  kubectl apply -f "$WORK/policy.yaml" >&2
+  # The condition must be about this generation, not a previous one.
+  sleep 0.05
+  retry 60 enforced_now || die "policy not Enforced within 60 s"
+  seconds_since "$start"
+}
+
+start_port_forward() {
+  stop_port_forward
+  local port=$((20000 + RANDOM % 10000))
+  kubectl -n "$SMOKE_NS" port-forward deployment/echo "$port:15080" >"$WORK/port-forward.log" 2>&1 &
+  PORT_FORWARD=$!
+  SIDECAR="http://127.0.0.1:$port"
+  retry 30 curl -fsS -o /dev/null "$SIDECAR/healthz" -H 'X-API-Key: warmup' \
+    || { cat "$WORK/port-forward.log" >&2; die "the sidecar does not answer through port-forward"; }
+}
+
+# expect_limit KEY LIMIT: through the sidecar, the first LIMIT requests reach the app, and a 429
+# with Retry-After and RateLimit headers comes by request 2*LIMIT+1 (without Redis each of the
+# two operator replicas counts on its own).
+expect_limit() {
+  local key="$1" limit="$2" codes=() last="" body i
+  for ((i = 1; i <= 2 * limit + 1; i++)); do
+    last="$(curl -s -o "$WORK/body" -D "$WORK/headers" -w '%{http_code}' "$SIDECAR/healthz" -H "X-API-Key: $key")"
+    codes+=("$last")
+    if ((i <= limit)); then
+      [ "$last" = 200 ] || die "request $i of key $key should reach the app: ${codes[*]}"
+      body="$(cat "$WORK/body")"
+      [ "$body" = ok ] || die "request $i of key $key did not get the app's answer: $body"
+      grep -qi '^ratelimit-policy:' "$WORK/headers" || die "a 200 without RateLimit-Policy"
+    fi
+    if [ "$last" = 429 ]; then
+      grep -qi '^retry-after:' "$WORK/headers" || die "429 without Retry-After"
+      grep -qi '^ratelimit:' "$WORK/headers" || die "429 without RateLimit"
+      grep -qi '^ratelimit-policy:' "$WORK/headers" || die "429 without RateLimit-Policy"
+      break
+    fi
+  done
+  log "key $key, limit $limit: ${codes[*]}"
+  [ "$last" = 429 ] || die "no 429 within $((2 * limit + 1)) requests: ${codes[*]}"
+}
+
+phase_verify() {
+  kubectl create namespace "$SMOKE_NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+  kubectl label namespace "$SMOKE_NS" sluice.dev/kind-smoke=true --overwrite >/dev/null
+
+  log "verify: the webhook configurations get the operator's caBundle"
+  retry 60 ca_bundles_filled || die "a webhook has no caBundle"
+
+  log "verify: an invalid policy is refused through the webhook Service"
+  cat > "$WORK/invalid.yaml" <<EOF
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: broken, namespace: $SMOKE_NS}
+spec:
+  rules:
+    - name: r
+      match: {paths: [{regex: "(unclosed"}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 3, per: 1h}
+EOF
+  retry 60 refused || die "the validating webhook did not refuse the invalid policy"
+
+  log "verify: a policy is accepted and enforced"
+  local took; took="$(apply_policy 3)"
+  log "measured apply-to-enforced (new policy): $took s"
+  kubectl -n "$SMOKE_NS" get rlp >&2
+
+  log "verify: a labelled Deployment runs the injected sidecar next to the app"
+  cat > "$WORK/echo.yaml" <<EOF
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: echo, namespace: $SMOKE_NS}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: echo}}
+  template:
+    metadata:
+      labels: {app: echo, sluice.dev/inject: "true"}
+    spec:
+      containers:
+        - name: app
+          image: $APP_IMAGE
+          imagePullPolicy: IfNotPresent
+          command: [sh, -c, "mkdir -p /tmp/www && echo ok > /tmp/www/healthz && exec httpd -f -p 8080 -h /tmp/www"]
+          ports: [{name: http, containerPort: 8080}]
+EOF
+  kubectl apply -f "$WORK/echo.yaml" >&2
+  kubectl -n "$SMOKE_NS" rollout status deployment/echo --timeout=180s >&2 || die "the app did not roll out"
+  local ready
+  ready="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].status.containerStatuses[*]}{.name}={.ready} {end}')"
+  log "app pod containers: $ready"
+  [[ " $ready " == *" sluice-sidecar=true "* ]] || die "no ready sluice-sidecar container (containers: $ready)"
+  [[ " $ready " == *" app=true "* ]] || die "the app container is not ready (containers: $ready)"
+
+  log "verify: traffic through the sidecar, 429 past the limit"
+  start_port_forward
+  expect_limit k1 3
+  decided_by_endpoint
+}
+
+# The sidecar's own metrics (admin port): its decisions came from the endpoint through the Service
+# (DNS, TLS against the operator's CA, TokenReview of its pod's token), not from a fallback.
+decided_by_endpoint() {
+  local port=$((20000 + RANDOM % 10000)) pf metrics
+  kubectl -n "$SMOKE_NS" port-forward deployment/echo "$port:15081" >"$WORK/port-forward-admin.log" 2>&1 &
+  pf=$!
+  retry 30 curl -fsS -o "$WORK/sidecar-metrics" "http://127.0.0.1:$port/metrics" || { kill "$pf"; die "no sidecar metrics"; }
+  kill "$pf" 2>/dev/null || true
+  metrics="$(grep -E '^sluice_sidecar_(decisions|endpoint_errors)' "$WORK/sidecar-metrics" || true)"
+  log "sidecar metrics: $(tr '\n' ' ' <<<"$metrics")"
+  grep -qE '^sluice_sidecar_decisions_total\{.*source="endpoint".*result="deny".*\} [1-9]' <<<"$metrics" \
+    || die "the sidecar's denial did not come from the endpoint"
+  if grep -qE '^sluice_sidecar_decisions_total\{source="(local|failure_mode)".*\} [1-9]' <<<"$metrics"; then
+    die "the sidecar decided without the endpoint"
+  fi
+}
+
+lease_holder() {
+  kubectl -n "$RELEASE_NS" get lease sluice-operator -o jsonpath='{.spec.holderIdentity}' 2>/dev/null
+}
+has_holder() { [ -n "$(lease_holder)" ]; }
+# Sets NEW_HOLDER; true once it is someone other than OLD_HOLDER.
+lease_moved() { NEW_HOLDER="$(lease_holder)"; [ -n "$NEW_HOLDER" ] && [ "$NEW_HOLDER" != "$OLD_HOLDER" ]; }
+
+phase_failover() {
+  local old new start
+  retry 60 has_holder || die "no Lease holder"
+  old="$(lease_holder)"; OLD_HOLDER="$old"
+  log "failover: deleting the Lease holder $old"
+  start="$(now_ms)"
+  kubectl -n "$RELEASE_NS" delete pod "$old" --wait=false >&2
+  retry 120 lease_moved || die "the Lease did not move from $old"
+  new="$NEW_HOLDER"
+  log "measured leader failover (pod deleted to Lease held by $new): $(seconds_since "$start") s"
+  [[ " $(operator_pods) " == *" $new "* ]] || die "the new holder $new is not a running operator pod"
+  local took; took="$(apply_policy 2)"
+  log "measured apply-to-enforced (after failover, written by $new): $took s"
+  kubectl -n "$RELEASE_NS" rollout status deployment/sluice --timeout=180s >&2
+  settle_after_rollout "$old"
+  start_port_forward
+  expect_limit k2 2
+}
+
+phase_upgrade() {
+  local before after values
+  before="$(operator_pods)"
+  log "upgrade: helm upgrade with operator.logLevel=debug (pods before: $before)"
+  mapfile -t values < <(helm_values)
+  helm upgrade sluice "$CHART" --namespace "$RELEASE_NS" "${values[@]}" --set operator.logLevel=debug \
+    --wait --timeout 5m >&2 || die "helm upgrade did not finish"
+  kubectl -n "$RELEASE_NS" rollout status deployment/sluice --timeout=180s >&2
+  # shellcheck disable=SC2086 # one argument per pod name
+  settle_after_rollout $before
+  after="$(operator_pods)"
+  local pod
+  for pod in $before; do
+    [[ " $after " != *" $pod "* ]] || die "pod $pod survived the upgrade (after: $after)"
+  done
+  local level
+  level="$(kubectl -n "$RELEASE_NS" get deployment sluice -o jsonpath='{.spec.template.spec.containers[0].env[?(@.name=="RUST_LOG")].value}')"
+  [ "$level" = debug ] || die "the upgraded pods run with RUST_LOG=$level"
+  log "upgrade: rolled to $after"
+  start_port_forward
+  expect_limit k3 2
+}
+
+phase_suite() {
+  local token server ca
+  token="$(kubectl -n "$RELEASE_NS" create token sluice --duration=2h)"
+  server="$(kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.server}')"
+  ca="$(kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.certificate-authority-data}')"
+  cat > "$WORK/operator.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: smoke
+  cluster: {server: "$server", certificate-authority-data: "$ca"}
+users:
+- name: sluice-operator
+  user: {token: "$token"}
+contexts:
+- name: sluice-operator
+  context: {cluster: smoke, user: sluice-operator}
+current-context: sluice-operator
+EOF
+  log "suite: cargo test --test e2e_operator against this cluster, as the chart's ServiceAccount"
+  # The webhook test registers webhooks at https://127.0.0.1:<port>, which only an API server on
+  # the test's own loopback reaches; the verify phase proved the webhooks through the Service.
+  local args
+  read -r -a args <<<"${SMOKE_SUITE_ARGS:-}"
+  (cd "$HERE/.." && SLUICE_E2E_KUBECONFIG="$KUBECONFIG" SLUICE_E2E_OPERATOR_KUBECONFIG="$WORK/operator.kubeconfig" \
+    cargo test --locked --test e2e_operator -- --skip webhooks_refuse_invalid_policies_and_inject_labelled_pods "${args[@]}") \
+    || die "the e2e suite failed against this cluster"
+}
+
+phase_uninstall() {
+  stop_port_forward
+  log "uninstall: helm uninstall"
+  helm uninstall sluice --namespace "$RELEASE_NS" --wait --timeout 3m >&2 || die "helm uninstall failed"
+  local left
+  left="$(kubectl get validatingwebhookconfigurations,mutatingwebhookconfigurations -o name | grep -i sluice || true)"
+  [ -z "$left" ] || die "webhook configurations left behind: $left"
+  # A labelled pod in the labelled namespace: nothing may block or mutate it any more.
+  kubectl -n "$SMOKE_NS" run after-uninstall --image="$APP_IMAGE" --image-pull-policy=IfNotPresent \
+    --labels=sluice.dev/inject=true --restart=Never --command -- sleep 3600 >&2 \
+    || die "pod creation is blocked after uninstall"
+  local containers
+  containers="$(kubectl -n "$SMOKE_NS" get pod after-uninstall -o jsonpath='{.spec.containers[*].name}')"
+  [ "$containers" = after-uninstall ] || die "a pod created after uninstall was mutated: $containers"
+  kubectl -n "$SMOKE_NS" delete pod after-uninstall --wait=false >&2
+  log "uninstall: left in $RELEASE_NS: $(kubectl -n "$RELEASE_NS" get secrets,leases,configmaps -o name 2>/dev/null | tr '\n' ' ')"
+}
+
+(($#)) || { sed -n '2,30p' "$0"; exit 2; }
+for phase in "$@"; do
+  case "$phase" in
+    install|verify|failover|upgrade|suite|uninstall) "phase_$phase" ;;
+    *) die "unknown phase $phase" ;;
+  esac
+done
+log "passed: $*"

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Where a fixedWindow decision's time goes inside Redis: Sluice's decision library plus the
+# profiling steps of scripts/bench/redis-profile-steps.lua, each one part more of a decision
+# than the one before, called with redis-benchmark (FCALL, 10k keys per rule, 32 connections)
+# with 1 and 3 rules; Redis's own `usec_per_call` (INFO commandstats) and used_cpu per call.
+# Rounds are interleaved so the machine's noise hits every step alike; the script prints each
+# round and then the median per step.
+#
+#   scripts/bench/redis-profile.sh            # ~3 minutes
+#   ROUNDS=5 CALLS=300000 scripts/bench/redis-profile.sh
+#
+# Env: ROUNDS (3), CALLS (200000 per step and round), REDIS_CPU (0), CLIENT_CPU (1).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ROUNDS="${ROUNDS:-3}"
+CALLS="${CALLS:-200000}"
+REDIS_CPU="${REDIS_CPU:-0}"
+CLIENT_CPU="${CLIENT_CPU:-1}"
+
+if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools) >&2
+fi
+work="$(mktemp -d)"
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+taskset -c "$REDIS_CPU" redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize no --loglevel warning >/dev/null &
+redis_pid=$!
+trap 'kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+for _ in $(seq 100); do
+    redis-cli -p "$port" ping >/dev/null 2>&1 && break
+    sleep 0.05
+done
+
+# The library exactly as src/store/redis.rs concatenates it (DECISION_CODE), then the steps.
+{
+    echo "#!lua name=sluice_profile"
+    for part in common token_bucket gcra fixed_window sliding_window_log sliding_window_counter check; do
+        cat "$ROOT/lua/$part.lua"
+    done
+    cat "$ROOT/scripts/bench/redis-profile-steps.lua"
+} >"$work/library.lua"
+redis-cli -p "$port" -x FUNCTION LOAD REPLACE <"$work/library.lua" >/dev/null
+
+# A fixedWindow rule of 10^9 per hour: every call admits, and the windows stay open for the run.
+params="4:1000000000:3600000000:1000000000:4:-1:1"
+cpu() { redis-cli -p "$port" INFO cpu | awk -F: '/used_cpu_(user|sys):/ { s += $2 } END { printf "%.6f", s }'; }
+call() { # function rules calls
+    local keys="" args="" prefix=rule
+    [ "$1" = profile_incrby ] && prefix=counter # a string key, not a fixed window's hash
+    for i in $(seq "$2"); do keys="$keys {p}$prefix$i:__rand_int__"; args="$args $params 1"; done
+    # shellcheck disable=SC2086 # keys and args are lists of words
+    taskset -c "$CLIENT_CPU" redis-benchmark -p "$port" -n "$3" -c 32 -r 10000 FCALL "$1" "$2" $keys "" $args >/dev/null
+}
+
+echo "redis $(redis-server --version | grep -o 'v=[0-9.]*'), load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+steps="profile_commands profile_arguments profile_read profile_check profile_consume profile_decide"
+for rules in 1 3; do
+    for f in $steps; do call "$f" "$rules" 50000; done # every key exists before anything is timed
+done
+for round in $(seq "$ROUNDS"); do
+    for rules in 1 3; do
+        for f in profile_incrby $steps; do
+            [ "$f" = profile_incrby ] && [ "$rules" != 1 ] && continue
+            redis-cli -p "$port" CONFIG RESETSTAT >/dev/null
+            before="$(cpu)"
+            call "$f" "$rules" "$CALLS"
+            after="$(cpu)"
+            usec="$(redis-cli -p "$port" INFO commandstats | sed -n 's/^cmdstat_fcall:.*usec_per_call=\([0-9.]*\).*/\1/p')"
+            echo "round=$round rules=$rules step=$f usec_per_call=$usec used_cpu_us_per_call=$(python3 -c "print(round(($after - $before) * 1e6 / $CALLS, 2))")"
+        done
+    done
+done | tee "$work/rounds.txt"
+echo "median µs per call (usec_per_call / used_cpu):"
+python3 - "$work/rounds.txt" <<'PY'
+import re, statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    f = dict(kv.split("=") for kv in line.split())
+    rows.setdefault((int(f["rules"]), f["step"]), []).append((float(f["usec_per_call"]), float(f["used_cpu_us_per_call"])))
+for (rules, step), v in sorted(rows.items(), key=lambda kv: kv[0][0]):
+    print(f"  rules={rules} {step:18} {statistics.median(u for u, _ in v):6.2f} / {statistics.median(c for _, c in v):6.2f}")
+PY
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

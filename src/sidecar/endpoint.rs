@@ -1,0 +1,191 @@
+//! The enforcement endpoint as the sidecar talks to it: the client (TLS against the operator's CA
+//! only), the credential it presents, and the check answers it reads.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+
+use super::config::Config;
+use super::decide::{Decision, EndpointError, decision_of, error_chain};
+
+/// The endpoint's answers are small; this only guards against a misdirected URL.
+pub(super) const MAX_ENDPOINT_BODY: usize = 4 << 20;
+pub(super) type EndpointClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
+
+/// The enforcement endpoint: its client, its URLs and the credential presented to it.
+pub(super) struct Endpoint {
+    pub client: EndpointClient,
+    pub check_uri: Uri,
+    pub checks_uri: Uri,
+    pub snapshot_uri: Uri,
+    /// `snapshot_uri` with `?wait=`: held by the endpoint while the snapshot is unchanged.
+    pub snapshot_wait_uri: Uri,
+    pub credential: Option<Credential>,
+}
+
+impl Endpoint {
+    pub fn authorize(&self, request: http::request::Builder) -> http::request::Builder {
+        match self.credential.as_ref().and_then(|c| c.value.load_full()) {
+            Some(value) => request.header(crate::server::auth::AUTHORIZATION_HEADER, (*value).clone()),
+            None => request,
+        }
+    }
+
+    /// POSTs a JSON body; the status and the whole answer.
+    pub async fn post(&self, uri: &Uri, body: Bytes) -> Result<(StatusCode, Bytes), EndpointError> {
+        let request = self
+            .authorize(Request::post(uri.clone()))
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(Full::new(body))
+            .map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
+        let response = self.client.request(request).await.map_err(|e| EndpointError::Unreachable(error_chain(&e)))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
+            .collect()
+            .await
+            .map_err(|e| EndpointError::Unreachable(e.to_string()))?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    /// One check on its own: `POST /v1/check` with `body` (a check request as JSON).
+    pub async fn check_one(&self, body: Vec<u8>) -> Result<Decision, EndpointError> {
+        let (status, body) = self.post(&self.check_uri, Bytes::from(body)).await?;
+        if status == StatusCode::BAD_REQUEST || status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Err(EndpointError::Rejected(status, String::from_utf8_lossy(&body).into_owned()));
+        }
+        if !status.is_success() {
+            return Err(EndpointError::Status(status));
+        }
+        let answer: Answer = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
+        answer.decision()
+    }
+}
+
+/// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of
+/// `POST /v1/checks` (which may instead say why that check was refused).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct Answer {
+    allowed: Option<bool>,
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
+    #[serde(default)]
+    delay_ms: u64,
+    #[serde(default, deserialize_with = "header_pairs")]
+    headers: Vec<(String, String)>,
+    /// Set with `error` when this check was refused.
+    status: Option<u16>,
+    error: Option<String>,
+}
+
+impl Answer {
+    pub fn decision(self) -> Result<Decision, EndpointError> {
+        if let Some(error) = self.error {
+            let status = self.status.and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::BAD_REQUEST);
+            if status == StatusCode::BAD_REQUEST || status == StatusCode::PAYLOAD_TOO_LARGE {
+                return Err(EndpointError::Rejected(status, error));
+            }
+            return Err(EndpointError::Status(status));
+        }
+        let allowed = self.allowed.ok_or_else(|| EndpointError::Decode("an answer without `allowed`".into()))?;
+        let headers = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        Ok(decision_of(allowed, self.retry_after_ms, self.delay_ms, headers))
+    }
+}
+
+/// The `headers` object as name/value pairs in the answer's order, without building a map.
+fn header_pairs<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<(String, String)>, D::Error> {
+    struct Pairs;
+    impl<'de> serde::de::Visitor<'de> for Pairs {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of header names to values")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(6));
+            while let Some(pair) = map.next_entry()? {
+                pairs.push(pair);
+            }
+            Ok(pairs)
+        }
+    }
+    deserializer.deserialize_map(Pairs)
+}
+
+/// The bearer token the sidecar presents, re-read from its file as the kubelet rotates it.
+pub(super) struct Credential {
+    path: std::path::PathBuf,
+    pub(super) value: arc_swap::ArcSwapOption<HeaderValue>,
+}
+
+impl Credential {
+    pub fn new(path: std::path::PathBuf) -> Credential {
+        let credential = Credential { path, value: arc_swap::ArcSwapOption::empty() };
+        credential.refresh();
+        credential
+    }
+
+    /// Re-reads the file; a read error keeps the last token (a rotation replaces the file
+    /// atomically, so a failed read is transient).
+    pub fn refresh(&self) {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => match HeaderValue::from_str(&format!("Bearer {}", text.trim())) {
+                Ok(mut value) => {
+                    value.set_sensitive(true);
+                    if self.value.load().as_deref() != Some(&value) {
+                        self.value.store(Some(Arc::new(value)));
+                    }
+                }
+                Err(_) => tracing::warn!(path = %self.path.display(), "token file does not hold a usable token"),
+            },
+            Err(error) => tracing::warn!(path = %self.path.display(), %error, "cannot read the token file"),
+        }
+    }
+}
+
+/// The client to the endpoint: plain HTTP, or HTTPS verified against the given CA only (never
+/// the system roots: in a cluster the endpoint's certificate comes from the operator's CA, and
+/// anything else answering at that name is an impostor).
+pub(super) fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut http = HttpConnector::new();
+    // Checks are one small write and one small read: Nagle would add a delayed-ACK wait.
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.endpoint_timeout));
+    http.enforce_http(false);
+    let mut roots = rustls::RootCertStore::empty();
+    if let Some(pem) = &config.endpoint_ca {
+        for cert in CertificateDer::pem_slice_iter(pem) {
+            let cert = cert.map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
+            roots.add(cert).map_err(|e| super::SidecarError::Config(format!("endpoint CA: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(super::SidecarError::Config("endpoint CA: no certificate in the PEM".into()));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| super::SidecarError::Config(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector))
+}
