@@ -8,6 +8,7 @@
 
 pub mod admission;
 pub mod algorithm;
+pub mod batching;
 pub mod clock;
 pub mod convert;
 pub mod duration;

@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::batch::Batcher;
+use super::batch::Checks;
 use super::config::{Config, OnFailure};
 use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
@@ -167,7 +167,7 @@ fn yes() -> bool {
 
 pub struct Decider {
     endpoint: Arc<Endpoint>,
-    batcher: Arc<Batcher>,
+    checks: Checks,
     timeout: Duration,
     on_failure: OnFailure,
     pub namespace: String,
@@ -211,12 +211,11 @@ impl Decider {
                 .map_err(|_| super::SidecarError::Config(format!("cannot append ?wait= to {}", config.snapshot_uri)))?,
             credential: config.token_file.clone().map(Credential::new),
         });
-        let batcher =
-            Arc::new(Batcher::new(endpoint.clone(), config.endpoint_batches, config.endpoint_timeout, metrics.clone()));
+        let checks = Checks::new(endpoint.clone(), config.endpoint_batches, config.endpoint_timeout, metrics.clone());
         let store = Arc::new(MemoryStore::with_clock(LOCAL_MAX_KEYS, clock.clone()));
         Ok(Decider {
             endpoint,
-            batcher,
+            checks,
             timeout: config.endpoint_timeout,
             on_failure: config.on_failure,
             namespace: config.namespace.clone(),
@@ -391,7 +390,7 @@ impl Decider {
     async fn ask(&self, input: &CheckInput<'_>) -> Result<Decision, EndpointError> {
         let body =
             serde_json::to_vec(input).map_err(|e| EndpointError::Rejected(StatusCode::BAD_REQUEST, e.to_string()))?;
-        self.batcher.check(body).await
+        self.checks.check(body).await
     }
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {

@@ -29,7 +29,7 @@ use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use super::breaker::{Breaker, BreakerConfig, BreakerState};
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
-use super::redis_batches::{Batches, Outcome};
+use super::redis_batches::{self, Batches, Decide, Outcome};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
@@ -256,9 +256,12 @@ impl RedisStore {
         };
         let functions = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let batches = match &connection {
-            Connection::Single(manager) if config.batches > 0 => {
-                Some(Arc::new(Batches::new(manager.clone(), functions.clone(), config.batches, config.timeout)))
-            }
+            Connection::Single(manager) if config.batches > 0 => Some(Arc::new(redis_batches::batches(
+                manager.clone(),
+                functions.clone(),
+                config.batches,
+                config.timeout,
+            ))),
             _ => None,
         };
         Ok(RedisStore {
@@ -307,15 +310,16 @@ impl RedisStore {
         };
         let args = script_args(now, checks);
         let call = async {
-            if let Some(batches) =
-                self.batches.as_ref().filter(|_| self.functions.load(std::sync::atomic::Ordering::Relaxed))
-            {
-                match batches.decide(keys.clone(), args.clone()).await {
+            let batches = self.batches.as_ref().filter(|_| self.functions.load(std::sync::atomic::Ordering::Relaxed));
+            let args = match batches {
+                // The keys stay here too: the denial cache records the verdict under them.
+                Some(batches) => match redis_batches::decide(batches, Decide { keys: keys.clone(), args }).await {
                     Outcome::Reply(reply) => return Ok(reply),
                     Outcome::Failed(error) => return Err(error),
-                    Outcome::Unbatched => {}
-                }
-            }
+                    Outcome::Unbatched(request) => request.args,
+                },
+                None => args,
+            };
             self.decide(&keys, &args).await
         };
         match tokio::time::timeout(self.timeout, call).await {
@@ -433,8 +437,8 @@ impl Store for RedisStore {
                 hits: self.denials.hits(),
             }),
             batches: self.batches.as_ref().map(|b| super::BatchStatus {
-                calls: b.calls.load(std::sync::atomic::Ordering::Relaxed),
-                decisions: b.decisions.load(std::sync::atomic::Ordering::Relaxed),
+                calls: b.exchange().calls.load(std::sync::atomic::Ordering::Relaxed),
+                decisions: b.exchange().decisions.load(std::sync::atomic::Ordering::Relaxed),
             }),
             ..Default::default()
         }
