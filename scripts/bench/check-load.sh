@@ -108,8 +108,8 @@ for port in $PORT_S1 $PORT_S3 $PORT_MIN; do
     case "$body" in *'"allowed":true'*) ;; *) log "not allowed?"; exit 1 ;; esac
 done
 
-name_of() { case "$1" in $PORT_S1) echo "sluice-1rule" ;; $PORT_S3) echo "sluice-3rules" ;; $PORT_MIN) echo "minimal-axum" ;; esac; }
-pid_of() { case "$1" in $PORT_S1) echo $PID_S1 ;; $PORT_S3) echo $PID_S3 ;; $PORT_MIN) echo $PID_MIN ;; esac; }
+name_of() { case "$1" in "$PORT_S1") echo "sluice-1rule" ;; "$PORT_S3") echo "sluice-3rules" ;; "$PORT_MIN") echo "minimal-axum" ;; esac; }
+pid_of() { case "$1" in "$PORT_S1") echo "$PID_S1" ;; "$PORT_S3") echo "$PID_S3" ;; "$PORT_MIN") echo "$PID_MIN" ;; esac; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 to_us() { # "123.45us" | "1.23ms" | "1.02s" -> microseconds
@@ -181,7 +181,7 @@ med() { # name conns column
 
 # --- latency at half of peak (open loop) --------------------------------------------------------
 peak() { for c in $CONNS; do med "$1" "$c" 4; done | sort -g | tail -1; }
-PEAK_S1=$(peak sluice-1rule); PEAK_S3=$(peak sluice-3rules); PEAK_MIN=$(peak minimal-axum)
+PEAK_S1=$(peak sluice-1rule); PEAK_S3=$(peak sluice-3rules)
 {
     echo
     echo "### Latency at half of peak (examples/open_loop.rs, $HALF_CONNS connections, ${DURATION}s after ${WARMUP}s warm-up)"

@@ -15,27 +15,21 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=scripts/bench/lib.sh
+. "$ROOT/scripts/bench/lib.sh"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 DECISIONS="${DECISIONS:-20000}"
 CONCURRENCY="${CONCURRENCY:-32}"
 REDIS_CPU="${REDIS_CPU:-0}"
 CLIENT_CPU="${CLIENT_CPU:-1}"
 
-if ! command -v redis-server >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >&2
-fi
+install_missing redis-server:redis-server redis-cli:redis-tools
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
     (cd "$ROOT" && cargo build --release --quiet --example redis_cost)
 fi
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-taskset -c "$REDIS_CPU" redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
-    --daemonize no --loglevel warning >/dev/null &
-redis_pid=$!
-trap 'kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true' EXIT
-for _ in $(seq 100); do
-    redis-cli -p "$port" ping >/dev/null 2>&1 && break
-    sleep 0.05
-done
+port="$(free_port)"
+trap 'kill "${REDIS_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+start_redis "$port" "$REDIS_CPU"
 echo "redis $(redis-server --version | grep -o 'v=[0-9.]*'), load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 taskset -c "$CLIENT_CPU" "$TARGET/release/examples/redis_cost" "redis://127.0.0.1:$port" "$DECISIONS" "$CONCURRENCY"
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

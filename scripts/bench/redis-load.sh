@@ -26,16 +26,10 @@ REDIS_CPU="${REDIS_CPU:-0}"
 OTHER_CPU="${OTHER_CPU:-1}"
 OUT="${OUT:-$(mktemp -t redis-load.XXXXXX.md)}"
 export BENCH_KEYS="$KEYS"
-log() { printf '%s\n' "$*" >&2; }
+# shellcheck source=scripts/bench/lib.sh
+. "$BENCH/lib.sh"
 
-need=()
-command -v wrk >/dev/null || need+=(wrk)
-command -v redis-server >/dev/null || need+=(redis-server)
-command -v redis-benchmark >/dev/null || need+=(redis-tools)
-if ((${#need[@]})); then
-    log "installing ${need[*]}"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >&2
-fi
+install_missing wrk:wrk redis-server:redis-server redis-benchmark:redis-tools
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
     (cd "$ROOT" && cargo build --release --quiet --bin sluice)
 fi
@@ -48,16 +42,10 @@ cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; w
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-start_redis() {
-    taskset -c "$REDIS_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
-        --daemonize no --loglevel warning >/dev/null 2>&1 & PIDS+=($!)
-    for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && return 0; sleep 0.1; done
-    log "redis did not start"; exit 1
-}
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
 script_calls() { cli INFO commandstats | awk -F'[=,:]' '/^cmdstat_fcall:/ {print $3}'; }
 
-start_redis
+start_redis "$REDIS_PORT" "$REDIS_CPU"; PIDS+=("$REDIS_PID")
 # The library sluice loads itself, under a name of its own for redis-benchmark.
 LIBRARY_FILE=$(mktemp)
 {

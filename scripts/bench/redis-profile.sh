@@ -17,20 +17,14 @@ ROUNDS="${ROUNDS:-3}"
 CALLS="${CALLS:-200000}"
 REDIS_CPU="${REDIS_CPU:-0}"
 CLIENT_CPU="${CLIENT_CPU:-1}"
+# shellcheck source=scripts/bench/lib.sh
+. "$ROOT/scripts/bench/lib.sh"
 
-if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools) >&2
-fi
+install_missing redis-server:redis-server redis-benchmark:redis-tools
 work="$(mktemp -d)"
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-taskset -c "$REDIS_CPU" redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
-    --daemonize no --loglevel warning >/dev/null &
-redis_pid=$!
-trap 'kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
-for _ in $(seq 100); do
-    redis-cli -p "$port" ping >/dev/null 2>&1 && break
-    sleep 0.05
-done
+port="$(free_port)"
+trap 'kill "${REDIS_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+start_redis "$port" "$REDIS_CPU"
 
 # The library exactly as src/store/redis.rs concatenates it (DECISION_CODE), then the steps.
 {
@@ -44,7 +38,6 @@ redis-cli -p "$port" -x FUNCTION LOAD REPLACE <"$work/library.lua" >/dev/null
 
 # A fixedWindow rule of 10^9 per hour: every call admits, and the windows stay open for the run.
 params="4:1000000000:3600000000:1000000000:4:-1:1"
-cpu() { redis-cli -p "$port" INFO cpu | awk -F: '/used_cpu_(user|sys):/ { s += $2 } END { printf "%.6f", s }'; }
 call() { # function rules calls
     local keys="" args="" prefix=rule
     [ "$1" = profile_incrby ] && prefix=counter # a string key, not a fixed window's hash
@@ -63,9 +56,9 @@ for round in $(seq "$ROUNDS"); do
         for f in profile_incrby $steps; do
             [ "$f" = profile_incrby ] && [ "$rules" != 1 ] && continue
             redis-cli -p "$port" CONFIG RESETSTAT >/dev/null
-            before="$(cpu)"
+            before="$(redis_cpu "$port")"
             call "$f" "$rules" "$CALLS"
-            after="$(cpu)"
+            after="$(redis_cpu "$port")"
             usec="$(redis-cli -p "$port" INFO commandstats | sed -n 's/^cmdstat_fcall:.*usec_per_call=\([0-9.]*\).*/\1/p')"
             echo "round=$round rules=$rules step=$f usec_per_call=$usec used_cpu_us_per_call=$(python3 -c "print(round(($after - $before) * 1e6 / $CALLS, 2))")"
         done

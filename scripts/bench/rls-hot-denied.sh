@@ -16,8 +16,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DURATION="${DURATION:-10}"
 SERVER_CPU="${SERVER_CPU:-0}"
 CLIENT_CPU="${CLIENT_CPU:-1}"
-log() { printf '%s\n' "$*" >&2; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# shellcheck source=scripts/bench/lib.sh
+. "$ROOT/scripts/bench/lib.sh"
 
 if [ -z "${SLUICE_BIN:-}" ]; then
     (cd "$ROOT" && cargo build --release --quiet --bin sluice)
@@ -34,11 +34,8 @@ PIDS=()
 cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 REDIS_PORT="$(free_port)"
-taskset -c "$SERVER_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
-    --daemonize no --loglevel warning >/dev/null 2>&1 & PIDS+=($!)
-for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+start_redis "$REDIS_PORT" "$SERVER_CPU"; PIDS+=("$REDIS_PID")
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
-redis_cpu() { cli INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 cat > "$WORK/policies.yaml" <<'YAML'
@@ -65,10 +62,10 @@ run() { # name, grpc port, server pid
     done
     cli FLUSHALL >/dev/null; cli CONFIG RESETSTAT >/dev/null
     local c0 t0 c1 t1 out
-    c0=$(redis_cpu); t0=$(cpu_ticks "$pid")
+    c0=$(redis_cpu "$REDIS_PORT"); t0=$(cpu_ticks "$pid")
     out=$(taskset -c "$CLIENT_CPU" "$CLIENT" bench -addr "127.0.0.1:$port" -domain bench -descriptors 1 -keys 1 \
         -conns 4 -concurrency 64 -warmup 0s -duration "${DURATION}s")
-    t1=$(cpu_ticks "$pid"); c1=$(redis_cpu)
+    t1=$(cpu_ticks "$pid"); c1=$(redis_cpu "$REDIS_PORT")
     local calls
     calls=$(cli INFO commandstats | awk -F'[:=,]' '/^cmdstat_(fcall|evalsha|eval|mget|incrby):/ {s += $3} END {print s + 0}')
     python3 - "$name" "$out" "$c0" "$c1" "$t0" "$t1" "$calls" "$(getconf CLK_TCK)" <<'PY'

@@ -54,17 +54,11 @@ GRPC_PORT="${GRPC_PORT:-18481}"
 HTTP_PORT="${HTTP_PORT:-18480}"
 LIMITADOR="${LIMITADOR:-1}"
 OUT="${OUT:-$(mktemp -t rls-load.XXXXXX.md)}"
-log() { printf '%s\n' "$*" >&2; }
+# shellcheck source=scripts/bench/lib.sh
+. "$BENCH/lib.sh"
 
 # --- tools and binaries -------------------------------------------------------------------------
-need=()
-command -v redis-server >/dev/null || need+=(redis-server)
-command -v redis-cli >/dev/null || need+=(redis-tools)
-command -v taskset >/dev/null || need+=(util-linux)
-if ((${#need[@]})); then
-    log "installing ${need[*]}"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >&2
-fi
+install_missing redis-server:redis-server redis-cli:redis-tools taskset:util-linux
 if [ "$(nproc)" -lt 2 ]; then
     log "warning: fewer than 2 CPUs; the servers and the load client will share one"
     CLIENT_CPU="$SERVER_CPU"
@@ -148,12 +142,8 @@ EOF
 
 # --- redis --------------------------------------------------------------------------------------
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
-taskset -c "$SERVER_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
-    --dir "$WORK" --daemonize no --loglevel warning >"$WORK/redis.log" 2>&1 & PIDS+=($!)
-for _ in $(seq 100); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
-cli ping >/dev/null || { log "redis did not start"; cat "$WORK/redis.log" >&2; exit 1; }
+start_redis "$REDIS_PORT" "$SERVER_CPU" --dir "$WORK"; PIDS+=("$REDIS_PID")
 REDIS_VERSION="$(cli INFO server | awk -F: '/^redis_version:/ {print $2}' | tr -d '\r')"
-redis_cpu() { cli INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
 # "cmd=calls;cmd=calls;..." for every command but the ones this script sends.
 redis_cmds() {
     cli INFO commandstats | tr -d '\r' | awk -F: '/^cmdstat_/ {
@@ -274,9 +264,9 @@ measure() { # name descriptors uses_redis(0|1) [commands the server sends beside
     taskset -c "$CLIENT_CPU" "$RLS" "${bench[@]}" -warmup 0s -duration "$WARMUP" >/dev/null
     load0="$(cut -d' ' -f1-3 /proc/loadavg)"
     cli CONFIG RESETSTAT >/dev/null
-    c0=$(redis_cpu); t0=$(cpu_ticks "$SERVER_PID"); f0=$(sluice_failures)
+    c0=$(redis_cpu "$REDIS_PORT"); t0=$(cpu_ticks "$SERVER_PID"); f0=$(sluice_failures)
     out=$(taskset -c "$CLIENT_CPU" "$RLS" "${bench[@]}" -warmup 0s -duration "$DURATION")
-    t1=$(cpu_ticks "$SERVER_PID"); c1=$(redis_cpu); f1=$(sluice_failures)
+    t1=$(cpu_ticks "$SERVER_PID"); c1=$(redis_cpu "$REDIS_PORT"); f1=$(sluice_failures)
     load1="$(cut -d' ' -f1-3 /proc/loadavg)"
     local cmds
     cmds=$(redis_cmds)

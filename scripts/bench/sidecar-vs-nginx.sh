@@ -42,7 +42,8 @@ work=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=scripts/bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 wait_port() {
   for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done
   echo "port $1 never opened" >&2; tail -n 20 "$work"/*.log "$work"/*.err >&2 2>/dev/null; exit 1

@@ -38,7 +38,8 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=scripts/bench/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 wait_port() { for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; tail -n 20 "$work"/*.log "$work"/*.err >&2 2>/dev/null; exit 1; }
 
 UP=$(free_port); EP=$(free_port); SC=$(free_port); ADMIN=$(free_port)
@@ -57,7 +58,7 @@ http {
 NGINX
 $SERVERS "$NGINX" -p "$work" -c "$work/nginx.conf" -g "daemon off; master_process off; pid $work/nginx.pid; error_log $work/nginx.err;" &
 upstream=$!
-pids+=($upstream)
+pids+=("$upstream")
 
 # Endpoint: a policy that matches every benchmark request with a limit it does not reach, so each
 # request costs a real decision (match, key, store) and comes back with headers.
@@ -74,12 +75,12 @@ spec:
 YAML
 RUST_LOG=warn $SERVERS "$SLUICE_BIN" serve --policies "$work/policy.yaml" --listen "127.0.0.1:$EP" 2>"$work/serve.log" &
 endpoint=$!
-pids+=($endpoint)
+pids+=("$endpoint")
 RUST_LOG=warn $SERVERS "$SLUICE_BIN" sidecar --listen "127.0.0.1:$SC" --admin-listen "127.0.0.1:$ADMIN" \
   --upstream "127.0.0.1:$UP" --endpoint "http://127.0.0.1:$EP" --namespace bench --labels app=bench \
   2>"$work/sidecar.log" &
 sidecar=$!
-pids+=($sidecar)
+pids+=("$sidecar")
 wait_port "$UP"; wait_port "$EP"; wait_port "$SC"; wait_port "$ADMIN"
 # Let the sidecar fetch the snapshot once before measuring.
 for _ in $(seq 100); do curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -q '^sluice_sidecar_snapshot_cached 1' && break; sleep 0.05; done
@@ -98,7 +99,7 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 # The machine may be shared: interleave the targets and report each figure's median over ROUNDS.
 ROUNDS=${ROUNDS:-3}
 declare -A all
-for round in $(seq "$ROUNDS"); do
+for _ in $(seq "$ROUNDS"); do
   for target in direct sidecar; do
     url="http://127.0.0.1:$UP/"; [ $target = sidecar ] && url="http://127.0.0.1:$SC/"
     run 1 "$url"; all[$target.p50]+="$(to_us "$(pct 50%)") "; all[$target.p99]+="$(to_us "$(pct 99%)") "
