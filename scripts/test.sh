@@ -22,6 +22,17 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The debug and release builds, the Go-built control plane and the node's images take about
+# 15 GB; a disk that fills up mid-build fails as a linker's bus error, far from its cause.
+free_gb=$(df -Pk . | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
+echo "==> ${free_gb} GB free on $(df -P . | awk 'NR == 2 { print $6 }')"
+if [ "$free_gb" -lt "${SLUICE_MIN_FREE_GB:-8}" ]; then
+  echo "only ${free_gb} GB free: the build needs at least ${SLUICE_MIN_FREE_GB:-8} GB (set SLUICE_MIN_FREE_GB to change)"
+  exit 1
+fi
+# A fresh clone builds everything once: incremental state would only take space.
+if [ "${CI:-}" = true ]; then export CARGO_INCREMENTAL=0; fi
+
 # Tests start their own servers; a packaged Redis listening on 6379 would only get in the way.
 if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server nginx >/dev/null 2>&1 || true; fi
 
