@@ -11,19 +11,13 @@
 #[path = "common/conformance.rs"]
 mod conformance;
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::Request;
 use conformance::{T0, load};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use sluice::clock::FakeClock;
 use sluice::duration::parse_duration;
-use sluice::server::engine::Engine;
 use sluice::server::http;
-use sluice::store::memory::MemoryStore;
-use sluice::telemetry::Metrics;
 use tower::ServiceExt;
 
 /// Each rule matches requests carrying `x-rule-<name>` and counts per `x-key`.
@@ -57,16 +51,7 @@ async fn post(router: &axum::Router, path: &str, body: &Value) -> Value {
 
 async fn run(api: Api) -> (Vec<String>, usize) {
     let vectors = load();
-    let loaded =
-        sluice::policy::load_str(&conformance::policies(&vectors, selects), std::path::Path::new("vectors.yaml"))
-            .unwrap();
-    let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
-    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
-    let clock = FakeClock::new(T0);
-    let shared_clock = Arc::new(clock.clone());
-    let store = Arc::new(MemoryStore::with_clock(100_000, shared_clock.clone()));
-    let engine = Arc::new(Engine::new(store, shared_clock, Arc::new(Metrics::new())));
-    engine.install(Arc::new(compiled.snapshot));
+    let (engine, clock) = conformance::engine_for(&vectors, selects);
     let router = http::router(engine);
 
     let mut failures = Vec::new();

@@ -11,21 +11,15 @@
 #[path = "common/conformance.rs"]
 mod conformance;
 
-use std::sync::Arc;
-
 use conformance::{T0, load};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use sluice::clock::FakeClock;
 use sluice::duration::parse_duration;
 use sluice::server::auth::Auth;
-use sluice::server::engine::Engine;
 use sluice::server::rls::RateLimiter;
-use sluice::store::memory::MemoryStore;
-use sluice::telemetry::Metrics;
 
 /// Each rule matches descriptors `rule=<name>, k=<key>` and counts per `k` (namespace = domain).
 fn selects(name: &str) -> String {
@@ -44,16 +38,7 @@ fn micros(text: &str) -> u64 {
 #[tokio::test]
 async fn every_vector_decides_the_same_through_the_rate_limit_service() {
     let vectors = load();
-    let loaded =
-        sluice::policy::load_str(&conformance::policies(&vectors, selects), std::path::Path::new("vectors.yaml"))
-            .unwrap();
-    let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
-    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
-    let clock = FakeClock::new(T0);
-    let shared_clock = Arc::new(clock.clone());
-    let store = Arc::new(MemoryStore::with_clock(100_000, shared_clock.clone()));
-    let engine = Arc::new(Engine::new(store, shared_clock, Arc::new(Metrics::new())));
-    engine.install(Arc::new(compiled.snapshot));
+    let (engine, clock) = conformance::engine_for(&vectors, selects);
     let limiter = RateLimiter::new(engine, Auth::off(), true);
 
     let mut failures = Vec::new();

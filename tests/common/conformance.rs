@@ -2,11 +2,16 @@
 //! decision that differs. Shared by the memory and Redis test binaries.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::Deserialize;
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
+use sluice::clock::FakeClock;
 use sluice::duration::{HumanDuration, parse_duration};
+use sluice::server::engine::Engine;
+use sluice::store::memory::MemoryStore;
 use sluice::store::{RuleCheck, RuleId, Store};
+use sluice::telemetry::Metrics;
 
 /// A Unix time aligned to a whole day, so every window up to a day starts here.
 pub const T0: Micros = 1_699_920_000_000_000;
@@ -272,4 +277,18 @@ pub fn policies(vectors: &[Vector], selects: fn(&str) -> String) -> String {
         }
     }
     yaml
+}
+
+/// An engine on a fake clock at [`T0`] (memory store) enforcing [`policies`] of `vectors`, for
+/// the suites that drive an API instead of the store.
+pub fn engine_for(vectors: &[Vector], selects: fn(&str) -> String) -> (Arc<Engine<Arc<MemoryStore>>>, FakeClock) {
+    let loaded = sluice::policy::load_str(&policies(vectors, selects), std::path::Path::new("vectors.yaml")).unwrap();
+    let compiled = sluice::policy::compile(loaded.into_iter().map(|l| l.policy).collect());
+    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+    let clock = FakeClock::new(T0);
+    let shared_clock = Arc::new(clock.clone());
+    let store = Arc::new(MemoryStore::with_clock(100_000, shared_clock.clone()));
+    let engine = Arc::new(Engine::new(store, shared_clock, Arc::new(Metrics::new())));
+    engine.install(Arc::new(compiled.snapshot));
+    (engine, clock)
 }
