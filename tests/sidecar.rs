@@ -144,9 +144,7 @@ async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
             .into_response()
         }))
         .with_state(state.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let addr = serve_on_loopback(app).await;
     (addr, state)
 }
 
@@ -248,6 +246,14 @@ fn dead_endpoint() -> String {
 
 async fn get_with_key(c: &reqwest::Client, url: &str, key: &str) -> reqwest::Response {
     c.get(url).header("x-api-key", key).send().await.unwrap()
+}
+
+/// Serves `app` on a free loopback port for the rest of the test.
+async fn serve_on_loopback(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -617,9 +623,7 @@ async fn start_fake_endpoint() -> (SocketAddr, Arc<std::sync::Mutex<Vec<serde_js
             ),
         )
         .with_state(seen.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let addr = serve_on_loopback(app).await;
     (addr, seen)
 }
 
@@ -934,9 +938,7 @@ async fn start_batch_endpoint(hold: Duration) -> (SocketAddr, Arc<std::sync::Mut
             ),
         )
         .with_state(sizes.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let addr = serve_on_loopback(app).await;
     (addr, sizes)
 }
 
@@ -1124,9 +1126,7 @@ async fn a_hanging_single_check_does_not_hold_an_exchange_for_ever() {
             }),
         )
         .with_state(singles.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let endpoint = serve_on_loopback(app).await;
     let sidecar = start_sidecar(up, &format!("http://{endpoint}"), &["--endpoint-batches", "2"]);
     sidecar.await_metric("\nsluice_sidecar_snapshot_cached 1\n").await;
     let c = client();
