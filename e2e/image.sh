@@ -4,7 +4,10 @@
 #
 #   e2e/image.sh sluice BINARY REF OUT.tar   what the Dockerfile's runtime stage provides: the binary
 #                                           at /usr/local/bin/sluice, the shared libraries it links,
-#                                           CA certificates, user 65532, entrypoint `sluice`
+#                                           CA certificates, user 65532, entrypoint `sluice`, and
+#                                           Debian's iptables (nft and legacy, IPv4 and IPv6
+#                                           restore/save, in /usr/sbin) for `sluice redirect`, the
+#                                           init container of the sidecar's iptables mode
 #   e2e/image.sh pause REF OUT.tar           Kubernetes' pause.c (from the k8s.io/kubernetes module
 #                                           source), compiled static: the pod sandbox
 #   e2e/image.sh busybox REF OUT.tar         Debian's busybox-static: the demo's upstream app
@@ -27,6 +30,41 @@ mkdir -p "$ROOTFS"
 sha() { sha256sum "$1" | cut -d' ' -f1; }
 # A static executable has no loader for ldd to ask.
 is_static() { ! ldd "$1" >/dev/null 2>&1; }
+
+# copy_libraries FILE...: the shared libraries the files link (what distroless/cc carries and
+# more), taken from this (the build) machine, at the paths the loader looks them up.
+copy_libraries() {
+  local lib
+  while read -r lib; do
+    [ -f "$ROOTFS$lib" ] || install -D -m 0755 "$(readlink -f "$lib")" "$ROOTFS$lib"
+  done < <(for file in "$@"; do ldd "$file"; done | grep -o '/[^ ]*' | sort -u)
+}
+
+# Debian's iptables (package iptables), for `sluice redirect`: the two multi-call binaries, the
+# restore/save names they dispatch on (argv[0]), as symlinks the way the package installs them,
+# the extensions they dlopen at run time (the tcp match, the REDIRECT target) and every library
+# those link.
+IPTABLES_NAMES=(iptables-nft-restore iptables-nft-save ip6tables-nft-restore ip6tables-nft-save
+  iptables-legacy-restore iptables-legacy-save ip6tables-legacy-restore ip6tables-legacy-save)
+XTABLES_EXTENSIONS=/usr/lib/x86_64-linux-gnu/xtables
+copy_iptables() {
+  local multi name
+  for multi in xtables-nft-multi xtables-legacy-multi; do
+    [ -x "/usr/sbin/$multi" ] || die "no /usr/sbin/$multi (Debian package iptables)"
+    install -D -m 0755 "/usr/sbin/$multi" "$ROOTFS/usr/sbin/$multi"
+  done
+  for name in "${IPTABLES_NAMES[@]}"; do
+    case "$name" in
+      *-nft-*) ln -s xtables-nft-multi "$ROOTFS/usr/sbin/$name" ;;
+      *) ln -s xtables-legacy-multi "$ROOTFS/usr/sbin/$name" ;;
+    esac
+  done
+  [ -d "$XTABLES_EXTENSIONS" ] || die "no $XTABLES_EXTENSIONS (Debian package iptables)"
+  mkdir -p "$ROOTFS$XTABLES_EXTENSIONS"
+  # -P: the extensions' symlinks (libxt_REDIRECT.so among them) stay symlinks.
+  cp -RP "$XTABLES_EXTENSIONS/." "$ROOTFS$XTABLES_EXTENSIONS/"
+  copy_libraries /usr/sbin/xtables-nft-multi /usr/sbin/xtables-legacy-multi "$XTABLES_EXTENSIONS"/*.so
+}
 
 # write_image REF OUT CONFIG_JSON: ROOTFS as one layer, CONFIG_JSON as the image's runtime config.
 write_image() {
@@ -94,19 +132,16 @@ image_sluice() {
   mkdir -p "$ROOTFS/usr/local/bin"
   strip --strip-debug -o "$ROOTFS/usr/local/bin/sluice" "$binary"
   chmod 0755 "$ROOTFS/usr/local/bin/sluice"
-  # The runtime libraries distroless/cc carries, taken from this (the build) machine: exactly what
-  # the binary links, at the paths its loader looks them up.
-  local lib
-  while read -r lib; do
-    install -D -m 0755 "$(readlink -f "$lib")" "$ROOTFS$lib"
-  done < <(ldd "$binary" | grep -o '/[^ ]*' | sort -u)
+  # The runtime libraries distroless/cc carries: exactly what the binary links.
+  copy_libraries "$binary"
+  copy_iptables
   [ -f /etc/ssl/certs/ca-certificates.crt ] || die "no /etc/ssl/certs/ca-certificates.crt (Debian package ca-certificates)"
   install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
   printf 'hosts: files dns\n' > "$ROOTFS/etc/nsswitch.conf"
   write_users
   write_image "$ref" "$out" '{
       "User": "65532:65532", "Entrypoint": ["sluice"], "Cmd": ["--help"],
-      "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"],
+      "Env": ["PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"],
       "ExposedPorts": {"8080/tcp": {}, "9443/tcp": {}}, "WorkingDir": "/home/nonroot"}'
 }
 

@@ -92,7 +92,7 @@ kind load docker-image "$IMAGE" --name "$CLUSTER"
 # e2e/local-node.sh runs in the README test command (e2e/smoke.sh). The app is busybox from
 # Docker Hub.
 SMOKE=(env SLUICE_IMAGE="$IMAGE" SMOKE_WORK="$WORK/smoke" SMOKE_VALUES="$PWD/e2e/values/loaded-image.yaml" e2e/smoke.sh)
-"${SMOKE[@]}" install verify failover upgrade
+"${SMOKE[@]}" install verify iptables failover upgrade
 
 # ---- the Rust e2e suite against the cluster, then uninstall -------------------------------------
 [ "${1:-}" = "--" ] && shift

@@ -60,5 +60,5 @@ flow_start=$SECONDS
 e2e/node.sh exec "$NODE" env PATH="$(dirname "$helm"):$bin:$PATH" SMOKE_WORK="$WORK/smoke" \
   SLUICE_IMAGE=sluice:node-e2e SMOKE_APP_IMAGE=sluice-e2e/busybox:1.35.0 \
   SMOKE_VALUES="$PWD/e2e/values/loaded-image.yaml" \
-  e2e/smoke.sh install verify failover upgrade suite uninstall
+  e2e/smoke.sh install verify iptables failover upgrade suite uninstall
 log "passed: flow $((SECONDS - flow_start)) s, all $((SECONDS - start)) s"

@@ -10,8 +10,17 @@
 #              Deployment is Available (readiness really passes)
 #   verify     webhook caBundles filled; an invalid policy refused through the webhook Service; a
 #              policy Enforced (apply-to-enforced time measured); a labelled Deployment's pods run
-#              the injected sidecar next to the app; traffic through the sidecar reaches the app
-#              and is answered 429 past the limit with RateLimit headers
+#              the injected sidecar next to the app (service redirect mode: the sidecar took the
+#              app port's name; the app's probes, moved to the sidecar's admin port, pass);
+#              traffic through the sidecar reaches the app and is answered 429 past the limit
+#              with RateLimit headers, both through port-forward and from another pod through an
+#              ordinary Service with `targetPort: http`; the generated NetworkPolicy admits only
+#              the sidecar's ports; a Service with a numeric targetPort is reported
+#              (SidecarBypassed Event)
+#   iptables   a Deployment annotated sluice.dev/redirect: iptables: its init container installs
+#              the redirect; another pod dialling the app's own port (pod IP:8080) and a Service
+#              with a numeric targetPort are both limited; measures the redirect's added latency
+#              (when the pod network is reachable from here) and the init container's start-up cost
 #   failover   delete the Lease holder's pod: the Lease moves to the other replica (time measured),
 #              which writes status for a policy change, and enforcement continues
 #   upgrade    helm upgrade with a changed value rolls every operator pod; enforcement continues
@@ -204,6 +213,33 @@ expect_limit() {
   [ "$last" = 429 ] || die "no 429 within $((2 * limit + 1)) requests: ${codes[*]}"
 }
 
+# write_app NAME MODE: the demo app's Deployment (busybox httpd on a port named http, with
+# probes on it), labelled for injection, in redirect mode MODE.
+write_app() {
+  cat <<EOF
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: $1, namespace: $SMOKE_NS}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: $1}}
+  template:
+    metadata:
+      labels: {app: $1, sluice.dev/inject: "true"}
+      annotations: {sluice.dev/redirect: $2}
+    spec:
+      containers:
+        - name: app
+          image: $APP_IMAGE
+          imagePullPolicy: IfNotPresent
+          command: [sh, -c, "mkdir -p /tmp/www && echo ok > /tmp/www/healthz && exec httpd -f -p 8080 -h /tmp/www"]
+          ports: [{name: http, containerPort: 8080}]
+          # Moved to the sidecar's admin port by the webhook, which runs them against the app.
+          readinessProbe: {httpGet: {path: /healthz, port: http}, periodSeconds: 2}
+          livenessProbe: {tcpSocket: {port: 8080}, periodSeconds: 10}
+EOF
+}
+
 phase_verify() {
   kubectl create namespace "$SMOKE_NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
   kubectl label namespace "$SMOKE_NS" sluice.dev/kind-smoke=true --overwrite >/dev/null
@@ -232,24 +268,7 @@ EOF
   kubectl -n "$SMOKE_NS" get rlp >&2
 
   log "verify: a labelled Deployment runs the injected sidecar next to the app"
-  cat > "$WORK/echo.yaml" <<EOF
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: echo, namespace: $SMOKE_NS}
-spec:
-  replicas: 1
-  selector: {matchLabels: {app: echo}}
-  template:
-    metadata:
-      labels: {app: echo, sluice.dev/inject: "true"}
-    spec:
-      containers:
-        - name: app
-          image: $APP_IMAGE
-          imagePullPolicy: IfNotPresent
-          command: [sh, -c, "mkdir -p /tmp/www && echo ok > /tmp/www/healthz && exec httpd -f -p 8080 -h /tmp/www"]
-          ports: [{name: http, containerPort: 8080}]
-EOF
+  write_app echo service > "$WORK/echo.yaml"
   kubectl apply -f "$WORK/echo.yaml" >&2
   kubectl -n "$SMOKE_NS" rollout status deployment/echo --timeout=180s >&2 || die "the app did not roll out"
   local ready
@@ -262,7 +281,177 @@ EOF
   start_port_forward
   expect_limit k1 3
   decided_by_endpoint
+  log "verify: the sidecar took over the app port's name; the app's probes run through its admin port"
+  local names probe
+  names="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].spec.containers[*]}{.name}:{range .ports[*]}{.name}={.containerPort},{end} {end}')"
+  log "container ports: $names"
+  [[ " $names " == *" sluice-sidecar:http=15080,"* ]] || die "the sidecar's listener is not named http: $names"
+  [[ " $names " == *" app:=8080,"* ]] || die "the app's port kept its name: $names"
+  probe="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{.items[0].spec.containers[0].readinessProbe.httpGet.port}{.items[0].spec.containers[0].readinessProbe.httpGet.path}')"
+  [ "$probe" = "15081/app-health/app/readyz" ] || die "the app's readiness probe was not moved to the sidecar: $probe"
+
+  log "verify: from another pod through an ordinary Service (targetPort: http), 429 past the limit"
+  cat > "$WORK/echo-service.yaml" <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: echo, namespace: $SMOKE_NS}
+spec:
+  selector: {app: echo}
+  ports: [{name: http, port: 80, targetPort: http}]
+EOF
+  kubectl apply -f "$WORK/echo-service.yaml" >&2
+  start_client
+  retry 60 client_reaches "http://echo.$SMOKE_NS.svc/healthz" || die "the client pod does not reach the echo Service"
+  expect_limit_from_client "http://echo.$SMOKE_NS.svc/healthz" k-svc 3
+
+  log "verify: the NetworkPolicy admits ingress to the injected pod only on the sidecar's ports"
+  local label policy
+  label="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{.items[0].metadata.labels.sluice\.dev/ingress-ports}')"
+  [ "$label" = 15080.15081 ] || die "the injected pod's sluice.dev/ingress-ports label is $label"
+  retry 60 kubectl -n "$SMOKE_NS" get networkpolicy sluice-ingress-15080-15081 -o json >"$WORK/networkpolicy.json" 2>/dev/null \
+    || die "no NetworkPolicy sluice-ingress-15080-15081"
+  policy="$(jq -c '[.spec.podSelector.matchLabels, .spec.policyTypes, .spec.ingress]' "$WORK/networkpolicy.json")"
+  log "NetworkPolicy: $policy"
+  [ "$policy" = '[{"sluice.dev/ingress-ports":"15080.15081"},["Ingress"],[{"ports":[{"port":15080,"protocol":"TCP"},{"port":15081,"protocol":"TCP"}]}]]' ] \
+    || die "the NetworkPolicy is not what injected pods need: $policy"
+
+  log "verify: a Service with a numeric targetPort to the app is reported"
+  cat > "$WORK/echo-direct.yaml" <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: echo-direct, namespace: $SMOKE_NS}
+spec:
+  selector: {app: echo}
+  ports: [{port: 80, targetPort: 8080}]
+EOF
+  kubectl apply -f "$WORK/echo-direct.yaml" >&2
+  retry 60 bypass_reported echo-direct || die "no SidecarBypassed Event on the Service echo-direct"
+  kubectl -n "$SMOKE_NS" delete service echo-direct >&2
 }
+
+# A Warning SidecarBypassed Event regards Service $1.
+bypass_reported() {
+  kubectl -n "$SMOKE_NS" get events -o json \
+    | jq -e --arg name "$1" '[.items[] | select(.reason == "SidecarBypassed" and .involvedObject.name == $name)] | length > 0' >/dev/null
+}
+
+# A plain pod (not injected) to send traffic from inside the pod network.
+start_client() {
+  kubectl -n "$SMOKE_NS" get pod client >/dev/null 2>&1 && return 0
+  kubectl -n "$SMOKE_NS" run client --image="$APP_IMAGE" --image-pull-policy=IfNotPresent --restart=Never \
+    --command -- sleep 86400 >&2
+  kubectl -n "$SMOKE_NS" wait --for=condition=Ready pod/client --timeout=120s >&2 || die "the client pod is not ready"
+}
+
+# client_get URL KEY: from the client pod; prints the status code, leaves $WORK/client-out
+# (the response's headers, then the body after a ---BODY--- line; busybox wget shows only the
+# status line of an error response).
+client_get() {
+  kubectl -n "$SMOKE_NS" exec client -- sh -c \
+    "wget -S -T 5 -O /tmp/body --header 'X-API-Key: $2' '$1' 2>/tmp/headers; cat /tmp/headers; echo ---BODY---; cat /tmp/body 2>/dev/null; rm -f /tmp/body" \
+    >"$WORK/client-out" 2>&1 || true
+  grep -o 'HTTP/1\.[01] [0-9]*' "$WORK/client-out" | tail -1 | cut -d' ' -f2
+}
+
+client_reaches() { [ -n "$(client_get "$1" "warmup-$RANDOM")" ]; }
+
+# expect_limit_from_client URL KEY LIMIT: as expect_limit, from the client pod.
+expect_limit_from_client() {
+  local url="$1" key="$2" limit="$3" codes=() last="" i
+  for ((i = 1; i <= 2 * limit + 1; i++)); do
+    last="$(client_get "$url" "$key")"
+    codes+=("$last")
+    if ((i <= limit)); then
+      [ "$last" = 200 ] || { cat "$WORK/client-out" >&2; die "request $i of key $key to $url should reach the app: ${codes[*]}"; }
+      [ "$(sed -n '/^---BODY---$/,$p' "$WORK/client-out" | sed 1d)" = ok ] || die "request $i of key $key did not get the app's answer"
+      grep -qi 'ratelimit-policy:' "$WORK/client-out" || die "a 200 from $url without RateLimit-Policy: it did not pass the sidecar"
+    fi
+    [ "$last" = 429 ] && break
+  done
+  log "from the client pod, $url key $key, limit $limit: ${codes[*]}"
+  [ "$last" = 429 ] || die "no 429 from $url within $((2 * limit + 1)) requests: ${codes[*]}"
+}
+
+# The iptables redirect mode, per pod: nothing reaches the app's port but through the sidecar.
+phase_iptables() {
+  log "iptables: a Deployment annotated sluice.dev/redirect: iptables"
+  cat > "$WORK/policy-ipt.yaml" <<EOF
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: echo-ipt, namespace: $SMOKE_NS}
+spec:
+  selector: {matchLabels: {app: echo-ipt}}
+  rules:
+    - name: per-key
+      # Requests without the key (the latency measurement) are not limited.
+      key: [{header: X-API-Key, missing: skip}]
+      algorithm: fixedWindow
+      limit: {requests: 3, per: 1h}
+EOF
+  kubectl apply -f "$WORK/policy-ipt.yaml" >&2
+  write_app echo-ipt iptables > "$WORK/echo-ipt.yaml"
+  kubectl apply -f "$WORK/echo-ipt.yaml" >&2
+  kubectl -n "$SMOKE_NS" rollout status deployment/echo-ipt --timeout=180s >&2 || die "the iptables Deployment did not roll out"
+  local pod ip
+  pod="$(kubectl -n "$SMOKE_NS" get pods -l app=echo-ipt -o jsonpath='{.items[0].metadata.name}')"
+  ip="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.status.podIP}')"
+  log "iptables: the init container's rules:"
+  kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init >&2 || die "no log from sluice-init"
+  kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init | grep -q -- '--dport 8080 -j REDIRECT --to-ports 15080' \
+    || die "sluice-init did not install the redirect of 8080"
+
+  log "iptables: another pod dials the app's own port ($ip:8080): it goes through the sidecar"
+  start_client
+  expect_limit_from_client "http://$ip:8080/healthz" k-direct 3
+  log "iptables: a Service with a numeric targetPort is limited too"
+  cat > "$WORK/echo-ipt-service.yaml" <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: echo-ipt, namespace: $SMOKE_NS}
+spec:
+  selector: {app: echo-ipt}
+  ports: [{port: 80, targetPort: 8080}]
+EOF
+  kubectl apply -f "$WORK/echo-ipt-service.yaml" >&2
+  retry 60 client_reaches "http://echo-ipt.$SMOKE_NS.svc/healthz" || die "the client pod does not reach the echo-ipt Service"
+  expect_limit_from_client "http://echo-ipt.$SMOKE_NS.svc/healthz" k-ipt-svc 3
+  local np
+  np="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.metadata.labels.sluice\.dev/ingress-ports}')"
+  [ "$np" = 8080.15080.15081 ] || die "the iptables pod's ingress ports are $np"
+  retry 60 kubectl -n "$SMOKE_NS" get networkpolicy sluice-ingress-8080-15080-15081 >/dev/null 2>&1 \
+    || die "no NetworkPolicy for the iptables pod's ports"
+
+  startup_cost echo echo-ipt
+  redirect_latency "$ip"
+}
+
+# Seconds from a pod's start to Ready (conditions have whole seconds), and the init container's run.
+startup_cost() {
+  local app json
+  for app in "$@"; do
+    json="$(kubectl -n "$SMOKE_NS" get pods -l "app=$app" -o json)"
+    log "measured pod start-up ($app): $(jq -r '.items[0] | [.status.startTime, (.status.conditions[] | select(.type == "Ready") | .lastTransitionTime)] | map(fromdateiso8601) | "\(.[1] - .[0]) s to Ready"' <<<"$json")$(jq -r '.items[0].status.initContainerStatuses // [] | map(select(.name == "sluice-init") | .state.terminated | ", sluice-init ran \((.finishedAt | fromdateiso8601) - (.startedAt | fromdateiso8601)) s") | join("")' <<<"$json")"
+  done
+}
+
+# The redirect's added latency: the same requests to the app's port (redirected) and to the
+# sidecar's port, sequentially, on kept-alive and on new connections. Only where the pod network
+# is reachable from this shell (the one-node cluster's namespace, not kind's host).
+redirect_latency() {
+  local ip="$1" port mode urls
+  if ! curl -s -o /dev/null --max-time 2 "http://$ip:15081/healthz"; then
+    log "redirect latency: not measured (the pod network is not reachable from here)"
+    return 0
+  fi
+  for mode in keep-alive close; do
+    for port in 8080 15080; do
+      mapfile -t urls < <(for _ in $(seq 300); do echo "http://$ip:$port/healthz"; done)
+      curl -s -o /dev/null -H "Connection: $mode" -w '%{time_total}\n' "${urls[@]}" \
+        | sort -n | awk -v what="$mode, port $port" '{ t[NR] = $1 } END { printf "smoke: measured request latency (%s): median %.3f ms, p90 %.3f ms over %d\n", what, t[int(NR / 2)] * 1000, t[int(NR * 0.9)] * 1000, NR }' >&2
+    done
+  done
+}
+
 
 # The sidecar's own metrics (admin port): its decisions came from the endpoint through the Service
 # (DNS, TLS against the operator's CA, TokenReview of its pod's token), not from a fallback.
@@ -377,10 +566,10 @@ phase_uninstall() {
   log "uninstall: left in $RELEASE_NS: $(kubectl -n "$RELEASE_NS" get secrets,leases,configmaps -o name 2>/dev/null | tr '\n' ' ')"
 }
 
-(($#)) || { sed -n '2,30p' "$0"; exit 2; }
+(($#)) || { sed -n '2,38p' "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    install|verify|failover|upgrade|suite|uninstall) "phase_$phase" ;;
+    install|verify|iptables|failover|upgrade|suite|uninstall) "phase_$phase" ;;
     *) die "unknown phase $phase" ;;
   esac
 done

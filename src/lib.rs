@@ -14,6 +14,7 @@ pub mod convert;
 pub mod duration;
 pub mod operator;
 pub mod policy;
+pub mod redirect;
 pub mod request;
 pub mod role;
 pub mod rule;

@@ -42,6 +42,9 @@ enum Command {
     /// Converts another rate limiter's configuration into RateLimitPolicy documents (stdout).
     #[command(subcommand)]
     Convert(ConvertCommand),
+    /// Init container of the sidecar's iptables mode: redirects inbound TCP to the application's
+    /// ports to the sidecar (nat PREROUTING only; loopback and egress untouched). Needs NET_ADMIN.
+    Redirect(sluice::redirect::RedirectArgs),
 }
 
 #[derive(Subcommand)]
@@ -144,6 +147,25 @@ fn main() -> anyhow::Result<()> {
         Command::Simulate(args) => {
             print!("{}", sluice::simulate::run(&args)?);
             Ok(())
+        }
+        Command::Redirect(args) => run_redirect(&args),
+    }
+}
+
+/// One shot, no runtime: the rules on stdout for `kubectl logs`; on failure what failed and why
+/// on stderr and in the termination message, exit code 1 (no `Error:` and no backtrace: the
+/// message is the whole story).
+fn run_redirect(args: &sluice::redirect::RedirectArgs) -> anyhow::Result<()> {
+    match sluice::redirect::run(args) {
+        Ok(report) => {
+            print!("{report}");
+            Ok(())
+        }
+        Err(error) => {
+            let message = format!("sluice redirect: {}", sluice::redirect::failure_message(&error));
+            sluice::redirect::write_termination_log(&message);
+            eprintln!("{message}");
+            std::process::exit(1)
         }
     }
 }

@@ -111,6 +111,14 @@ pub struct Metrics {
     pub pods_without_sidecar: Gauge,
     /// SidecarMissing Events this replica created (one per such pod, whichever replica leads).
     pub sidecar_missing_events: Counter,
+    /// Services reaching an injected application's guarded port by number, past the sidecar
+    /// (by the Lease holder; 0 elsewhere).
+    pub services_bypassing_sidecar: Gauge,
+    /// SidecarBypassed Events this replica created.
+    pub sidecar_bypass_events: Counter,
+    /// NetworkPolicies for injected pods this replica applied (once per namespace and port set
+    /// per leadership term).
+    pub network_policies_applied: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -256,6 +264,24 @@ impl Metrics {
             "SidecarMissing Events this replica created (one per pod labelled for injection found without the sidecar)",
             sidecar_missing_events.clone(),
         );
+        let services_bypassing_sidecar = Gauge::default();
+        registry.register(
+            "services_bypassing_sidecar",
+            "Services whose numeric targetPort reaches an injected application's port past the sidecar (by the Lease holder; 0 elsewhere)",
+            services_bypassing_sidecar.clone(),
+        );
+        let sidecar_bypass_events = Counter::default();
+        registry.register(
+            "sidecar_bypass_events",
+            "SidecarBypassed Events this replica created (one per Service and set of bypassing ports)",
+            sidecar_bypass_events.clone(),
+        );
+        let network_policies_applied = Counter::default();
+        registry.register(
+            "network_policies_applied",
+            "NetworkPolicies admitting ingress to injected pods only on the sidecar's ports, applied by this replica",
+            network_policies_applied.clone(),
+        );
         let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
@@ -286,6 +312,9 @@ impl Metrics {
             injection_warnings,
             pods_without_sidecar,
             sidecar_missing_events,
+            services_bypassing_sidecar,
+            sidecar_bypass_events,
+            network_policies_applied,
         }
     }
 

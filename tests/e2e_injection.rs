@@ -535,3 +535,116 @@ async fn a_secret_not_naming_the_webhook_host_is_replaced_keeping_its_ca() {
         + 365.0 * 86400.0;
     assert!((expiry - year_from_now).abs() < 3600.0, "a year's validity: {expiry}");
 }
+
+/// The two redirect modes as the real API server admits them, the NetworkPolicy the leader keeps
+/// for injected pods (under deploy/rbac.yaml), and a Service that reaches the application's port
+/// by number reported once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_pods_are_reachable_only_through_the_sidecar() {
+    let _serial = SERIAL.lock().await;
+    let cp = cluster();
+    let client = cp.client().await;
+    let (ns, strict) = ("inject-paths", "inject-paths-restricted");
+    namespace(&client, ns, json!({"sluice-e2e": "paths"})).await;
+    namespace(
+        &client,
+        strict,
+        json!({"sluice-e2e": "paths", "pod-security.kubernetes.io/enforce": "restricted",
+               "pod-security.kubernetes.io/enforce-version": "latest"}),
+    )
+    .await;
+    let port = free_port();
+    mutating_configuration(cp, vec![hook("inject.sluice.dev", port, "paths", json!({"sluice.dev/inject": "true"}))]);
+    let op = operator(cp, "paths-1", &format!("{ns},{strict}"), "e2e-inject-paths", port, &[]);
+    ready(&op).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let labels = json!({"app": "web", "sluice.dev/inject": "true"});
+    let app = json!([{"name": "app", "image": "app:1", "ports": [{"name": "http", "containerPort": 8080}],
+                      "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}}}]);
+
+    // service mode (the default): the API server accepts the renamed ports and moved probe.
+    let web = injected_pod(&pods, "web", |n| pod(n, labels.clone(), json!({}), app.clone())).await;
+    let spec = web.spec.as_ref().expect("spec");
+    let port_names: Vec<_> = spec
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten().map(|p| (c.name.clone(), p.name.clone())))
+        .collect();
+    assert!(port_names.contains(&(SIDECAR.into(), Some("http".into()))), "{port_names:?}");
+    assert!(port_names.contains(&("app".into(), None)), "{port_names:?}");
+    let probe = spec.containers[0].readiness_probe.as_ref().and_then(|p| p.http_get.clone()).expect("probe");
+    assert_eq!((probe.path.as_deref(), probe.port), (Some("/app-health/app/readyz"), IntOrString::Int(15081)));
+
+    // iptables mode: the init container is admitted where Pod Security allows NET_ADMIN...
+    let annotations = json!({"sluice.dev/redirect": "iptables"});
+    let redirected =
+        injected_pod(&pods, "redirected", |n| pod(n, labels.clone(), annotations.clone(), app.clone())).await;
+    let init = redirected.spec.as_ref().and_then(|s| s.init_containers.clone()).unwrap_or_default();
+    assert_eq!(init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["sluice-init"]);
+    let labels_of = |p: &Pod| p.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(labels_of(&redirected).get("sluice.dev/ingress-ports").map(String::as_str), Some("8080.15080.15081"));
+    // ...and refused, loudly, where it does not: the pod never runs unprotected.
+    let strict_pods: Api<Pod> = Api::namespaced(client.clone(), strict);
+    let err = eventually("a refusal naming the capability", Duration::from_secs(30), || async {
+        let attempt = pod("privileged", labels.clone(), annotations.clone(), json!([restricted_app()]));
+        match strict_pods.create(&PostParams::default(), &attempt).await {
+            Err(e) if e.to_string().contains("NET_ADMIN") => Ok(e.to_string()),
+            Err(e) => Err(e.to_string()),
+            Ok(created) => {
+                let _ = strict_pods.delete("privileged", &DeleteParams::default()).await;
+                Err(format!("admitted (injected: {})", sidecar(&created).is_some()))
+            }
+        }
+    })
+    .await;
+    assert!(err.contains("violates PodSecurity") && err.contains("sluice-init"), "{err}");
+
+    // The leader's NetworkPolicies admit each port set only.
+    let policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy> = Api::namespaced(client.clone(), ns);
+    for (name, ports) in [
+        ("sluice-ingress-15080-15081", vec![15080, 15081]),
+        ("sluice-ingress-8080-15080-15081", vec![8080, 15080, 15081]),
+    ] {
+        let policy = eventually("the NetworkPolicy", Duration::from_secs(30), || async {
+            policies.get(name).await.map_err(|e| format!("{e}; logs:\n{}", op.logs()))
+        })
+        .await;
+        let spec = policy.spec.expect("spec");
+        let open: Vec<_> = spec
+            .ingress
+            .iter()
+            .flatten()
+            .flat_map(|r| r.ports.iter().flatten())
+            .filter_map(|p| p.port.clone())
+            .collect();
+        assert_eq!(open, ports.into_iter().map(IntOrString::Int).collect::<Vec<_>>());
+        assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_string()][..]));
+    }
+
+    // A Service by number past the sidecar is reported once; one by name is not.
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(client.clone(), ns);
+    for (name, target) in [("by-name", json!("http")), ("by-number", json!(8080))] {
+        let service = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": target}]}
+        }))
+        .expect("service");
+        services.create(&PostParams::default(), &service).await.expect("service");
+    }
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let bypassed = eventually("a SidecarBypassed event", Duration::from_secs(30), || async {
+        let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let found: Vec<String> = list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("SidecarBypassed"))
+            .filter_map(|e| e.regarding.as_ref().and_then(|r| r.name.clone()))
+            .collect();
+        if found.is_empty() { Err(format!("none yet; logs:\n{}", op.logs())) } else { Ok(found) }
+    })
+    .await;
+    assert_eq!(bypassed, ["by-number"]);
+    metric_becomes(&op, "sluice_services_bypassing_sidecar", 1.0, "the gauge counts it").await;
+    services.delete("by-number", &DeleteParams::default()).await.expect("delete");
+    metric_becomes(&op, "sluice_services_bypassing_sidecar", 0.0, "the gauge drops").await;
+}

@@ -522,6 +522,8 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         token_file: None,
         endpoint_ca: None,
         endpoint_batches: 4,
+        app_probes: Default::default(),
+        inbound_ports: Vec::new(),
     };
     let clock = FakeClock::new(1_700_000_000_000_000);
     let metrics = Arc::new(SidecarMetrics::new());
@@ -1142,4 +1144,35 @@ async fn a_hanging_single_check_does_not_hold_an_exchange_for_ever() {
         assert_eq!(reply.headers()["x-ratelimit-limit"], "10", "{key}: decided by the endpoint again");
     }
     assert!(singles.load(Ordering::SeqCst) >= 4);
+}
+
+/// The app's probes, moved to the admin port by the webhook, reach the app without a check: a
+/// probe never spends a limit, and is never refused by one.
+#[tokio::test]
+async fn the_apps_probes_run_on_the_admin_port_without_a_limit() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let probes = serde_json::json!({
+        "/app-health/app/readyz": {"port": up.port(), "http": {"path": "/limited/a", "scheme": "HTTP",
+                                    "headers": [["X-API-Key", "k1"]]}, "timeoutSeconds": 1},
+        "/app-health/app/livez": {"port": up.port(), "timeoutSeconds": 1},
+    })
+    .to_string();
+    let sidecar = start_sidecar(up, &serve.url(""), &["--app-probes", &probes]);
+    let c = client();
+    for _ in 0..5 {
+        let probe = c.get(format!("http://{}/app-health/app/readyz", sidecar.admin)).send().await.unwrap();
+        assert_eq!(probe.status(), 200);
+    }
+    assert_eq!(state.hits.load(Ordering::SeqCst), 5, "every probe reached the app");
+    let live = c.get(format!("http://{}/app-health/app/livez", sidecar.admin)).send().await.unwrap();
+    assert_eq!(live.status(), 200, "a TCP probe connects");
+    let unknown = c.get(format!("http://{}/app-health/other/readyz", sidecar.admin)).send().await.unwrap();
+    assert_eq!(unknown.status(), 404);
+    // The key the probe used still has its whole limit (2) through the proxy.
+    for _ in 0..2 {
+        assert_eq!(get_with_key(&c, &sidecar.url("/limited/a"), "k1").await.status(), 200);
+    }
+    assert_eq!(get_with_key(&c, &sidecar.url("/limited/a"), "k1").await.status(), 429);
 }

@@ -10,14 +10,16 @@
 use std::collections::BTreeMap;
 
 use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation};
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
-    SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
+    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements,
+    SeccompProfile, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::traffic::{self, Plan, RedirectMode, TrafficDefaults};
 
 pub const INJECT_LABEL: &str = "sluice.dev/inject";
 /// Stamped on every pod the webhook injected (or found already carrying the sidecar): the image
@@ -88,6 +90,8 @@ pub struct InjectConfig {
     pub token_audience: Option<String>,
     /// With the check API on TLS: the CA the sidecar verifies the endpoint against (PEM).
     pub endpoint_ca_pem: Option<String>,
+    /// How traffic reaches the sidecar unless the pod's annotations say otherwise.
+    pub traffic: TrafficDefaults,
 }
 
 /// What the webhook does with one pod.
@@ -303,12 +307,124 @@ fn add(path: &[&str], value: serde_json::Value) -> PatchOperation {
     PatchOperation::Add(AddOperation { path: PointerBuf::from_tokens(path.iter().copied()), value })
 }
 
-/// Stamps [`INJECTED_ANNOTATION`] (JSON patch cannot add to a map that does not exist).
-fn stamp(pod: &Pod, image: &str) -> PatchOperation {
+/// Sets `annotations` on the pod (JSON patch cannot add to a map that does not exist).
+fn annotate(pod: &Pod, annotations: &[(&str, String)]) -> Vec<PatchOperation> {
     match &pod.metadata.annotations {
-        Some(_) => add(&["metadata", "annotations", INJECTED_ANNOTATION], image.into()),
-        None => add(&["metadata", "annotations"], serde_json::json!({INJECTED_ANNOTATION: image})),
+        Some(_) => annotations.iter().map(|(k, v)| add(&["metadata", "annotations", k], v.as_str().into())).collect(),
+        None => {
+            let map: serde_json::Map<String, serde_json::Value> =
+                annotations.iter().map(|(k, v)| (k.to_string(), v.as_str().into())).collect();
+            vec![add(&["metadata", "annotations"], map.into())]
+        }
     }
+}
+
+/// Stamps [`INJECTED_ANNOTATION`].
+fn stamp(pod: &Pod, image: &str) -> PatchOperation {
+    annotate(pod, &[(INJECTED_ANNOTATION, image.to_string())]).remove(0)
+}
+
+fn replace(path: &[&str], value: serde_json::Value) -> PatchOperation {
+    PatchOperation::Replace(ReplaceOperation { path: PointerBuf::from_tokens(path.iter().copied()), value })
+}
+
+fn remove(path: &[&str]) -> PatchOperation {
+    PatchOperation::Remove(RemoveOperation { path: PointerBuf::from_tokens(path.iter().copied()) })
+}
+
+/// The `iptables` mode's init container: `sluice redirect` with NET_ADMIN and NET_RAW and nothing
+/// else (gone once it exits: neither the sidecar nor the application ever holds them).
+fn init_container(config: &InjectConfig, plan: &Plan, listen: u16) -> Container {
+    let quantity = |q: &str| Quantity(q.to_string());
+    Container {
+        name: traffic::INIT_CONTAINER_NAME.into(),
+        image: Some(config.image.clone()),
+        args: Some(vec!["redirect".into()]),
+        env: Some(vec![
+            env("SLUICE_REDIRECT_TO_PORT", &listen.to_string()),
+            env("SLUICE_REDIRECT_PORTS", &traffic::join_ports(&plan.redirected_ports, ",")),
+            env("SLUICE_IPTABLES", &plan.iptables),
+            env("XTABLES_LOCKFILE", &format!("{}/xtables.lock", traffic::XTABLES_DIR)),
+        ]),
+        resources: Some(ResourceRequirements {
+            requests: Some([("cpu".to_string(), quantity("10m")), ("memory".to_string(), quantity("16Mi"))].into()),
+            limits: Some([("memory".to_string(), quantity("64Mi"))].into()),
+            ..Default::default()
+        }),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(false),
+            run_as_user: Some(0),
+            run_as_group: Some(0),
+            allow_privilege_escalation: Some(false),
+            privileged: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                add: Some(vec!["NET_ADMIN".into(), "NET_RAW".into()]),
+                drop: Some(vec!["ALL".into()]),
+            }),
+            seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..Default::default() }),
+            ..Default::default()
+        }),
+        // Its error (a missing capability, above all) becomes the container's termination
+        // message, which `kubectl describe pod` shows.
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        volume_mounts: Some(vec![VolumeMount {
+            name: traffic::XTABLES_VOLUME.into(),
+            mount_path: traffic::XTABLES_DIR.into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    }
+}
+
+/// The patch operations that put the sidecar in the path: the application port's name, its
+/// probes, the init container, the NetworkPolicy label and what the operator reads back.
+fn traffic_ops(
+    pod: &Pod,
+    config: &InjectConfig,
+    plan: &Plan,
+    listen: u16,
+    volumes: &mut Vec<Volume>,
+) -> Vec<PatchOperation> {
+    let mut ops = Vec::new();
+    let index = |i: usize| i.to_string();
+    if let Some((container, port)) = plan.renamed_port {
+        ops.push(remove(&["spec", "containers", &index(container), "ports", &index(port), "name"]));
+    }
+    for rewrite in &plan.probes {
+        ops.push(replace(
+            &["spec", "containers", &index(rewrite.container_index), rewrite.field],
+            serde_json::to_value(&rewrite.probe).unwrap_or_default(),
+        ));
+    }
+    if plan.mode == RedirectMode::Iptables {
+        let init = serde_json::to_value(init_container(config, plan, listen)).unwrap_or_default();
+        // First: every other init container, and the application, start behind the redirect.
+        match pod.spec.as_ref().and_then(|s| s.init_containers.as_ref()) {
+            Some(existing) if !existing.is_empty() => ops.push(add(&["spec", "initContainers", "0"], init)),
+            _ => ops.push(add(&["spec", "initContainers"], serde_json::Value::Array(vec![init]))),
+        }
+        volumes.push(Volume {
+            name: traffic::XTABLES_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(Quantity("1Mi".into())),
+            }),
+            ..Default::default()
+        });
+    }
+    if let Some(value) = plan.ingress_label() {
+        ops.push(add(&["metadata", "labels", traffic::INGRESS_PORTS_LABEL], value.into()));
+    }
+    let mut annotations = vec![
+        (INJECTED_ANNOTATION, config.image.clone()),
+        (traffic::REDIRECT_ANNOTATION, plan.mode.as_str().to_string()),
+    ];
+    if !plan.guarded_ports.is_empty() {
+        annotations.push((traffic::GUARDED_PORTS_ANNOTATION, traffic::join_ports(&plan.guarded_ports, ",")));
+    }
+    ops.extend(annotate(pod, &annotations));
+    ops
 }
 
 /// Port clashes the sidecar cannot fix: they are the user's to resolve.
@@ -364,6 +480,7 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
     let admin = port_annotation(pod, ADMIN_PORT_ANNOTATION, config.admin_port, &mut warnings);
     port_clashes(pod, listen, upstream, admin, &mut warnings);
     let resources = resources(pod, &config.resources, &mut warnings);
+    let plan = traffic::plan(pod, config.traffic, (listen, upstream, admin), &mut warnings);
     let mut env_vars = vec![
         env("SLUICE_ENDPOINT", &config.endpoint),
         env("SLUICE_LISTEN", &format!("0.0.0.0:{listen}")),
@@ -401,6 +518,12 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
     if let Some(ca) = &config.endpoint_ca_pem {
         env_vars.push(env("SLUICE_ENDPOINT_CA_PEM", ca));
     }
+    if !plan.app_probes.is_empty() {
+        env_vars.push(env("SLUICE_APP_PROBES", &serde_json::to_string(&plan.app_probes).unwrap_or_default()));
+    }
+    if !plan.redirected_ports.is_empty() {
+        env_vars.push(env("SLUICE_INBOUND_PORTS", &traffic::join_ports(&plan.redirected_ports, ",")));
+    }
     if let Some(audience) = &config.token_audience {
         // The pod's own ServiceAccount, bound to Sluice's audience and short-lived: it proves the
         // sidecar's namespace to the endpoint and is useless against the API server.
@@ -432,7 +555,11 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         image: Some(config.image.clone()),
         args: Some(vec!["sidecar".into()]),
         ports: Some(vec![
-            ContainerPort { name: Some("sluice-http".into()), container_port: i32::from(listen), ..Default::default() },
+            ContainerPort {
+                name: Some(plan.listen_port_name.clone()),
+                container_port: i32::from(listen),
+                ..Default::default()
+            },
             ContainerPort { name: Some("sluice-admin".into()), container_port: i32::from(admin), ..Default::default() },
         ]),
         env: Some(env_vars),
@@ -445,10 +572,8 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         volume_mounts: Some(mounts),
         ..Default::default()
     };
-    let mut ops = vec![
-        add(&["spec", "containers", "-"], serde_json::to_value(container).unwrap_or_default()),
-        stamp(pod, &config.image),
-    ];
+    let mut ops = traffic_ops(pod, config, &plan, listen, &mut volumes);
+    ops.push(add(&["spec", "containers", "-"], serde_json::to_value(container).unwrap_or_default()));
     // A projected ServiceAccount token needs a named ServiceAccount. The API server's
     // ServiceAccount admission plugin names `default` before webhooks run; where it is off, say
     // what it would have.
@@ -487,6 +612,7 @@ mod tests {
             operator_namespace: "sluice-system".into(),
             token_audience: Some("sluice".into()),
             endpoint_ca_pem: Some("-----BEGIN CERTIFICATE-----\n".into()),
+            traffic: TrafficDefaults::default(),
         }
     }
 
@@ -676,6 +802,76 @@ mod tests {
         let names: Vec<_> =
             injected.spec.expect("spec").volumes.expect("volumes").into_iter().map(|v| v.name).collect();
         assert_eq!(names, ["data", PODINFO_VOLUME, TOKEN_VOLUME]);
+    }
+
+    fn web_pod(annotations: serde_json::Value) -> Pod {
+        pod(
+            true,
+            serde_json::json!({
+                "metadata": {"annotations": annotations},
+                "spec": {"containers": [{
+                    "name": "app", "image": "app",
+                    "ports": [{"name": "http", "containerPort": 8080}],
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}}
+                }]}
+            }),
+        )
+    }
+
+    #[test]
+    fn service_mode_hands_the_ports_name_to_the_sidecar() {
+        let (injected, sidecar, warnings) = inject(&web_pod(serde_json::json!({})));
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let spec = injected.spec.as_ref().expect("spec");
+        let app = &spec.containers[0];
+        let app_port = &app.ports.as_ref().expect("ports")[0];
+        assert_eq!((app_port.name.as_deref(), app_port.container_port), (None, 8080), "the app's port lost its name");
+        let ports: Vec<_> = sidecar.ports.iter().flatten().map(|p| (p.name.clone(), p.container_port)).collect();
+        assert_eq!(ports[0], (Some("http".into()), 15080), "targetPort: http now reaches the sidecar");
+        let probe = app.readiness_probe.as_ref().and_then(|p| p.http_get.clone()).expect("probe");
+        assert_eq!((probe.path.as_deref(), probe.port), (Some("/app-health/app/readyz"), IntOrString::Int(15081)));
+        let probes = env_value(&sidecar, "SLUICE_APP_PROBES").expect("the sidecar knows the probe");
+        let probes = crate::sidecar::probes::parse(&probes).expect("valid");
+        assert_eq!(probes["/app-health/app/readyz"].port, 8080);
+        assert!(spec.init_containers.is_none(), "no privilege in service mode");
+        let annotations = injected.metadata.annotations.as_ref().expect("annotations");
+        assert_eq!(annotations.get(traffic::REDIRECT_ANNOTATION).map(String::as_str), Some("service"));
+        assert_eq!(annotations.get(traffic::GUARDED_PORTS_ANNOTATION).map(String::as_str), Some("8080"));
+        let labels = injected.metadata.labels.as_ref().expect("labels");
+        assert_eq!(labels.get(traffic::INGRESS_PORTS_LABEL).map(String::as_str), Some("15080.15081"));
+        assert_eq!(super::patch(&injected, "tenant", &config()).outcome, PodOutcome::Skipped, "once");
+    }
+
+    #[test]
+    fn iptables_mode_adds_a_narrow_init_container_first() {
+        let original = web_pod(serde_json::json!({traffic::REDIRECT_ANNOTATION: "iptables"}));
+        let mut with_init = serde_json::to_value(&original).expect("json");
+        with_init["spec"]["initContainers"] = serde_json::json!([{"name": "migrate", "image": "app"}]);
+        let with_init: Pod = serde_json::from_value(with_init).expect("pod");
+        for pod in [original, with_init] {
+            let (injected, sidecar, warnings) = inject(&pod);
+            assert!(warnings.is_empty(), "{warnings:?}");
+            let spec = injected.spec.as_ref().expect("spec");
+            let init = &spec.init_containers.as_ref().expect("init containers")[0];
+            assert_eq!(init.name, traffic::INIT_CONTAINER_NAME);
+            assert_eq!(env_value(init, "SLUICE_REDIRECT_PORTS").as_deref(), Some("8080"));
+            assert_eq!(env_value(init, "SLUICE_REDIRECT_TO_PORT").as_deref(), Some("15080"));
+            let sc = init.security_context.as_ref().expect("securityContext");
+            let caps = sc.capabilities.as_ref().expect("capabilities");
+            assert_eq!(caps.add.as_deref(), Some(&["NET_ADMIN".to_string(), "NET_RAW".to_string()][..]));
+            assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+            assert_eq!(
+                (sc.privileged, sc.allow_privilege_escalation, sc.read_only_root_filesystem),
+                (Some(false), Some(false), Some(true))
+            );
+            assert!(spec.volumes.iter().flatten().any(|v| v.name == traffic::XTABLES_VOLUME));
+            assert_eq!(spec.containers[0].ports.as_ref().expect("ports")[0].name.as_deref(), Some("http"), "name kept");
+            assert_eq!(env_value(&sidecar, "SLUICE_INBOUND_PORTS").as_deref(), Some("8080"));
+            let labels = injected.metadata.labels.as_ref().expect("labels");
+            assert_eq!(labels.get(traffic::INGRESS_PORTS_LABEL).map(String::as_str), Some("8080.15080.15081"));
+            // The sidecar and the app get no capability.
+            assert_eq!(sidecar.security_context.and_then(|s| s.capabilities).and_then(|c| c.add), None);
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 pub mod certs;
 pub mod inject;
+pub mod traffic;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -118,6 +119,19 @@ pub struct WebhookArgs {
     /// The sidecar's memory limit unless `sluice.dev/sidecar-memory-limit` says otherwise; empty: none.
     #[arg(long = "sidecar-memory-limit", env = "SLUICE_SIDECAR_MEMORY_LIMIT", default_value = "256Mi", value_parser = quantity_flag)]
     pub sidecar_memory_limit: String,
+    /// How inbound traffic reaches the injected sidecar unless the pod's `sluice.dev/redirect`
+    /// annotation says otherwise: `service` (no privilege: the sidecar takes over the name of the
+    /// application's port, so a Service's named targetPort reaches it) or `iptables` (an init
+    /// container with NET_ADMIN and NET_RAW redirects inbound TCP to the application's ports).
+    #[arg(long = "sidecar-redirect", env = "SLUICE_SIDECAR_REDIRECT", value_enum, default_value = "service")]
+    pub sidecar_redirect: traffic::RedirectMode,
+    /// Label injected pods with the ports they admit ingress on, and have the leader keep a
+    /// NetworkPolicy per namespace and port set that admits ingress only there (the sidecar's,
+    /// and the redirected or excluded ones), so the application's port is not a way around the
+    /// sidecar where the CNI enforces NetworkPolicy. A pod opts out with
+    /// `sluice.dev/network-policy: "false"`.
+    #[arg(long = "sidecar-network-policy", env = "SLUICE_SIDECAR_NETWORK_POLICY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub sidecar_network_policy: bool,
     /// Create, renew and replace the certificate Secret (a CA of 10 years, a serving certificate
     /// of 1 year renewed by the leader). false: only read it, when cert-manager or other tooling
     /// writes it.
@@ -190,6 +204,10 @@ pub async fn start(
             operator_namespace: operator_namespace.to_string(),
             token_audience: sidecar.token_audience.map(str::to_string),
             endpoint_ca_pem: None,
+            traffic: traffic::TrafficDefaults {
+                redirect: args.sidecar_redirect,
+                network_policy: args.sidecar_network_policy,
+            },
         },
         endpoint_ca: sidecar.verify_endpoint.then(|| certificates.current.clone()),
         metrics,

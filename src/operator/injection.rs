@@ -264,34 +264,34 @@ pub fn event_name(uid: &str) -> String {
     format!("sluice-sidecar-missing.{uid}")
 }
 
-/// Creates the pod's SidecarMissing Event; false when it exists already (reported before).
-async fn report(client: &Client, config: &AuditConfig, suspect: &Suspect) -> Result<bool, kube::Error> {
-    let events: Api<Event> = Api::namespaced(client.clone(), &suspect.namespace);
+/// An Event the leader publishes once: its name is derived from what it reports, so a later
+/// leader's create of the same Event is refused as a duplicate.
+pub struct EventNote<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub reason: &'a str,
+    pub action: &'a str,
+    pub note: String,
+    pub regarding: ObjectReference,
+}
+
+/// Creates the Warning Event; false when it exists already (reported before).
+pub async fn publish_event(client: &Client, identity: &str, event: EventNote<'_>) -> Result<bool, kube::Error> {
+    let events: Api<Event> = Api::namespaced(client.clone(), event.namespace);
     let event = Event {
         metadata: ObjectMeta {
-            name: Some(event_name(&suspect.uid)),
-            namespace: Some(suspect.namespace.clone()),
+            name: Some(event.name.to_string()),
+            namespace: Some(event.namespace.to_string()),
             ..Default::default()
         },
         event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         type_: Some("Warning".into()),
-        reason: Some(REASON.into()),
-        action: Some("Audit".into()),
-        note: Some(format!(
-            "labelled {INJECT_LABEL}=true but created without the {CONTAINER_NAME} container (the injecting webhook \
-             was not called or failed, and its failurePolicy let the pod through): its traffic is not rate limited. \
-             Recreate the pod (e.g. kubectl rollout restart) now that the operator answers."
-        )),
-        regarding: Some(ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(suspect.namespace.clone()),
-            name: Some(suspect.name.clone()),
-            uid: Some(suspect.uid.clone()),
-            ..Default::default()
-        }),
+        reason: Some(event.reason.into()),
+        action: Some(event.action.into()),
+        note: Some(event.note),
+        regarding: Some(event.regarding),
         reporting_controller: Some(FIELD_MANAGER.into()),
-        reporting_instance: Some(config.identity.chars().take(128).collect()),
+        reporting_instance: Some(identity.chars().take(128).collect()),
         ..Default::default()
     };
     match events.create(&PostParams::default(), &event).await {
@@ -299,6 +299,31 @@ async fn report(client: &Client, config: &AuditConfig, suspect: &Suspect) -> Res
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// Creates the pod's SidecarMissing Event; false when it exists already (reported before).
+async fn report(client: &Client, config: &AuditConfig, suspect: &Suspect) -> Result<bool, kube::Error> {
+    let name = event_name(&suspect.uid);
+    let note = EventNote {
+        namespace: &suspect.namespace,
+        name: &name,
+        reason: REASON,
+        action: "Audit",
+        note: format!(
+            "labelled {INJECT_LABEL}=true but created without the {CONTAINER_NAME} container (the injecting webhook \
+             was not called or failed, and its failurePolicy let the pod through): its traffic is not rate limited. \
+             Recreate the pod (e.g. kubectl rollout restart) now that the operator answers."
+        ),
+        regarding: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(suspect.namespace.clone()),
+            name: Some(suspect.name.clone()),
+            uid: Some(suspect.uid.clone()),
+            ..Default::default()
+        },
+    };
+    publish_event(client, &config.identity, note).await
 }
 
 #[cfg(test)]

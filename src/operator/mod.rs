@@ -7,9 +7,12 @@
 //!   server-side apply under one field manager, plus Kubernetes Events.
 //! - [`leader`]: a `coordination.k8s.io/v1` Lease decides the leader.
 //! - [`injection`]: the leader reports pods labelled for injection that run without the sidecar.
+//! - [`exposure`]: the leader keeps NetworkPolicies closing injected applications' own ports, and
+//!   reports Services that reach them past the sidecar.
 //! - The admission webhooks live in [`crate::admission`] and are started from here.
 
 pub mod controller;
+pub mod exposure;
 pub mod injection;
 pub mod leader;
 pub mod status;
@@ -219,6 +222,21 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         };
         tokio::spawn(injection::audit(client.clone(), config, metrics.clone(), leading.clone(), stopped.clone()))
     });
+    let exposure = args.webhook.webhook_listen.is_some().then(|| {
+        let config = exposure::ExposureConfig {
+            namespaces: args.namespaces.clone(),
+            operator_namespace: args.operator_namespace.clone(),
+            identity: identity.clone(),
+            network_policies: args.webhook.sidecar_network_policy,
+        };
+        tokio::spawn(exposure::watch_exposure(
+            client.clone(),
+            config,
+            metrics.clone(),
+            leading.clone(),
+            stopped.clone(),
+        ))
+    });
 
     let reflectors = controller::Reflectors::start(client.clone(), &args.namespaces, stopped.clone());
     let (outcomes_tx, outcomes) = watch::channel(None);
@@ -284,6 +302,9 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let _ = writer.await;
     if let Some(audit) = audit {
         let _ = audit.await;
+    }
+    if let Some(exposure) = exposure {
+        let _ = exposure.await;
     }
     let _ = lease_task.await;
     let served = server.await;

@@ -79,6 +79,16 @@ pub struct SidecarArgs {
     /// exchange decides many requests. 0 sends every check on its own (`POST /v1/check`).
     #[arg(long, env = "SLUICE_ENDPOINT_BATCHES", default_value_t = 2)]
     pub endpoint_batches: usize,
+    /// The application's probes, served on the admin port at /app-health/<container>/<kind> and
+    /// run against the application unlimited (JSON; the injecting webhook writes it when it moves
+    /// the application's probes to the sidecar).
+    #[arg(long, env = "SLUICE_APP_PROBES")]
+    pub app_probes: Option<String>,
+    /// Ports whose inbound connections are redirected to the sidecar (the `iptables` redirect
+    /// mode): a connection whose original destination is one of them is forwarded to that port of
+    /// the upstream host instead of the --upstream port.
+    #[arg(long, env = "SLUICE_INBOUND_PORTS", value_delimiter = ',')]
+    pub inbound_ports: Vec<u16>,
 }
 
 /// The checked configuration.
@@ -102,6 +112,8 @@ pub struct Config {
     pub endpoint_ca: Option<Vec<u8>>,
     /// 0: no batches.
     pub endpoint_batches: usize,
+    pub app_probes: BTreeMap<String, super::probes::AppProbe>,
+    pub inbound_ports: Vec<u16>,
 }
 
 impl Config {
@@ -172,6 +184,11 @@ impl Config {
             token_file: args.token_file,
             endpoint_ca,
             endpoint_batches: args.endpoint_batches,
+            app_probes: match &args.app_probes {
+                Some(json) => super::probes::parse(json).map_err(bad)?,
+                None => BTreeMap::new(),
+            },
+            inbound_ports: args.inbound_ports,
         })
     }
 }
@@ -261,6 +278,8 @@ mod tests {
             endpoint_ca: None,
             endpoint_ca_pem: None,
             endpoint_batches: 4,
+            app_probes: None,
+            inbound_ports: Vec::new(),
         }
     }
 

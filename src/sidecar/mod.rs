@@ -11,6 +11,7 @@ pub mod connect;
 pub mod decide;
 mod endpoint;
 pub mod metrics;
+pub mod probes;
 pub mod proxy;
 
 use std::sync::Arc;
@@ -40,21 +41,27 @@ pub enum SidecarError {
 /// `/healthz`, `/readyz` and `/metrics`. Health and readiness report the sidecar process only:
 /// failing them because the endpoint is down would restart or unroute the application, which the
 /// failure modes exist to prevent. The admin server starts after the proxy's listener is bound,
-/// so answering `/readyz` means the proxy accepts connections.
-pub fn admin_router(metrics: Arc<SidecarMetrics>) -> Router {
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(|| async { "ready\n" })).route(
-        "/metrics",
-        get(move || {
-            let metrics = metrics.clone();
-            async move {
-                (
-                    [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-                    metrics.encode(),
-                )
-                    .into_response()
-            }
-        }),
-    )
+/// so answering `/readyz` means the proxy accepts connections. The application's own probes, when
+/// the webhook moved them here, are under `/app-health/` ([`probes`]).
+pub fn admin_router(metrics: Arc<SidecarMetrics>, app_health: Arc<probes::AppHealth>) -> Router {
+    let app_probes = Router::new().route("/app-health/{container}/{kind}", get(probes::handler)).with_state(app_health);
+    Router::new()
+        .merge(app_probes)
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ready\n" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                        metrics.encode(),
+                    )
+                        .into_response()
+                }
+            }),
+        )
 }
 
 /// Runs the sidecar until SIGTERM or Ctrl-C, then drains in-flight requests.
@@ -62,7 +69,11 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let config = Config::from_args(args)?;
     let metrics = Arc::new(SidecarMetrics::new());
     let decider = Arc::new(Decider::new(&config, metrics.clone())?);
-    let proxy = Arc::new(Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone()));
+    let proxy = Arc::new(
+        Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone())
+            .with_inbound_ports(&config.inbound_ports),
+    );
+    let app_health = Arc::new(probes::AppHealth::new(config.app_probes.clone()));
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -74,14 +85,17 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let admin_address =
         admin.local_addr().map_err(|source| SidecarError::Listen { address: config.admin_listen, source })?;
     tracing::info!(%address, upstream = %config.upstream, endpoint = %config.check_uri, namespace = %config.namespace, "sidecar listening");
-    tracing::info!(admin = %admin_address, "sidecar admin (healthz, readyz, metrics) listening");
+    tracing::info!(admin = %admin_address, app_probes = config.app_probes.len(), "sidecar admin (healthz, readyz, metrics, app-health) listening");
+    if !config.inbound_ports.is_empty() {
+        tracing::info!(ports = ?config.inbound_ports, "redirected connections go to the port they were sent to");
+    }
 
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
     let mut admin_stop = stopped.clone();
     let admin_server = tokio::spawn(async move {
-        axum::serve(admin, admin_router(metrics))
+        axum::serve(admin, admin_router(metrics, app_health))
             .with_graceful_shutdown(async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             })
@@ -110,7 +124,9 @@ mod tests {
     async fn the_admin_port_answers_the_injected_probes() {
         for path in ["/healthz", "/readyz", "/metrics"] {
             let request = axum::http::Request::get(path).body(axum::body::Body::empty()).expect("request");
-            let response = admin_router(Arc::new(SidecarMetrics::new())).oneshot(request).await.expect("response");
+            let health = Arc::new(probes::AppHealth::new(Default::default()));
+            let response =
+                admin_router(Arc::new(SidecarMetrics::new()), health).oneshot(request).await.expect("response");
             assert_eq!(response.status(), 200, "{path}");
         }
     }

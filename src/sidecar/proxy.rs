@@ -35,6 +35,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub struct Proxy {
     upstream: Authority,
+    /// Redirected ports (the `iptables` mode) → the upstream authority with that port.
+    inbound: Vec<(u16, Authority)>,
     client: Client<UpstreamConnector, Incoming>,
     decider: Arc<Decider>,
     trusted_hops: usize,
@@ -51,10 +53,44 @@ impl Proxy {
             // The Host the client sent is kept; the client must not replace it with the upstream's.
             .set_host(false)
             .build(UpstreamConnector(connector));
-        Proxy { upstream, client, decider, trusted_hops, metrics }
+        Proxy { upstream, inbound: Vec::new(), client, decider, trusted_hops, metrics }
     }
 
-    pub async fn handle(&self, peer: SocketAddr, mut request: Request<Incoming>) -> Response<ProxyBody> {
+    /// Connections redirected to the sidecar from one of `ports` are forwarded to that port of
+    /// the upstream host.
+    pub fn with_inbound_ports(mut self, ports: &[u16]) -> Proxy {
+        let host = self.upstream.host().to_string();
+        self.inbound = ports
+            .iter()
+            .filter_map(|port| Some((*port, Authority::try_from(format!("{host}:{port}")).ok()?)))
+            .collect();
+        self
+    }
+
+    /// Where a connection accepted as `stream` goes: the port it was sent to when the redirect
+    /// brought it from one of the inbound ports, the upstream otherwise.
+    pub fn upstream_for(&self, stream: &tokio::net::TcpStream) -> Authority {
+        if self.inbound.is_empty() {
+            return self.upstream.clone();
+        }
+        let socket = socket2::SockRef::from(stream);
+        let original = match stream.local_addr() {
+            Ok(SocketAddr::V6(_)) => socket.original_dst_v6(),
+            _ => socket.original_dst_v4(),
+        };
+        let port = original.ok().and_then(|address| address.as_socket()).map(|address| address.port());
+        match port.and_then(|port| self.inbound.iter().find(|(p, _)| *p == port)) {
+            Some((_, authority)) => authority.clone(),
+            None => self.upstream.clone(),
+        }
+    }
+
+    pub async fn handle(
+        &self,
+        peer: SocketAddr,
+        upstream: &Authority,
+        mut request: Request<Incoming>,
+    ) -> Response<ProxyBody> {
         // The limiter decides on the request the application will get: connection-level headers
         // go before anything is read from the headers. Only a WebSocket upgrade is carried
         // through; any other (h2c above all: it would tunnel unlimited HTTP/2 requests past
@@ -97,7 +133,7 @@ impl Proxy {
         }
 
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
-        if self.prepare(&mut request, peer, host.as_deref(), upgrade).is_err() {
+        if self.prepare(&mut request, upstream, peer, host.as_deref(), upgrade).is_err() {
             return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
         }
         let started = Instant::now();
@@ -149,12 +185,13 @@ impl Proxy {
     fn prepare(
         &self,
         request: &mut Request<Incoming>,
+        upstream: &Authority,
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
     ) -> Result<(), http::Error> {
         let path = request.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let uri = Uri::builder().scheme(Scheme::HTTP).authority(self.upstream.clone()).path_and_query(path).build()?;
+        let uri = Uri::builder().scheme(Scheme::HTTP).authority(upstream.clone()).path_and_query(path).build()?;
         *request.uri_mut() = uri;
         // The application speaks HTTP/1.1 on loopback whatever the client spoke to us.
         *request.version_mut() = Version::HTTP_11;
@@ -164,7 +201,7 @@ impl Proxy {
         }
         if !headers.contains_key(header::HOST) {
             // HTTP/2 carries the host in :authority; HTTP/1.1 applications expect Host.
-            let value = host.unwrap_or(self.upstream.as_str());
+            let value = host.unwrap_or(upstream.as_str());
             if let Ok(value) = HeaderValue::from_str(value) {
                 headers.insert(header::HOST, value);
             }
@@ -284,14 +321,15 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, mut shutdown: watch
             _ = stopped(&mut shutdown) => break,
         };
         let _ = stream.set_nodelay(true);
+        let upstream = Arc::new(proxy.upstream_for(&stream));
         let proxy = proxy.clone();
         let builder = builder.clone();
         let mut shutdown = shutdown.clone();
         let alive = alive.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| {
-                let proxy = proxy.clone();
-                async move { Ok::<_, Infallible>(proxy.handle(peer, request).await) }
+                let (proxy, upstream) = (proxy.clone(), upstream.clone());
+                async move { Ok::<_, Infallible>(proxy.handle(peer, &upstream, request).await) }
             });
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(connection);
