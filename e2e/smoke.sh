@@ -301,8 +301,11 @@ spec:
 EOF
   kubectl apply -f "$WORK/echo-service.yaml" >&2
   start_client
-  retry 60 client_reaches "http://echo.$SMOKE_NS.svc/healthz" || die "the client pod does not reach the echo Service"
-  expect_limit_from_client "http://echo.$SMOKE_NS.svc/healthz" k-svc 3
+  local service_ip
+  service_ip="$(kubectl -n "$SMOKE_NS" get service echo -o jsonpath='{.spec.clusterIP}')"
+  retry 60 client_reaches "http://$service_ip/healthz" \
+    || { cat "$WORK/client-out" >&2; die "the client pod does not reach the echo Service"; }
+  expect_limit_from_client "http://$service_ip/healthz" k-svc 3
 
   log "verify: the NetworkPolicy admits ingress to the injected pod only on the sidecar's ports"
   local label policy
@@ -335,7 +338,10 @@ bypass_reported() {
     | jq -e --arg name "$1" '[.items[] | select(.reason == "SidecarBypassed" and .involvedObject.name == $name)] | length > 0' >/dev/null
 }
 
-# A plain pod (not injected) to send traffic from inside the pod network.
+# A plain pod (not injected) to send traffic from inside the pod network. Its busybox is Debian's
+# static build, whose wget cannot resolve names (static glibc has no NSS: it crashes), so it is
+# given addresses: a Service's ClusterIP (still kube-proxy's Service path) or a pod IP. Its own
+# -T timeout crashes it too: busybox's timeout applet bounds it instead.
 start_client() {
   kubectl -n "$SMOKE_NS" get pod client >/dev/null 2>&1 && return 0
   kubectl -n "$SMOKE_NS" run client --image="$APP_IMAGE" --image-pull-policy=IfNotPresent --restart=Never \
@@ -348,9 +354,9 @@ start_client() {
 # status line of an error response).
 client_get() {
   kubectl -n "$SMOKE_NS" exec client -- sh -c \
-    "wget -S -T 5 -O /tmp/body --header 'X-API-Key: $2' '$1' 2>/tmp/headers; cat /tmp/headers; echo ---BODY---; cat /tmp/body 2>/dev/null; rm -f /tmp/body" \
+    "rm -f /tmp/body; timeout 10 wget -S -O /tmp/body --header 'X-API-Key: $2' '$1' 2>/tmp/headers; cat /tmp/headers; echo ---BODY---; cat /tmp/body 2>/dev/null; rm -f /tmp/body" \
     >"$WORK/client-out" 2>&1 || true
-  grep -o 'HTTP/1\.[01] [0-9]*' "$WORK/client-out" | tail -1 | cut -d' ' -f2
+  { grep -o 'HTTP/1\.[01] [0-9]*' "$WORK/client-out" || true; } | tail -1 | cut -d' ' -f2
 }
 
 client_reaches() { [ -n "$(client_get "$1" "warmup-$RANDOM")" ]; }
@@ -393,7 +399,8 @@ EOF
   kubectl apply -f "$WORK/echo-ipt.yaml" >&2
   kubectl -n "$SMOKE_NS" rollout status deployment/echo-ipt --timeout=180s >&2 || die "the iptables Deployment did not roll out"
   local pod ip
-  pod="$(kubectl -n "$SMOKE_NS" get pods -l app=echo-ipt -o jsonpath='{.items[0].metadata.name}')"
+  pod="$(app_pod echo-ipt)"
+  [ -n "$pod" ] || die "no running echo-ipt pod"
   ip="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.status.podIP}')"
   log "iptables: the init container's rules:"
   kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init >&2 || die "no log from sluice-init"
@@ -413,8 +420,11 @@ spec:
   ports: [{port: 80, targetPort: 8080}]
 EOF
   kubectl apply -f "$WORK/echo-ipt-service.yaml" >&2
-  retry 60 client_reaches "http://echo-ipt.$SMOKE_NS.svc/healthz" || die "the client pod does not reach the echo-ipt Service"
-  expect_limit_from_client "http://echo-ipt.$SMOKE_NS.svc/healthz" k-ipt-svc 3
+  local service_ip
+  service_ip="$(kubectl -n "$SMOKE_NS" get service echo-ipt -o jsonpath='{.spec.clusterIP}')"
+  retry 60 client_reaches "http://$service_ip/healthz" \
+    || { cat "$WORK/client-out" >&2; die "the client pod does not reach the echo-ipt Service"; }
+  expect_limit_from_client "http://$service_ip/healthz" k-ipt-svc 3
   local np
   np="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.metadata.labels.sluice\.dev/ingress-ports}')"
   [ "$np" = 8080.15080.15081 ] || die "the iptables pod's ingress ports are $np"
@@ -425,33 +435,40 @@ EOF
   redirect_latency "$ip"
 }
 
+# The running pod of app $1 that is not being deleted (a replaced one may still be listed).
+app_pod() {
+  kubectl -n "$SMOKE_NS" get pods -l "app=$1" --field-selector=status.phase=Running \
+    -o jsonpath='{range .items[*]}{.metadata.name} {.metadata.deletionTimestamp}{"\n"}{end}' | awk 'NF == 1 { print $1; exit }'
+}
+
 # Seconds from a pod's start to Ready (conditions have whole seconds), and the init container's run.
 startup_cost() {
   local app json
   for app in "$@"; do
-    json="$(kubectl -n "$SMOKE_NS" get pods -l "app=$app" -o json)"
-    log "measured pod start-up ($app): $(jq -r '.items[0] | [.status.startTime, (.status.conditions[] | select(.type == "Ready") | .lastTransitionTime)] | map(fromdateiso8601) | "\(.[1] - .[0]) s to Ready"' <<<"$json")$(jq -r '.items[0].status.initContainerStatuses // [] | map(select(.name == "sluice-init") | .state.terminated | ", sluice-init ran \((.finishedAt | fromdateiso8601) - (.startedAt | fromdateiso8601)) s") | join("")' <<<"$json")"
+    json="$(kubectl -n "$SMOKE_NS" get pod "$(app_pod "$app")" -o json)"
+    log "measured pod start-up ($app): $(jq -r '[.status.startTime, (.status.conditions[] | select(.type == "Ready") | .lastTransitionTime)] | map(fromdateiso8601) | "\(.[1] - .[0]) s to Ready"' <<<"$json")$(jq -r '.status.initContainerStatuses // [] | map(select(.name == "sluice-init") | .state.terminated | ", sluice-init ran \((.finishedAt | fromdateiso8601) - (.startedAt | fromdateiso8601)) s") | join("")' <<<"$json")"
   done
 }
 
 # The redirect's added latency: the same requests to the app's port (redirected) and to the
-# sidecar's port, sequentially, on kept-alive and on new connections. Only where the pod network
-# is reachable from this shell (the one-node cluster's namespace, not kind's host).
+# sidecar's port, sequentially, on kept-alive and on new connections; and, for scale, to the
+# service-mode pod's app port, which nothing redirects (no sidecar at all). Only where the pod
+# network is reachable from this shell (the one-node cluster's namespace, not kind's host).
 redirect_latency() {
-  local ip="$1" port mode urls
+  local ip="$1" direct target mode
   if ! curl -s -o /dev/null --max-time 2 "http://$ip:15081/healthz"; then
     log "redirect latency: not measured (the pod network is not reachable from here)"
     return 0
   fi
+  direct="$(kubectl -n "$SMOKE_NS" get pod "$(app_pod echo)" -o jsonpath='{.status.podIP}')"
   for mode in keep-alive close; do
-    for port in 8080 15080; do
-      mapfile -t urls < <(for _ in $(seq 300); do echo "http://$ip:$port/healthz"; done)
-      curl -s -o /dev/null -H "Connection: $mode" -w '%{time_total}\n' "${urls[@]}" \
-        | sort -n | awk -v what="$mode, port $port" '{ t[NR] = $1 } END { printf "smoke: measured request latency (%s): median %.3f ms, p90 %.3f ms over %d\n", what, t[int(NR / 2)] * 1000, t[int(NR * 0.9)] * 1000, NR }' >&2
+    for target in "$ip:8080 redirected to the sidecar" "$ip:15080 the sidecar's port" "$direct:8080 the app, no sidecar"; do
+      for _ in $(seq 300); do printf 'url = "http://%s/healthz"\noutput = "/dev/null"\n' "${target%% *}"; done > "$WORK/curl-urls"
+      curl -s -K "$WORK/curl-urls" -H "Connection: $mode" -w '%{time_total}\n' \
+        | sort -n | awk -v what="$mode, ${target#* }" '{ t[NR] = $1 } END { printf "smoke: measured request latency (%s): median %.3f ms, p90 %.3f ms over %d\n", what, t[int(NR / 2)] * 1000, t[int(NR * 0.9)] * 1000, NR }' >&2
     done
   done
 }
-
 
 # The sidecar's own metrics (admin port): its decisions came from the endpoint through the Service
 # (DNS, TLS against the operator's CA, TokenReview of its pod's token), not from a fallback.

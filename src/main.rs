@@ -102,6 +102,8 @@ struct ServeArgs {
     /// How often policy and token files are checked for changes.
     #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
     reload_interval: Duration,
+    #[command(flatten)]
+    listen_limits: sluice::server::listen::ListenArgs,
 }
 
 fn init_logging(format: &str) {
@@ -194,7 +196,11 @@ fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
 
 async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let paths = args.policies.clone();
-    let snapshot = match tokio::task::spawn_blocking(move || serve::load_snapshot(&paths)).await? {
+    // The fingerprint read before the load is the watcher's baseline: an edit made while the
+    // process starts is then seen as a change, not taken for what was loaded.
+    let (baseline, loaded) =
+        tokio::task::spawn_blocking(move || (serve::fingerprint(&paths), serve::load_snapshot(&paths))).await?;
+    let snapshot = match loaded {
         Ok(snapshot) => snapshot,
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),
     };
@@ -252,8 +258,13 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     }
 
     let (stop, stopped) = watch::channel(false);
-    let watcher =
-        tokio::spawn(serve::watch_policies(engine.clone(), args.policies, args.reload_interval, stopped.clone()));
+    let watcher = tokio::spawn(serve::watch_policies(
+        engine.clone(),
+        args.policies,
+        baseline,
+        args.reload_interval,
+        stopped.clone(),
+    ));
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
@@ -267,8 +278,8 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
     let router = http::router_with(state);
     let server = match tls {
-        Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, stopped)),
-        None => tokio::spawn(serve::serve_http(listener, router, stopped)),
+        Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, args.listen_limits.limits(), stopped)),
+        None => tokio::spawn(serve::serve_http(listener, router, args.listen_limits.limits(), stopped)),
     };
 
     terminated.await;

@@ -97,6 +97,8 @@ pub struct Metrics {
     pub memory_evictions: Family<NamespaceLabels, Counter>,
     /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
     record_lock: parking_lot::Mutex<()>,
+    /// (policy, rule) of the decision series in `decisions`, for [`Metrics::retain_rules`].
+    rule_series: parking_lot::Mutex<std::collections::HashSet<(String, String)>>,
     /// Unix time the served certificate (webhooks, check API TLS) expires.
     pub certificate_expiry_seconds: Gauge,
     /// Certificate Secret writes by this replica, by reason (`absent`, `expiring`, `hosts`, …).
@@ -306,6 +308,7 @@ impl Metrics {
             token_reviews,
             memory_evictions,
             record_lock: parking_lot::Mutex::new(()),
+            rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,
             certificate_renewals,
             pod_admissions,
@@ -336,6 +339,18 @@ impl Metrics {
             let counter = self.memory_evictions.get_or_create(&NamespaceLabels { namespace: namespace.clone() });
             counter.inc_by(total.saturating_sub(counter.get()));
         }
+    }
+
+    /// Drops the decision series of rules that are no longer in `live` (deleted or renamed), so
+    /// the series count follows the policies instead of growing with every edit.
+    pub fn retain_rules(&self, live: std::collections::HashSet<(String, String)>) {
+        let mut known = self.rule_series.lock();
+        for (policy, rule) in known.difference(&live) {
+            for outcome in ["allowed", "limited", "would_limit"] {
+                self.decisions.remove(&RuleLabels { policy: policy.clone(), rule: rule.clone(), outcome });
+            }
+        }
+        *known = live;
     }
 
     pub fn rule_counters(&self, policy: &str, rule: &str) -> RuleCounters {

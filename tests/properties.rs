@@ -172,3 +172,47 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Extreme costs (0, 1, the largest a gateway may send or a repeated descriptor may sum to)
+    /// against the largest limits each algorithm accepts: no arithmetic overflows (the test build
+    /// panics on one), and no algorithm admits more than its limit in one window.
+    #[test]
+    fn extreme_costs_and_limits_never_overflow(
+        algorithm in prop::sample::select(vec![
+            Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::LeakyBucket,
+            Algorithm::FixedWindow, Algorithm::SlidingWindowCounter, Algorithm::SlidingWindowLog,
+        ]),
+        requests_pick in 0usize..3, per_pick in 0usize..3,
+        steps in prop::collection::vec((0u64..=3_600_000_000, prop::sample::select(vec![0u64, 1, 2, u32::MAX as u64 - 1, u32::MAX as u64])), 1..40)
+    ) {
+        let max_requests = if algorithm == Algorithm::SlidingWindowLog { sluice::algorithm::MAX_LOG_REQUESTS } else { sluice::algorithm::MAX_REQUESTS };
+        let requests = [1, 1000, max_requests][requests_pick];
+        let per = [1_000, 3_600_000_000, 86_400_000_000 * 366][per_pick];
+        // Combinations the policy refuses (too high a rate, too large a bucket) are not rules.
+        let Ok(l) = Limit::new(algorithm, requests, per, None, None) else { return Ok(()) };
+        let mut state = None;
+        let mut now = T0;
+        let mut admitted_in_window = 0u64;
+        let mut window_start = T0;
+        for (gap, cost) in steps {
+            now += gap;
+            if now >= window_start + l.per() {
+                window_start = now;
+                admitted_in_window = 0;
+            }
+            let decision = decide(&l, &mut state, now, cost);
+            if decision.allowed {
+                admitted_in_window = admitted_in_window.saturating_add(cost);
+            }
+            let bound = match algorithm {
+                // Fixed windows are aligned to the epoch: up to two in one trailing period.
+                Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => 2 * requests,
+                _ => requests.max(l.burst()),
+            };
+            prop_assert!(admitted_in_window <= bound.saturating_add(requests), "{algorithm:?} admitted {admitted_in_window} (limit {requests})");
+        }
+    }
+}

@@ -298,3 +298,17 @@ fn calls_without_a_credential_may_be_trusted_as_a_gateway_and_credentials_are_st
     let tenant = client.rls_in("gateway-limits", Some(TENANT_TOKEN), &[&[("api_key", "u1")]], json!({}));
     assert_eq!(tenant["grpc_code"], "PermissionDenied", "a tenant stays a tenant: {tenant}");
 }
+
+/// A tenant may not set a cost, and repeating a descriptor is no way to: a counter several of its
+/// descriptors reach is charged once. A gateway's repeats add up, as its costs may.
+#[test]
+fn repeated_descriptors_charge_a_tenant_once() {
+    let server = serve(&[]);
+    let mut client = Client::connect(&server.grpc);
+    let same: &[(&str, &str)] = &[("k", "x")];
+    let answer = client.rls_in("tenant-a", Some(TENANT_TOKEN), &[same, same, same], json!({"wait_for_ready": true}));
+    assert_eq!(overall(&answer), "OK", "{answer}");
+    assert_eq!(answer["statuses"][0]["limit_remaining"], 99, "charged once: {answer}");
+    let answer = client.rls_in("tenant-a", Some(GATEWAY_TOKEN), &[same, same, same], json!({}));
+    assert_eq!(answer["statuses"][0]["limit_remaining"], 96, "a gateway's repeats add up: {answer}");
+}

@@ -74,6 +74,26 @@ fn start() -> Setup {
     Setup { _dir: dir, tokens, serve }
 }
 
+/// `sluice serve` on `policies` with the token file `tokens` (kept in a directory of its own, so
+/// it is not read as policies).
+fn serve_with(policies: &str, tokens: &str) -> (SluiceProcess, [tempfile::TempDir; 2]) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), policies).unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let token_file = secrets.path().join("tokens.yaml");
+    std::fs::write(&token_file, tokens).unwrap();
+    let serve = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        dir.path().to_str().unwrap(),
+        "--tokens",
+        token_file.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    (serve, [dir, secrets])
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap()
 }
@@ -330,4 +350,102 @@ async fn a_batch_holds_every_check_to_its_callers_namespaces() {
     assert!(results[3]["error"].as_str().unwrap().contains("cost: caller sidecars-b may not set"), "{reply}");
     let (_, reply) = check(&c, &s.serve, Some(TENANT_A), victim).await;
     assert_eq!(reply["rules"][0]["remaining"], 1, "the refused checks did not touch tenant-a: {reply}");
+}
+
+/// A token of two namespaces must name one: the request is not decided (nor its policies read)
+/// in `default`, which the token was never given.
+#[tokio::test]
+async fn a_token_of_several_namespaces_must_name_one() {
+    let both = "both-namespaces-token-0123";
+    let (s, _dirs) = serve_with(
+        POLICIES,
+        &format!("tokens:\n  - {{name: both, token: {both}, namespaces: [tenant-a, tenant-b]}}\n"),
+    );
+    let c = client();
+    let (status, body) = check(&c, &s, Some(both), json!({"path": "/"})).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("namespace: required"), "{body}");
+    let explain = c
+        .post(s.url("/v1/explain"))
+        .header("x-sluice-authorization", bearer(both))
+        .json(&json!({"path": "/"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(explain.status(), 403);
+    let authz = c.get(s.url("/v1/authz/")).header("x-sluice-authorization", bearer(both)).send().await.unwrap();
+    assert_eq!(authz.status(), 403);
+    let (status, _) = check(&c, &s, Some(both), json!({"namespace": "tenant-b", "path": "/"})).await;
+    assert_eq!(status, 200, "naming one of its namespaces works");
+}
+
+/// Through a tenant's ext_authz, a client's `x-sluice-labels` chooses nothing: it could pick
+/// labels that unselect a policy.
+#[tokio::test]
+async fn a_tenant_caller_cannot_choose_labels() {
+    const SELECTED: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: not-canary, namespace: tenant-a}
+spec:
+  selector: {matchExpressions: [{key: track, operator: NotIn, values: [canary]}]}
+  rules:
+    - name: all
+      algorithm: fixedWindow
+      limit: {requests: 1, per: 1h}
+"#;
+    let (s, _dirs) = serve_with(SELECTED, &tokens_file());
+    let c = client();
+    let authz = |token: &'static str| {
+        c.get(s.url("/v1/authz/"))
+            .header("x-sluice-authorization", bearer(token))
+            .header("x-sluice-labels", "track=canary")
+            .send()
+    };
+    assert_eq!(authz(TENANT_A).await.unwrap().status(), 200);
+    assert_eq!(authz(TENANT_A).await.unwrap().status(), 429, "the forged label did not unselect the policy");
+    // A gateway's labels count.
+    let gateway = c
+        .get(s.url("/v1/authz/"))
+        .header("x-sluice-authorization", bearer(GATEWAY))
+        .header("x-sluice-namespace", "tenant-a")
+        .header("x-sluice-labels", "track=canary");
+    assert_eq!(gateway.send().await.unwrap().status(), 200);
+}
+
+/// A failed reload's message names files, policies and regexes of every tenant: a tenant sees
+/// only that (and when) the last reload failed.
+#[tokio::test]
+async fn a_reload_error_is_not_shown_to_tenants() {
+    let s = start();
+    let c = client();
+    let policies = s._dir.path().join("policies.yaml");
+    std::fs::write(
+        &policies,
+        POLICIES.replace("name: per-user", "name: per-user\n      match: {paths: [{regex: \"(secret-of-b\"}]}"),
+    )
+    .unwrap();
+    let get = |token: &'static str| c.get(s.serve.url("/v1/snapshot")).header("x-sluice-authorization", bearer(token));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let gateway_view = loop {
+        let view: Value = get(GATEWAY).send().await.unwrap().json().await.unwrap();
+        if !view["lastReloadError"].is_null() {
+            break view;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bad edit was never reported: {view}\n{}",
+            s.serve.logs.lock().unwrap().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(gateway_view["lastReloadError"]["message"].as_str().unwrap().contains("secret-of-b"));
+    let tenant_view: Value = get(TENANT_A).send().await.unwrap().json().await.unwrap();
+    let message = tenant_view["lastReloadError"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("the last reload failed")
+            && !message.contains("secret-of-b")
+            && !message.contains("policies.yaml"),
+        "{message}"
+    );
 }

@@ -524,6 +524,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         endpoint_batches: 4,
         app_probes: Default::default(),
         inbound_ports: Vec::new(),
+        listen_limits: Default::default(),
     };
     let clock = FakeClock::new(1_700_000_000_000_000);
     let metrics = Arc::new(SidecarMetrics::new());

@@ -49,6 +49,8 @@ pub enum Error {
     SecretContention(String),
     #[error("--sidecar-*-request/limit: {0}")]
     SidecarResources(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
 }
 
 /// A resource quantity flag: empty leaves it unset.
@@ -178,7 +180,8 @@ pub async fn start(
     certificates: &Certificates,
     policies: Vec<Store<RateLimitPolicy>>,
     metrics: Arc<Metrics>,
-    mut stop: watch::Receiver<bool>,
+    limits: crate::server::listen::ConnectionLimits,
+    stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
     let resources = args.sidecar_resources();
     resources.check().map_err(Error::SidecarResources)?;
@@ -216,25 +219,16 @@ pub async fn start(
         .route("/validate-policy", post(validate_policy))
         .route("/mutate-pod", post(mutate_pod))
         .with_state(state);
-    let handle = axum_server::Handle::new();
     let addr = args.webhook_listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 9443)));
-    let server = axum_server::bind_rustls(addr, tls.clone()).handle(handle.clone());
-    let listening = handle.clone();
-    let task = tokio::spawn(async move {
-        let serving = server.serve(app.into_make_service());
-        tokio::pin!(serving);
-        tokio::select! {
-            result = &mut serving => if let Err(error) = result { tracing::error!(%error, "webhook server failed") },
-            // The guard wait_for returns is not Send: drop it inside its own future.
-            _ = async { let _ = stop.wait_for(|s| *s).await; } => {
-                handle.graceful_shutdown(Some(Duration::from_secs(5)));
-                let _ = serving.await;
-            }
-        }
-    });
-    if let Some(bound) = listening.listening().await {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+    if let Ok(bound) = listener.local_addr() {
         tracing::info!(address = %bound, "webhooks listening");
     }
+    let task = tokio::spawn(async move {
+        if let Err(error) = crate::server::listen::serve(listener, app, Some(tls), limits, stop).await {
+            tracing::error!(%error, "webhook server failed");
+        }
+    });
     Ok(task)
 }
 

@@ -217,24 +217,23 @@ pub async fn watch_exposure(
     client: Client,
     config: ExposureConfig,
     metrics: Arc<Metrics>,
-    mut leading: watch::Receiver<bool>,
-    mut stop: watch::Receiver<bool>,
+    leading: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        tokio::select! {
-            _ = stop.wait_for(|s| *s) => return,
-            led = leading.wait_for(|l| *l) => if led.is_err() { return },
+    let term = |mut leading, mut stop| {
+        let (client, config, metrics) = (client.clone(), config.clone(), metrics.clone());
+        async move {
+            tracing::info!(
+                network_policies = config.network_policies,
+                "watching injected pods and Services for ways around the sidecar"
+            );
+            lead(&client, &config, &metrics, &mut leading, &mut stop).await;
         }
-        tracing::info!(
-            network_policies = config.network_policies,
-            "watching injected pods and Services for ways around the sidecar"
-        );
-        lead(&client, &config, &metrics, &mut leading, &mut stop).await;
+    };
+    super::leader::each_term(leading, stop, term, || {
         metrics.services_bypassing_sidecar.set(0);
-        if *stop.borrow() {
-            return;
-        }
-    }
+    })
+    .await;
 }
 
 fn apis<K>(client: &Client, namespaces: &[String]) -> Vec<Api<K>>

@@ -149,22 +149,20 @@ pub async fn audit(
     client: Client,
     config: AuditConfig,
     metrics: Arc<Metrics>,
-    mut leading: watch::Receiver<bool>,
-    mut stop: watch::Receiver<bool>,
+    leading: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        tokio::select! {
-            _ = stop.wait_for(|s| *s) => return,
-            led = leading.wait_for(|l| *l) => if led.is_err() { return },
+    let term = |mut leading, mut stop| {
+        let (client, config, metrics) = (client.clone(), config.clone(), metrics.clone());
+        async move {
+            tracing::info!(namespaces = ?config.namespaces, "watching labelled pods for missing sidecars");
+            lead(&client, &config, &metrics, &mut leading, &mut stop).await;
         }
-        tracing::info!(namespaces = ?config.namespaces, "watching labelled pods for missing sidecars");
-        lead(&client, &config, &metrics, &mut leading, &mut stop).await;
-        // Only the leader measures: the others say 0, so sum and max over replicas both work.
+    };
+    super::leader::each_term(leading, stop, term, || {
         metrics.pods_without_sidecar.set(0);
-        if *stop.borrow() {
-            return;
-        }
-    }
+    })
+    .await;
 }
 
 async fn lead(

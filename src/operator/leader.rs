@@ -33,3 +33,29 @@ pub async fn elect(
         .await?;
     Ok(manager.watch().await)
 }
+
+/// Runs `term` for every term this replica leads (`leading` true), until `stop` flips; `term`
+/// gets the two receivers, to end its work when the term or the process ends, and whatever it
+/// measured as leader is reset by `after_term` (the others report 0, so sums and maxima over
+/// replicas stay right).
+pub async fn each_term<T, Fut>(
+    mut leading: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
+    mut term: T,
+    after_term: impl Fn(),
+) where
+    T: FnMut(watch::Receiver<bool>, watch::Receiver<bool>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            led = leading.wait_for(|l| *l) => if led.is_err() { return },
+        }
+        term(leading.clone(), stop.clone()).await;
+        after_term();
+        if *stop.borrow() {
+            return;
+        }
+    }
+}

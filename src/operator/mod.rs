@@ -94,6 +94,8 @@ pub struct OperatorArgs {
     #[command(flatten)]
     pub webhook: WebhookArgs,
     #[command(flatten)]
+    pub listen_limits: crate::server::listen::ListenArgs,
+    #[command(flatten)]
     pub auth: AuthArgs,
     #[command(flatten)]
     pub grpc: crate::server::rls::GrpcArgs,
@@ -265,6 +267,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
                 certificates,
                 reflectors.readers.clone(),
                 metrics.clone(),
+                args.listen_limits.limits(),
                 stopped.clone(),
             )
             .await?,
@@ -279,16 +282,17 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         tokio::spawn(async move { crate::server::rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
     });
     let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let limits = args.listen_limits.limits();
     let admin_server = admin.map(|admin| {
         tracing::info!(address = ?admin.local_addr().ok(), "admin (healthz, readyz, metrics) listening");
-        tokio::spawn(serve::serve_http(admin, http::admin_router(state.engine.clone()), stopped.clone()))
+        tokio::spawn(serve::serve_http(admin, http::admin_router(state.engine.clone()), limits, stopped.clone()))
     });
     let router = http::router_with(state);
     let server = match (&certificates, args.check_api_tls) {
         (Some(certificates), true) => {
-            tokio::spawn(serve::serve_https(listener, router, certificates.tls.clone(), stopped.clone()))
+            tokio::spawn(serve::serve_https(listener, router, certificates.tls.clone(), limits, stopped.clone()))
         }
-        _ => tokio::spawn(serve::serve_http(listener, router, stopped.clone())),
+        _ => tokio::spawn(serve::serve_http(listener, router, limits, stopped.clone())),
     };
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped));
 

@@ -8,6 +8,16 @@
 //! Verdicts are cached by the token's SHA-256 (never the token itself) for a bounded time — never
 //! past the token's own `exp` — and a bounded number of entries; concurrent first uses of one
 //! token share one review, so the API server sees one TokenReview per token per cache period.
+//!
+//! A flood of junk tokens must not cost the API server a review each, nor push the sidecars'
+//! verdicts out of the cache:
+//! - a token that cannot be one the API server would accept for us (not a JWT, another audience,
+//!   expired) is refused without a review;
+//! - accepted and refused verdicts live in separate caches, each bounded, so refused tokens only
+//!   ever evict refused tokens;
+//! - reviews of tokens not in the cache draw on a budget (a token bucket, `REVIEWS_PER_SECOND`
+//!   with a burst of `REVIEW_BURST`); past it a new token is answered 503 (retry) until the budget
+//!   refills, while every token already accepted keeps being served from the cache.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -37,8 +47,11 @@ pub struct ReviewConfig {
     /// How long a refused token's verdict is reused (so a flood of bad tokens costs the API
     /// server one review each per period).
     pub negative_ttl: Duration,
-    /// Most cached verdicts.
+    /// Most cached verdicts of each kind (accepted, refused).
     pub max_entries: usize,
+    /// Reviews of uncached tokens per second, sustained, and in a burst.
+    pub reviews_per_second: f64,
+    pub review_burst: f64,
 }
 
 impl ReviewConfig {
@@ -49,9 +62,16 @@ impl ReviewConfig {
             ttl: Duration::from_secs(60),
             negative_ttl: Duration::from_secs(10),
             max_entries: 10_000,
+            reviews_per_second: REVIEWS_PER_SECOND,
+            review_burst: REVIEW_BURST,
         }
     }
 }
+
+/// Sustained TokenReviews per second for tokens not in the cache: far above what sidecars
+/// starting or rotating their tokens need (one review per pod per hour, and per cache period).
+pub const REVIEWS_PER_SECOND: f64 = 50.0;
+pub const REVIEW_BURST: f64 = 200.0;
 
 type Verdict = Result<Caller, AuthError>;
 
@@ -60,12 +80,70 @@ struct Cached {
     expires_at: Micros,
 }
 
+/// Accepted and refused verdicts, each bounded on its own: refused tokens (anyone can make
+/// them up) never take an accepted token's place.
+#[derive(Default)]
+pub struct VerdictCache {
+    accepted: HashMap<[u8; 32], Cached>,
+    refused: HashMap<[u8; 32], Cached>,
+}
+
+impl VerdictCache {
+    fn get(&self, digest: &[u8; 32], now: Micros) -> Option<Verdict> {
+        self.accepted
+            .get(digest)
+            .or_else(|| self.refused.get(digest))
+            .filter(|c| c.expires_at > now)
+            .map(|c| c.verdict.clone())
+    }
+
+    fn insert(&mut self, digest: [u8; 32], verdict: Verdict, expires_at: Micros, now: Micros, max_entries: usize) {
+        let map = if verdict.is_ok() { &mut self.accepted } else { &mut self.refused };
+        if map.len() >= max_entries {
+            map.retain(|_, c| c.expires_at > now);
+            if map.len() >= max_entries {
+                // Still full of live verdicts: the one expiring first goes (a scan, only when a
+                // cache of this size is full).
+                if let Some(oldest) = map.iter().min_by_key(|(_, c)| c.expires_at).map(|(k, _)| *k) {
+                    map.remove(&oldest);
+                }
+            }
+        }
+        map.insert(digest, Cached { verdict, expires_at });
+    }
+
+    pub fn len(&self) -> (usize, usize) {
+        (self.accepted.len(), self.refused.len())
+    }
+}
+
+/// A token bucket on the clock's microseconds: the review budget.
+struct Budget {
+    tokens: f64,
+    updated: Micros,
+}
+
+impl Budget {
+    fn take(&mut self, now: Micros, rate: f64, burst: f64) -> bool {
+        let elapsed = now.saturating_sub(self.updated) as f64 / 1e6;
+        self.tokens = (self.tokens + elapsed * rate).min(burst);
+        self.updated = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 pub struct TokenReviewer {
     api: Api<TokenReview>,
     config: ReviewConfig,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
-    cache: Mutex<HashMap<[u8; 32], Cached>>,
+    cache: Mutex<VerdictCache>,
+    budget: Mutex<Budget>,
     in_flight: Mutex<HashMap<[u8; 32], Arc<Review>>>,
 }
 
@@ -75,12 +153,14 @@ type Review = OnceCell<(Verdict, Micros)>;
 
 impl TokenReviewer {
     pub fn new(client: Client, config: ReviewConfig, clock: Arc<dyn Clock>, metrics: Arc<Metrics>) -> TokenReviewer {
+        let budget = Budget { tokens: config.review_burst, updated: clock.now() };
         TokenReviewer {
             api: Api::all(client),
             config,
             clock,
             metrics,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(VerdictCache::default()),
+            budget: Mutex::new(budget),
             in_flight: Mutex::new(HashMap::new()),
         }
     }
@@ -88,8 +168,20 @@ impl TokenReviewer {
     async fn verify(&self, token: &str) -> Verdict {
         let digest = token_digest(token);
         let now = self.clock.now();
-        if let Some(hit) = self.cache.lock().get(&digest).filter(|c| c.expires_at > now) {
-            return hit.verdict.clone();
+        if let Some(hit) = self.cache.lock().get(&digest, now) {
+            return hit;
+        }
+        if let Err(why) = plausible(token, &self.config.audience, now) {
+            self.count("refused_unreviewed");
+            let verdict = Err(AuthError::Invalid(why));
+            let expires_at = now + self.config.negative_ttl.as_micros() as Micros;
+            self.cache.lock().insert(digest, verdict.clone(), expires_at, now, self.config.max_entries);
+            return verdict;
+        }
+        let joining = self.in_flight.lock().contains_key(&digest);
+        if !joining && !self.budget.lock().take(now, self.config.reviews_per_second, self.config.review_burst) {
+            self.count("throttled");
+            return Err(AuthError::Unavailable("too many new tokens to review at once; retry shortly".into()));
         }
         let cell = self.in_flight.lock().entry(digest).or_default().clone();
         // The entry goes when this request is done or dropped (a client hanging up mid-review
@@ -105,17 +197,8 @@ impl TokenReviewer {
     }
 
     fn remember(&self, digest: [u8; 32], verdict: Verdict, expires_at: Micros) {
-        let mut cache = self.cache.lock();
-        if cache.len() >= self.config.max_entries {
-            let now = self.clock.now();
-            cache.retain(|_, c| c.expires_at > now);
-            if cache.len() >= self.config.max_entries {
-                // Still full of live verdicts: start over rather than grow; each token costs one
-                // more review.
-                cache.clear();
-            }
-        }
-        cache.insert(digest, Cached { verdict, expires_at });
+        let now = self.clock.now();
+        self.cache.lock().insert(digest, verdict, expires_at, now, self.config.max_entries);
     }
 
     /// One TokenReview, with the time its verdict may be reused until.
@@ -199,6 +282,34 @@ fn caller_of(username: &str, gateways: &HashSet<String>) -> Verdict {
     Ok(Caller::Tenant { name: qualified.into(), namespaces: vec![namespace.to_string()].into() })
 }
 
+/// Whether `token` could be one the API server accepts for `audience`: a JWT whose (unverified)
+/// claims name the audience and have not expired. Anything else is refused without a review; the
+/// API server remains the only judge of the rest (signature, pod, ServiceAccount).
+fn plausible(token: &str, audience: &str, now: Micros) -> Result<(), String> {
+    let parts: Vec<&str> = token.split('.').collect();
+    if parts.len() != 3 || parts.iter().any(|p| p.is_empty()) {
+        return Err("not a ServiceAccount token (a JWT)".into());
+    }
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(parts[1].trim_end_matches('='))
+        .map_err(|_| "not a ServiceAccount token (a JWT)".to_string())?;
+    let claims: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|_| "not a ServiceAccount token (a JWT)".to_string())?;
+    let for_us = match claims.get("aud") {
+        Some(serde_json::Value::String(aud)) => aud == audience,
+        Some(serde_json::Value::Array(auds)) => auds.iter().any(|a| a.as_str() == Some(audience)),
+        _ => false,
+    };
+    if !for_us {
+        return Err(format!("token is not for audience {audience:?}"));
+    }
+    match claims.get("exp").and_then(serde_json::Value::as_u64).and_then(|e| e.checked_mul(1_000_000)) {
+        Some(exp) if exp > now => Ok(()),
+        Some(_) => Err("token expired".into()),
+        None => Err("token has no expiry".into()),
+    }
+}
+
 /// The `exp` claim of a JWT in Unix microseconds, read without verifying (the API server has
 /// verified it; this only keeps a cached verdict from outliving the token).
 fn token_expiry(token: &str) -> Option<Micros> {
@@ -219,6 +330,58 @@ mod tests {
         assert!(tenant.may_use("tenant-a") && !tenant.may_use("tenant-b"));
         assert!(caller_of("system:serviceaccount:gw:envoy", &gateways).unwrap().is_trusted());
         assert!(caller_of("alice", &gateways).is_err());
+    }
+
+    fn jwt(claims: serde_json::Value) -> String {
+        let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(claims.to_string());
+        format!("eyJhbGciOiJSUzI1NiJ9.{payload}.c2lnbmF0dXJl")
+    }
+
+    #[test]
+    fn only_plausible_tokens_are_sent_for_review() {
+        let now = 1_700_000_000_000_000;
+        assert!(plausible(&jwt(serde_json::json!({"aud": ["sluice"], "exp": 1_700_000_100})), "sluice", now).is_ok());
+        assert!(plausible(&jwt(serde_json::json!({"aud": "sluice", "exp": 1_700_000_100})), "sluice", now).is_ok());
+        for (token, why) in [
+            ("junk-token-0123456789".to_string(), "JWT"),
+            ("a.b".to_string(), "JWT"),
+            ("a.!!!.c".to_string(), "JWT"),
+            (jwt(serde_json::json!({"aud": ["https://kubernetes.default.svc"], "exp": 1_700_000_100})), "audience"),
+            (jwt(serde_json::json!({"aud": ["sluice"], "exp": 1_600_000_000})), "expired"),
+            (jwt(serde_json::json!({"aud": ["sluice"]})), "expiry"),
+        ] {
+            let error = plausible(&token, "sluice", now).expect_err(&token);
+            assert!(error.contains(why), "{token}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_flood_of_refused_tokens_never_evicts_an_accepted_one() {
+        let mut cache = VerdictCache::default();
+        let now = 1_000;
+        let sidecar =
+            Caller::Tenant { name: "tenant-a/default".into(), namespaces: vec!["tenant-a".to_string()].into() };
+        cache.insert([1; 32], Ok(sidecar), now + 60_000_000, now, 100);
+        for i in 0..10_000u32 {
+            let mut digest = [0; 32];
+            digest[..4].copy_from_slice(&i.to_le_bytes());
+            digest[31] = 2;
+            cache.insert(digest, Err(AuthError::Invalid("junk".into())), now + 10_000_000, now, 100);
+        }
+        assert!(cache.get(&[1; 32], now).is_some_and(|v| v.is_ok()), "the sidecar's verdict survived");
+        assert_eq!(cache.len(), (1, 100), "each kind bounded on its own");
+        assert!(cache.get(&[1; 32], now + 60_000_001).is_none(), "and expires as before");
+    }
+
+    #[test]
+    fn the_review_budget_refills_at_its_rate() {
+        let mut budget = Budget { tokens: 2.0, updated: 0 };
+        assert!(budget.take(0, 50.0, 2.0) && budget.take(0, 50.0, 2.0));
+        assert!(!budget.take(0, 50.0, 2.0), "the burst is spent");
+        assert!(!budget.take(10_000, 50.0, 2.0), "half a review refilled in 10 ms");
+        assert!(budget.take(20_000, 50.0, 2.0), "one in 20 ms");
+        assert!(budget.take(10_000_000, 50.0, 2.0) && budget.take(10_000_000, 50.0, 2.0));
+        assert!(!budget.take(10_000_000, 50.0, 2.0), "never above the burst");
     }
 
     #[test]

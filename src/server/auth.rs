@@ -66,6 +66,23 @@ impl Caller {
         }
     }
 
+    /// The namespace a request is about: the one it names, if the caller may use it, or the
+    /// caller's own when it names none. A caller of several namespaces must name one: guessing
+    /// `default` would decide (and spend) in a namespace it was never given.
+    pub fn namespace_of<'a>(&'a self, requested: Option<&'a str>) -> Result<&'a str, Forbidden> {
+        match requested {
+            Some(namespace) => self.require_namespace(namespace).map(|()| namespace),
+            None => match self {
+                Caller::Tenant { namespaces, .. } if namespaces.len() != 1 => Err(Forbidden(format!(
+                    "namespace: required: caller {} may ask about several namespaces ({})",
+                    self.name(),
+                    namespaces.join(", ")
+                ))),
+                _ => Ok(self.default_namespace()),
+            },
+        }
+    }
+
     /// The namespaces the caller may see, or `None` for all of them.
     pub fn visible_namespaces(&self) -> Option<&[String]> {
         match self {

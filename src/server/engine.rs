@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
+use super::request::MAX_COST;
 use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
@@ -207,6 +208,7 @@ impl<S: Store> Engine<S> {
                 },
             );
         }
+        self.metrics.retain_rules(snapshot.rules().map(|r| (r.policy().to_string(), r.name().to_string())).collect());
         let now = self.clock.now();
         self.metrics.snapshot_rules.set(snapshot.rule_count() as i64);
         self.metrics.snapshot_loaded_seconds.set(now as f64 / 1e6);
@@ -300,11 +302,16 @@ impl<S: Store> Engine<S> {
     /// descriptor admits it, and a denial consumes nothing anywhere. When the store has not
     /// answered within `store_budget`, each rule's `onStoreFailure` decides, so a caller's
     /// deadline shorter than the store's own still gets the policy's answer.
+    ///
+    /// A counter several descriptors reach is decided once: with `sum_repeated` (a gateway, which
+    /// may set costs) at the sum of their costs, capped at [`MAX_COST`]; otherwise at its
+    /// cost once, so repeating a descriptor is no way for a tenant to set a price.
     pub async fn check_descriptors(
         &self,
         namespace: &str,
         descriptors: &[(&dyn Descriptor, u64)],
         store_budget: Option<Duration>,
+        sum_repeated: bool,
     ) -> DescriptorsChecked {
         let started = Instant::now();
         let live = self.live.load();
@@ -318,7 +325,11 @@ impl<S: Store> Engine<S> {
                 // One counter is decided once per request, whichever descriptors reach it.
                 match matched.iter().position(|c| c.rule.id() == m.rule.id() && c.key == m.key) {
                     Some(i) => {
-                        matched[i].cost = matched[i].cost.saturating_add(m.cost);
+                        matched[i].cost = if sum_repeated {
+                            matched[i].cost.saturating_add(m.cost).min(MAX_COST)
+                        } else {
+                            matched[i].cost.max(m.cost)
+                        };
                         indices.push(i);
                     }
                     None => {

@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
@@ -107,15 +106,21 @@ fn bad_request(engine_metrics: &crate::telemetry::Metrics, error: BadRequest) ->
     error_response(StatusCode::BAD_REQUEST, error.0)
 }
 
-fn body_rejection(engine_metrics: &crate::telemetry::Metrics, rejection: BytesRejection, limit: usize) -> Response {
-    let status = rejection.status();
-    engine_metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
-    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-        format!("request body larger than {limit} bytes")
-    } else {
-        format!("could not read the request body: {}", rejection.body_text())
+/// Reads a request body of at most `limit` bytes: only once the caller is verified, so a client
+/// without a credential never gets the endpoint to buffer (or wait for) a body.
+async fn read_body(engine_metrics: &crate::telemetry::Metrics, body: Body, limit: usize) -> Result<Bytes, Response> {
+    let error = match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => return Ok(bytes),
+        Err(error) => error,
     };
-    error_response(status, message)
+    let too_large = error.into_inner().downcast_ref::<http_body_util::LengthLimitError>().is_some();
+    let (status, message) = if too_large {
+        (StatusCode::PAYLOAD_TOO_LARGE, format!("request body larger than {limit} bytes"))
+    } else {
+        (StatusCode::BAD_REQUEST, "could not read the request body".to_string())
+    };
+    engine_metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    Err(error_response(status, message))
 }
 
 /// 401 (with a Bearer challenge) or 503, counted by reason.
@@ -147,16 +152,16 @@ fn forbidden(metrics: &crate::telemetry::Metrics, error: Forbidden, status: Stat
 async fn caller_and_request<S: Store>(
     state: &ApiState<S>,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<(Caller, CheckRequest), Response> {
     let metrics = state.engine.metrics();
     let caller = state.auth.caller(headers).await.map_err(|error| auth_failure(metrics, error))?;
-    let body = body.map_err(|rejection| body_rejection(metrics, rejection, MAX_BODY_BYTES))?;
+    let body = read_body(metrics, body, MAX_BODY_BYTES).await?;
     let request = CheckRequest::from_json(&body).map_err(|error| bad_request(metrics, error))?;
     Ok((caller, request))
 }
 
-async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
     let engine = &state.engine;
     let (caller, request) = match caller_and_request(&state, &headers, body).await {
         Ok(parsed) => parsed,
@@ -205,20 +210,16 @@ struct LeanDecision<'a> {
 /// decided exactly as `POST /v1/check` would, concurrently, and answered in order; one bad check
 /// is refused on its own (`{"status": 400, "error": …}`) without failing the others. The
 /// caller's credential covers the whole batch.
-async fn checks<S: Store>(
-    State(state): Shared<S>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
     let engine = &state.engine;
     let metrics = engine.metrics();
     let caller = match state.auth.caller(&headers).await {
         Ok(caller) => caller,
         Err(error) => return auth_failure(metrics, error),
     };
-    let body = match body {
+    let body = match read_body(metrics, body, MAX_BATCH_BODY_BYTES).await {
         Ok(body) => body,
-        Err(rejection) => return body_rejection(metrics, rejection, MAX_BATCH_BODY_BYTES),
+        Err(response) => return response,
     };
     let batch: RawBatch = match serde_json::from_slice(&body) {
         Ok(batch) => batch,
@@ -297,11 +298,7 @@ struct BatchResults<'a> {
 
 /// Why each rule of the caller's namespace applies or not, with the decision a check would make
 /// now; the same body and caller rules as `/v1/check`, and it consumes nothing.
-async fn explain<S: Store>(
-    State(state): Shared<S>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn explain<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
     let engine = &state.engine;
     let (caller, request) = match caller_and_request(&state, &headers, body).await {
         Ok(parsed) => parsed,
@@ -418,16 +415,15 @@ impl AuthzParts {
                     .map_err(|_| BadRequest(format!("header {name}: not visible ASCII"))),
             }
         };
-        let namespace = match text(NAMESPACE_HEADER)? {
-            Some(namespace) => {
-                caller.require_namespace(namespace).map_err(AuthzError::Forbidden)?;
-                namespace.to_string()
-            }
-            None => caller.default_namespace().to_string(),
-        };
+        let namespace = caller.namespace_of(text(NAMESPACE_HEADER)?).map_err(AuthzError::Forbidden)?.to_string();
+        // Labels choose which policies apply: a tenant's proxy passes its clients' headers
+        // through, and a client must not pick a label that unselects a policy, so only a
+        // gateway's count (as for the cost).
         let labels = match text(LABELS_HEADER)? {
-            None => BTreeMap::new(),
-            Some(list) => parse_label_list(list).map_err(|e| BadRequest(format!("header {LABELS_HEADER}: {e}")))?,
+            Some(list) if caller.is_trusted() => {
+                parse_label_list(list).map_err(|e| BadRequest(format!("header {LABELS_HEADER}: {e}")))?
+            }
+            _ => BTreeMap::new(),
         };
         // A tenant's own proxy passes its clients' headers through: a client-sent x-sluice-cost
         // must not set the price of its own requests, so only a gateway's counts.
@@ -592,6 +588,28 @@ fn snapshot_wait(uri: &Uri) -> Result<Option<std::time::Duration>, BadRequest> {
 /// The caller's part of the live snapshot. With `If-None-Match` naming the current version and
 /// `?wait=DURATION`, the request is held until the part changes (then 200 at once) or the wait
 /// ends (304): a sidecar learns of a policy change as soon as it is installed, without polling.
+/// A reload error as `caller` may see it: its text names other tenants' files, policies and
+/// regexes, so only callers of every namespace get it; a tenant learns that (and when) the last
+/// reload failed.
+fn reload_error_for(caller: &Caller, error: super::engine::ReloadError) -> super::engine::ReloadError {
+    match caller.visible_namespaces() {
+        None => error,
+        Some(_) => super::engine::ReloadError {
+            at: error.at,
+            message: "the last reload failed; the last good policies stay enforced (the endpoint's log and a gateway's /v1/snapshot have the details)".into(),
+        },
+    }
+}
+
+/// The store's status as `caller` may see it: evictions of its own namespaces only.
+fn store_status_for(caller: &Caller, mut status: crate::store::StoreStatus) -> crate::store::StoreStatus {
+    if let Some(visible) = caller.visible_namespaces() {
+        status.evicted_keys_by_namespace.retain(|namespace, _| visible.iter().any(|v| v == namespace));
+        status.evicted_keys = status.evicted_keys_by_namespace.values().sum();
+    }
+    status
+}
+
 async fn snapshot<S: Store>(State(state): Shared<S>, uri: Uri, request_headers: HeaderMap) -> Response {
     let engine = &state.engine;
     let caller = match state.auth.caller(&request_headers).await {
@@ -640,8 +658,8 @@ async fn snapshot<S: Store>(State(state): Shared<S>, uri: Uri, request_headers: 
         loaded_at_ms: live.loaded_at / 1000,
         view: SnapshotView::of(&part),
         sources: part.sources(),
-        last_reload_error: engine.last_error(),
-        store: engine.store_status(),
+        last_reload_error: engine.last_error().map(|error| reload_error_for(&caller, error)),
+        store: store_status_for(&caller, engine.store_status()),
     };
     let mut response = ([(header::ETAG, etag)], axum::Json(body)).into_response();
     if let Some(wait) = wait {

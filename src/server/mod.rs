@@ -5,6 +5,7 @@ pub mod auth;
 pub mod engine;
 pub mod headers;
 pub mod http;
+pub mod listen;
 pub mod reload;
 pub mod request;
 pub mod rls;

@@ -141,13 +141,7 @@ impl CheckRequest {
     /// the namespace defaults to the caller's own and must be one it may use; only a trusted
     /// caller may set the cost. Any caller may state its client's IP (for its own namespaces).
     pub fn view<'a>(&'a self, caller: &'a Caller) -> Result<crate::policy::RequestView<'a>, Forbidden> {
-        let namespace = match &self.namespace {
-            Some(namespace) => {
-                caller.require_namespace(namespace)?;
-                namespace.as_str()
-            }
-            None => caller.default_namespace(),
-        };
+        let namespace = caller.namespace_of(self.namespace.as_deref())?;
         if self.cost.is_some() && !caller.is_trusted() {
             return Err(Forbidden(format!(
                 "cost: caller {} may not set a request's cost (gateways only)",

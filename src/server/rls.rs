@@ -157,7 +157,7 @@ impl<S: Store> RateLimiter<S> {
         }
         let descriptors: Vec<(&dyn Descriptor, u64)> =
             request.descriptors.iter().zip(costs).map(|(d, cost)| (d as &dyn Descriptor, cost)).collect();
-        let checked = self.engine.check_descriptors(&request.domain, &descriptors, budget).await;
+        let checked = self.engine.check_descriptors(&request.domain, &descriptors, budget, caller.is_trusted()).await;
         Ok(answer(&checked, self.response_headers))
     }
 }

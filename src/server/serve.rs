@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::engine::Engine;
+use super::listen::ConnectionLimits;
 use super::reload::SettledChange;
 use std::collections::HashMap;
 
@@ -42,7 +43,7 @@ pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
 }
 
 /// A digest of the policy files' names and contents: a change in any of them means reload.
-fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
+pub fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
     let mut hasher = Sha256::new();
     match policy_files(paths) {
         Ok(files) => {
@@ -63,13 +64,16 @@ fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
 /// stood still for one interval ([`SettledChange`]: a file caught half-way through a write is not
 /// loaded). A bad edit keeps the last good snapshot; the error is logged and shown at
 /// `/v1/snapshot`.
+///
+/// `loaded` is the [`fingerprint`] read before the running snapshot was loaded.
 pub async fn watch_policies<S: Store>(
     engine: Arc<Engine<S>>,
     paths: Vec<PathBuf>,
+    loaded: Vec<u8>,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut change = SettledChange::new(fingerprint(&paths));
+    let mut change = SettledChange::new(loaded);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -107,39 +111,27 @@ async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: 
     }
 }
 
-/// Serves the router on `listener` until `shutdown` flips, then drains in-flight requests.
+/// Serves the router on `listener` until `shutdown` flips, then drains in-flight requests; the
+/// header-read timeout and connection cap of [`super::listen`].
 pub async fn serve_http(
     listener: TcpListener,
     router: axum::Router,
-    mut shutdown: watch::Receiver<bool>,
+    limits: ConnectionLimits,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router.into_make_service_with_connect_info::<std::net::SocketAddr>())
-        .with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        })
-        .await
+    super::listen::serve(listener, router, None, limits, shutdown).await
 }
 
 /// [`serve_http`] over TLS: the same router, the certificate of `tls` (which can be reloaded in
-/// place, e.g. when the operator's certificate Secret changes).
+/// place, e.g. when the operator's certificate Secret changes: each handshake takes the current one).
 pub async fn serve_https(
     listener: TcpListener,
     router: axum::Router,
     tls: axum_server::tls_rustls::RustlsConfig,
-    mut shutdown: watch::Receiver<bool>,
+    limits: ConnectionLimits,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let handle = axum_server::Handle::new();
-    let server = axum_server::from_tcp_rustls(listener.into_std()?, tls)?.handle(handle.clone());
-    let serving = server.serve(router.into_make_service_with_connect_info::<std::net::SocketAddr>());
-    tokio::pin!(serving);
-    tokio::select! {
-        result = &mut serving => result,
-        _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
-            // In-flight requests finish; new connections are refused.
-            handle.graceful_shutdown(Some(Duration::from_secs(20)));
-            serving.await
-        }
-    }
+    super::listen::serve(listener, router, Some(tls), limits, shutdown).await
 }
 
 #[cfg(test)]
@@ -194,5 +186,24 @@ spec:
         poll_policies(&engine, &paths, &mut change).await;
         poll_policies(&engine, &paths, &mut change).await;
         assert_eq!(installs(&engine), 3);
+    }
+
+    /// A deleted or renamed rule's decision series go with it: 12 renames leave one rule's
+    /// series, not thirteen.
+    #[test]
+    fn metric_series_follow_the_rules() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("policies.yaml");
+        let paths = vec![dir.path().to_path_buf()];
+        let clock = Arc::new(SystemClock);
+        let metrics = Arc::new(Metrics::new());
+        let engine = Engine::new(Arc::new(MemoryStore::with_clock(100, clock.clone())), clock, metrics.clone());
+        let series = |name: &str| metrics.encode().lines().filter(|l| l.contains(&format!("rule=\"{name}\""))).count();
+        for n in 0..13 {
+            std::fs::write(&file, POLICY.replace("name: r", &format!("name: r{n}"))).unwrap();
+            engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+        }
+        assert_eq!(series("r12"), 3, "allowed, limited, would_limit");
+        assert_eq!((0..12).map(|n| series(&format!("r{n}"))).sum::<usize>(), 0, "{}", metrics.encode());
     }
 }

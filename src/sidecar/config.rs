@@ -89,6 +89,9 @@ pub struct SidecarArgs {
     /// the upstream host instead of the --upstream port.
     #[arg(long, env = "SLUICE_INBOUND_PORTS", value_delimiter = ',')]
     pub inbound_ports: Vec<u16>,
+    /// Header-read timeout and connection cap of the proxy and admin listeners.
+    #[command(flatten)]
+    pub listen_limits: crate::server::listen::ListenArgs,
 }
 
 /// The checked configuration.
@@ -114,6 +117,7 @@ pub struct Config {
     pub endpoint_batches: usize,
     pub app_probes: BTreeMap<String, super::probes::AppProbe>,
     pub inbound_ports: Vec<u16>,
+    pub listen_limits: crate::server::listen::ConnectionLimits,
 }
 
 impl Config {
@@ -189,6 +193,7 @@ impl Config {
                 None => BTreeMap::new(),
             },
             inbound_ports: args.inbound_ports,
+            listen_limits: args.listen_limits.limits(),
         })
     }
 }
@@ -280,6 +285,10 @@ mod tests {
             endpoint_batches: 4,
             app_probes: None,
             inbound_ports: Vec::new(),
+            listen_limits: crate::server::listen::ListenArgs {
+                header_read_timeout: Duration::from_secs(10),
+                max_connections: None,
+            },
         }
     }
 

@@ -93,15 +93,14 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
-    let mut admin_stop = stopped.clone();
-    let admin_server = tokio::spawn(async move {
-        axum::serve(admin, admin_router(metrics, app_health))
-            .with_graceful_shutdown(async move {
-                let _ = admin_stop.wait_for(|stop| *stop).await;
-            })
-            .await
-    });
-    let proxy_server = tokio::spawn(proxy::serve(listener, proxy, stopped));
+    let admin_server = tokio::spawn(crate::server::listen::serve(
+        admin,
+        admin_router(metrics, app_health),
+        None,
+        config.listen_limits,
+        stopped.clone(),
+    ));
+    let proxy_server = tokio::spawn(proxy::serve(listener, proxy, config.listen_limits, stopped));
 
     crate::role::termination_signal().await;
     tracing::info!("shutting down: draining in-flight requests");

@@ -16,10 +16,9 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider, Decision, HeaderList, Refusal, error_chain};
@@ -29,9 +28,6 @@ use crate::server::request::MAX_PATH_LEN;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
-
-/// How long in-flight requests may finish after SIGTERM before connections are dropped.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub struct Proxy {
     upstream: Authority,
@@ -297,36 +293,20 @@ fn problem(status: StatusCode, title: &str, detail: &str, headers: HeaderList) -
 }
 
 /// Accepts connections until `shutdown`, then lets each finish its in-flight requests (up to
-/// [`DRAIN_TIMEOUT`]).
-pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, mut shutdown: watch::Receiver<bool>) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The timer enables hyper's header-read timeout, so a client that never finishes its
-    // headers cannot hold a connection forever.
-    builder.http1().timer(TokioTimer::new()).keep_alive(true);
-    builder.http2().timer(TokioTimer::new());
-    let builder = Arc::new(builder);
-    // Each connection task holds a sender; when all are gone, draining is complete.
-    let (alive, mut drained) = mpsc::channel::<()>(1);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stopped(&mut shutdown) => break,
-        };
-        let _ = stream.set_nodelay(true);
+/// 20 s). At most `limits.max_connections` at once (the others wait in the
+/// backlog), each given `limits.header_read_timeout` for every request's head (an idle keep-alive
+/// connection is closed after it too).
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    limits: crate::server::listen::ConnectionLimits,
+    shutdown: watch::Receiver<bool>,
+) {
+    let builder = Arc::new(crate::server::listen::http_builder(limits));
+    crate::server::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown| {
         let upstream = Arc::new(proxy.upstream_for(&stream));
-        let proxy = proxy.clone();
-        let builder = builder.clone();
-        let mut shutdown = shutdown.clone();
-        let alive = alive.clone();
-        tokio::spawn(async move {
+        let (proxy, builder) = (proxy.clone(), builder.clone());
+        async move {
             let service = service_fn(move |request| {
                 let (proxy, upstream) = (proxy.clone(), upstream.clone());
                 async move { Ok::<_, Infallible>(proxy.handle(peer, &upstream, request).await) }
@@ -344,14 +324,9 @@ pub async fn serve(listener: TcpListener, proxy: Arc<Proxy>, mut shutdown: watch
                     let _ = connection.await;
                 }
             }
-            drop(alive);
-        });
-    }
-    drop(alive);
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained.recv()).await;
+        }
+    })
+    .await;
 }
 
-/// Resolves once `shutdown` is true, without holding the channel's read guard across awaits.
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
-}
+use crate::server::listen::stopped;
