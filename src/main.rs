@@ -126,7 +126,23 @@ fn run_async(log_format: &str, role: impl std::future::Future<Output = anyhow::R
     tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(role)
 }
 
-fn main() -> anyhow::Result<()> {
+/// A failed command prints what went wrong and its causes, one per line, and exits 1: the
+/// messages name what to fix, so no stack trace (which `RUST_BACKTRACE=1`, common among Rust
+/// users, would otherwise print for every mistyped file name).
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("Error: {error}");
+            for cause in error.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Crd => {

@@ -789,3 +789,26 @@ async fn waiting_requests_share_one_call_and_are_decided_as_on_their_own() {
     assert_eq!(status.decisions, 21, "the warm-up, then 20");
     assert_eq!(status.calls, 4, "the warm-up, the two calls Redis held, then one call for the 18 that waited");
 }
+
+/// A Redis that needs a password, and a store given none: every call is refused the same way,
+/// so the breaker opens (and says so in the log) instead of counting each refusal as a one-off
+/// bad answer from a healthy server, which kept it closed forever.
+#[tokio::test]
+async fn a_missing_password_opens_the_breaker() {
+    let port = support::redis_server::free_port(false);
+    let _server = RedisServer::start_with(port, &["--requirepass".into(), "s3cret-pass".into()]);
+    let mut config = RedisConfig::single(format!("redis://127.0.0.1:{port}"));
+    config.breaker = BreakerConfig { failure_threshold: 3, cool_down: Duration::from_secs(60) };
+    let store = RedisStore::connect(config).await.expect("lazy connect");
+    let l = limit(Algorithm::FixedWindow, 10, SEC, None, None);
+    let mut errors = Vec::new();
+    for _ in 0..6 {
+        match store.check_tagged("noauth", None, &[check(1, &l, b"k", 1, true)]).await {
+            Err(error) => errors.push(error.to_string()),
+            Ok(verdict) => panic!("decided without the password: {verdict:?}"),
+        }
+    }
+    assert_eq!(store.breaker_state(), BreakerState::Open, "{errors:?}");
+    assert!(errors.iter().any(|e| e.contains("NOAUTH") || e.to_lowercase().contains("auth")), "{errors:?}");
+    assert!(errors.last().is_some_and(|e| e.contains("breaker")), "{errors:?}");
+}

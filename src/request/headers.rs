@@ -86,19 +86,52 @@ impl StrMap for HeaderLookup<'_> {
     }
 }
 
-/// Refuses headers in `used` (lowercase names the rules use) that appear more than once or whose
-/// value is not UTF-8, naming the header. Hop-by-hop headers are not looked at: rules never see
-/// them.
-pub fn check_used_headers(headers: &HeaderMap, used: &[String]) -> Result<(), String> {
+/// The longest value of a header a rule uses (as for a path, `MAX_PATH_LEN`): rules match and
+/// key on at most this much, so a regex's matching time is bounded by its compiled size times
+/// this length, not by what a client chooses to send.
+pub const MAX_USED_HEADER_BYTES: usize = 8192;
+
+/// Refuses a value of a header a rule uses that is longer than [`MAX_USED_HEADER_BYTES`].
+pub fn check_used_header_length(name: &str, value: &[u8]) -> Result<(), String> {
+    if value.len() > MAX_USED_HEADER_BYTES {
+        return Err(format!("header {name}: value longer than {MAX_USED_HEADER_BYTES} bytes"));
+    }
+    Ok(())
+}
+
+/// Why the headers a rule uses cannot be decided on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UsedHeaderProblem {
+    /// Sent twice, or not UTF-8.
+    Malformed(String),
+    /// Longer than [`MAX_USED_HEADER_BYTES`] (431 for a proxy).
+    TooLarge(String),
+}
+
+impl std::fmt::Display for UsedHeaderProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UsedHeaderProblem::Malformed(m) | UsedHeaderProblem::TooLarge(m) => f.write_str(m),
+        }
+    }
+}
+
+/// Refuses headers in `used` (lowercase names the rules use) that appear more than once, whose
+/// value is not UTF-8 or longer than [`MAX_USED_HEADER_BYTES`], naming the header. Hop-by-hop
+/// headers are not looked at: rules never see them.
+pub fn check_used_headers(headers: &HeaderMap, used: &[String]) -> Result<(), UsedHeaderProblem> {
     for name in used.iter().filter(|name| !is_hop_by_hop(headers, name)) {
         let mut values = headers.get_all(name.as_str()).iter();
         let Some(first) = values.next() else { continue };
         if values.next().is_some() {
-            return Err(format!("header {name}: sent more than once; a rate-limited header must have one value"));
+            return Err(UsedHeaderProblem::Malformed(format!(
+                "header {name}: sent more than once; a rate-limited header must have one value"
+            )));
         }
         if std::str::from_utf8(first.as_bytes()).is_err() {
-            return Err(format!("header {name}: value is not UTF-8"));
+            return Err(UsedHeaderProblem::Malformed(format!("header {name}: value is not UTF-8")));
         }
+        check_used_header_length(name, first.as_bytes()).map_err(UsedHeaderProblem::TooLarge)?;
     }
     Ok(())
 }
@@ -115,10 +148,17 @@ mod tests {
         h.append("x-api-key", HeaderValue::from_static("k2"));
         h.append("accept", HeaderValue::from_static("a"));
         h.append("accept", HeaderValue::from_static("b"));
-        assert!(check_used_headers(&h, &["x-api-key".into()]).unwrap_err().starts_with("header x-api-key"));
+        assert!(check_used_headers(&h, &["x-api-key".into()]).unwrap_err().to_string().starts_with("header x-api-key"));
         assert!(check_used_headers(&h, &["accept-language".into()]).is_ok(), "unused duplicates are fine");
         h.insert("x-bin", HeaderValue::from_bytes(b"\xff").unwrap());
-        assert!(check_used_headers(&h, &["x-bin".into()]).unwrap_err().contains("UTF-8"));
+        assert!(check_used_headers(&h, &["x-bin".into()]).unwrap_err().to_string().contains("UTF-8"));
+        h.insert("x-long", HeaderValue::from_str(&"a".repeat(MAX_USED_HEADER_BYTES + 1)).unwrap());
+        assert!(matches!(
+            check_used_headers(&h, &["x-long".into()]),
+            Err(UsedHeaderProblem::TooLarge(m)) if m.contains("longer than 8192 bytes")
+        ));
+        h.insert("x-long", HeaderValue::from_str(&"a".repeat(MAX_USED_HEADER_BYTES)).unwrap());
+        assert!(check_used_headers(&h, &["x-long".into()]).is_ok());
     }
 
     #[test]

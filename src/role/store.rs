@@ -112,6 +112,13 @@ impl StoreArgs {
                 Some(std::fs::read(path).map_err(|error| BackendError::File { path: path.clone(), error })?);
         }
         let redis = RedisStore::connect_with_clock(config, clock).await?;
+        if let Some(reason) = redis.probe(Duration::from_secs(2)).await? {
+            tracing::warn!(
+                endpoint = %redis.endpoint(),
+                %reason,
+                "Redis does not answer yet: each rule's onStoreFailure decides until it does"
+            );
+        }
         Ok(BuiltBackend { backend: Backend::Redis(redis), memory })
     }
 

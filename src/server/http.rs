@@ -343,8 +343,8 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         Err(AuthzError::Forbidden(error)) => return forbidden(metrics, error, forbidden_status),
     };
     let live = engine.live();
-    if let Err(message) = check_used_headers(headers, live.snapshot.namespace_header_names(&parts.namespace)) {
-        return bad_request(metrics, BadRequest(message));
+    if let Err(problem) = check_used_headers(headers, live.snapshot.namespace_header_names(&parts.namespace)) {
+        return bad_request(metrics, BadRequest(problem.to_string()));
     }
     let client_ip = match (caller.is_trusted(), peer) {
         (true, Some(peer)) => Some(gateway_client_ip(headers, peer.ip(), state.gateway_trusted_hops)),

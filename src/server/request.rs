@@ -112,6 +112,9 @@ impl RawCheckRequest {
         if let Some(name) = self.headers.keys().find(|name| !is_token(name)) {
             return Err(BadRequest(format!("headers: {name:?} is not a valid header name")));
         }
+        for (name, value) in &self.headers {
+            crate::request::headers::check_used_header_length(name, value.as_bytes()).map_err(BadRequest)?;
+        }
         // Names are usually lower-case already (HTTP/2 requires it); then the map is kept as is.
         let headers = if self.headers.keys().any(|name| name.bytes().any(|b| b.is_ascii_uppercase())) {
             self.headers.into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect()
@@ -218,6 +221,8 @@ mod tests {
         assert!(err(r#"{"path": "/", "clientIp": "300.1.1.1"}"#).starts_with("clientIp: "));
         assert!(err(r#"{"path": "/", "headers": {"x": 5}}"#).starts_with("headers.x: invalid type"));
         assert!(err(r#"{"path": "/", "headers": {"bad name": "v"}}"#).starts_with("headers: "));
+        let long = format!(r#"{{"path": "/", "headers": {{"x-api-key": "{}"}}}}"#, "k".repeat(8193));
+        assert!(err(&long).contains("header x-api-key: value longer than 8192 bytes"), "{}", err(&long));
         assert!(err(r#"{"path": "orders"}"#).starts_with("path: must start with '/'"));
         assert!(err(r#"{"path": "/", "clientIP": "1.2.3.4"}"#).contains("unknown field `clientIP`"));
         assert!(err(r#"{"path": "/", "labels": ["a"]}"#).starts_with("labels: invalid type"));

@@ -24,6 +24,7 @@ use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
+use crate::request::headers::UsedHeaderProblem;
 use crate::server::engine::{CheckResponse, Engine};
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
@@ -254,7 +255,9 @@ impl Decider {
                     .await
                     .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)));
                 match fetched {
-                    Ok(_) => permit.success(self.clock.now()),
+                    Ok(_) => {
+                        permit.success(self.clock.now());
+                    }
                     Err(error) => {
                         permit.failure(self.clock.now());
                         tracing::debug!(%error, "first snapshot not available");
@@ -266,8 +269,10 @@ impl Decider {
         }
         let filter = self.header_filter.load();
         let HeaderFilter::Only(names) = &**filter else { return Ok(None) };
-        crate::request::headers::check_used_headers(headers, names)
-            .map_err(|detail| Refusal::new(StatusCode::BAD_REQUEST, detail))?;
+        crate::request::headers::check_used_headers(headers, names).map_err(|problem| match problem {
+            UsedHeaderProblem::Malformed(detail) => Refusal::new(StatusCode::BAD_REQUEST, detail),
+            UsedHeaderProblem::TooLarge(detail) => Refusal::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, detail),
+        })?;
         let mut out = BTreeMap::new();
         let mut bytes = 0;
         for name in names {

@@ -55,6 +55,14 @@ impl std::fmt::Display for BreakerState {
     }
 }
 
+/// A change worth telling the operator about: the breaker opened from closed (the store just
+/// became unusable), or closed again (it is back). A failed probe reopening it is neither.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transition {
+    Opened,
+    Closed,
+}
+
 #[derive(Debug)]
 enum Phase {
     Closed {
@@ -125,8 +133,9 @@ impl Breaker {
         }
     }
 
-    fn record(&self, probe: bool, ok: bool, now: Micros) {
+    fn record(&self, probe: bool, ok: bool, now: Micros) -> Option<Transition> {
         let mut phase = self.phase.lock();
+        let was_closed = matches!(*phase, Phase::Closed { .. });
         *phase = match (&*phase, ok) {
             (_, true) => Phase::Closed { failures: 0 },
             (Phase::Closed { failures }, false) => {
@@ -143,6 +152,11 @@ impl Breaker {
             (Phase::HalfOpen { probing }, false) => Phase::HalfOpen { probing: *probing },
             (Phase::Open { since }, false) => Phase::Open { since: *since },
         };
+        match (&*phase, was_closed) {
+            (Phase::Open { .. }, true) => Some(Transition::Opened),
+            (Phase::Closed { .. }, false) => Some(Transition::Closed),
+            _ => None,
+        }
     }
 
     fn release_probe(&self) {
@@ -154,14 +168,14 @@ impl Breaker {
 }
 
 impl Permit<'_> {
-    pub fn success(mut self, now: Micros) {
+    pub fn success(mut self, now: Micros) -> Option<Transition> {
         self.reported = true;
-        self.breaker.record(self.probe, true, now);
+        self.breaker.record(self.probe, true, now)
     }
 
-    pub fn failure(mut self, now: Micros) {
+    pub fn failure(mut self, now: Micros) -> Option<Transition> {
         self.reported = true;
-        self.breaker.record(self.probe, false, now);
+        self.breaker.record(self.probe, false, now)
     }
 }
 

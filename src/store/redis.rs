@@ -26,7 +26,7 @@ use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
-use super::breaker::{Breaker, BreakerConfig, BreakerState};
+use super::breaker::{Breaker, BreakerConfig, BreakerState, Transition};
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
@@ -115,6 +115,10 @@ pub enum RedisConfigError {
     Invalid { endpoint: String, reason: String },
     #[error("--redis-cluster needs at least one node URL")]
     NoClusterNodes,
+    #[error(
+        "Redis at {endpoint} refuses us: {reason} (give its password with --redis-password-file, SLUICE_REDIS_PASSWORD or the URL, and an ACL user allowed Sluice's commands: docs/operator.md)"
+    )]
+    Refused { endpoint: String, reason: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -324,22 +328,24 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.timeout, call).await {
             Err(_elapsed) => {
-                permit.failure(self.clock.now());
-                Err(StoreError::Timeout(self.timeout.as_millis() as u64))
+                let error = StoreError::Timeout(self.timeout.as_millis() as u64);
+                self.tell(permit.failure(self.clock.now()), &error);
+                Err(error)
             }
             Ok(Err(error)) => {
                 let (error, store_down) = classify(&error);
-                if store_down {
-                    permit.failure(self.clock.now());
+                let transition = if store_down {
+                    permit.failure(self.clock.now())
                 } else {
                     // Redis answered: it is up, whatever went wrong with this call.
-                    permit.success(self.clock.now());
-                }
+                    permit.success(self.clock.now())
+                };
+                self.tell(transition, &error);
                 tracing::debug!(endpoint = %self.endpoint, %error, "redis decision failed");
                 Err(error)
             }
             Ok(Ok(reply)) => {
-                permit.success(self.clock.now());
+                self.tell(permit.success(self.clock.now()), &StoreError::Unavailable(String::new()));
                 let verdict = parse_reply(&reply, checks.len())?;
                 self.denials.record(&keys, checks, &verdict, sent_at);
                 Ok(verdict)
@@ -349,6 +355,40 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// Says so in the log when the breaker opens (the store just became unusable: every rule's
+    /// `onStoreFailure` decides now) or closes again; metrics and `/v1/snapshot` show the state,
+    /// but someone reading the log must not have to guess.
+    fn tell(&self, transition: Option<Transition>, error: &StoreError) {
+        match transition {
+            Some(Transition::Opened) => tracing::error!(
+                endpoint = %self.endpoint,
+                %error,
+                "redis is unusable: circuit breaker open, each rule's onStoreFailure decides until it answers again"
+            ),
+            Some(Transition::Closed) => {
+                tracing::warn!(endpoint = %self.endpoint, "redis answers again: circuit breaker closed")
+            }
+            None => {}
+        }
+    }
+
+    /// Asks Redis once (PING) at start-up, within `within`: Ok when it answers; `Err(Refused)`
+    /// when it refuses our credentials or permissions (a configuration mistake that would fail
+    /// every decision: better a clear error now than shared limits silently lost); otherwise
+    /// Ok with the reason it did not answer (it may come up later: rules use onStoreFailure
+    /// meanwhile, and the caller says so).
+    pub async fn probe(&self, within: Duration) -> Result<Option<String>, RedisConfigError> {
+        let ping = ::redis::cmd("PING");
+        match tokio::time::timeout(within, self.query(&ping)).await {
+            Ok(Ok(_)) => Ok(None),
+            Ok(Err(error)) if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) => {
+                Err(RedisConfigError::Refused { endpoint: self.endpoint.clone(), reason: error.to_string() })
+            }
+            Ok(Err(error)) => Ok(Some(error.to_string())),
+            Err(_) => Ok(Some(format!("no answer within {within:?}"))),
+        }
+    }
+
     /// One decision call: FCALL, loading the library when Redis lacks it; EVALSHA on a Redis
     /// without Functions.
     async fn decide(&self, keys: &[Vec<u8>], args: &[String]) -> Result<Value, RedisError> {
@@ -555,7 +595,10 @@ pub fn classify(error: &RedisError) -> (StoreError, bool) {
                 )
         )
         // A script running too long blocks the server for everyone.
-        || error.code() == Some("BUSY");
+        || error.code() == Some("BUSY")
+        // Misconfigured credentials or permissions fail every call alike: as good as down (the
+        // breaker opens and says so), never a string of one-off protocol errors.
+        || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
     // The error's Display never includes the URL, only the kind and server detail.
     let message = error.to_string();
     if store_down { (StoreError::Unavailable(message), true) } else { (StoreError::Protocol(message), false) }
