@@ -159,12 +159,10 @@ fn ports_annotation(pod: &Pod, name: &str, warnings: &mut Vec<String>) -> Option
     }
 }
 
-/// The application's containers: all but the sidecar.
+/// The application's containers: the pod's, as admitted (a pod that already has the sidecar is
+/// never planned for: `super::inject::patch` only stamps it).
 fn app_containers(pod: &Pod) -> impl Iterator<Item = (usize, &Container)> {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.containers.iter().enumerate())
-        .filter(|(_, c)| c.name != super::inject::CONTAINER_NAME)
+    pod.spec.iter().flat_map(|s| s.containers.iter().enumerate())
 }
 
 fn is_tcp(protocol: &Option<String>) -> bool {

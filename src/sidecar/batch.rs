@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use serde::Deserialize;
 
-use super::decide::{Decision, EndpointError};
 use super::endpoint::{Answer, Endpoint};
 use super::metrics::{KindLabels, SidecarMetrics};
+use super::verdict::{Decision, EndpointError};
 use crate::batching::{Batcher, Exchange, Pending};
 
 /// How long single checks are sent after an endpoint said it has no batch API.

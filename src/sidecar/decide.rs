@@ -22,6 +22,8 @@ use super::batch::Checks;
 use super::config::{Config, OnFailure};
 use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
+pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
+use super::verdict::{decision_of, error_chain};
 use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
@@ -34,35 +36,6 @@ use crate::telemetry::Metrics;
 const LOCAL_MAX_KEYS: usize = 100_000;
 /// Retry-After when refusing because the limiter is unreachable.
 const FAILURE_RETRY_AFTER_SECS: u64 = 1;
-
-pub type HeaderList = Vec<(HeaderName, HeaderValue)>;
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    Allow {
-        delay: Duration,
-        headers: HeaderList,
-    },
-    Deny {
-        retry_after_secs: Option<u64>,
-        headers: HeaderList,
-    },
-    /// The request cannot be decided as sent: answered with a 4xx, never forwarded.
-    Refuse(Refusal),
-}
-
-/// Why a request is answered with a 4xx by the sidecar itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    pub status: StatusCode,
-    pub detail: String,
-}
-
-impl Refusal {
-    pub fn new(status: StatusCode, detail: impl Into<String>) -> Refusal {
-        Refusal { status, detail: detail.into() }
-    }
-}
 
 /// Most bytes of header values one check carries: with the 8 KiB path bound, a check stays far
 /// below the endpoint's 64 KiB body limit, so the endpoint never refuses one as too large.
@@ -85,32 +58,6 @@ impl Source {
             Source::Local => "local",
             Source::FailureMode => "failure_mode",
             Source::NoRule => "no_rule",
-        }
-    }
-}
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum EndpointError {
-    #[error("endpoint unreachable: {0}")]
-    Unreachable(String),
-    #[error("endpoint answered {0}")]
-    Status(StatusCode),
-    #[error("endpoint refused the check request ({0}): {1}")]
-    Rejected(StatusCode, String),
-    #[error("endpoint answer not understood: {0}")]
-    Decode(String),
-    #[error("endpoint did not answer within {0:?}")]
-    Timeout(Duration),
-}
-
-impl EndpointError {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            EndpointError::Unreachable(_) => "unreachable",
-            EndpointError::Status(_) => "status",
-            EndpointError::Rejected(..) => "rejected",
-            EndpointError::Decode(_) => "decode",
-            EndpointError::Timeout(_) => "timeout",
         }
     }
 }
@@ -548,57 +495,10 @@ fn from_engine(response: CheckResponse) -> Decision {
     decision_of(response.allowed, response.retry_after_ms, response.delay_ms, headers)
 }
 
-/// A check answer (the endpoint's, or the local engine's) as what the proxy does; headers that
-/// are not valid HTTP are dropped rather than failing the request.
-pub(super) fn decision_of<'a>(
-    allowed: bool,
-    retry_after_ms: Option<u64>,
-    delay_ms: u64,
-    headers: impl Iterator<Item = (&'a str, &'a str)>,
-) -> Decision {
-    let headers = headers.filter_map(|(k, v)| Some((header_name(k)?, HeaderValue::from_str(v).ok()?))).collect();
-    if allowed {
-        Decision::Allow { delay: Duration::from_millis(delay_ms), headers }
-    } else {
-        Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
-    }
-}
-
-/// The names the engine answers with, parsed once (a name outside the standard set is otherwise
-/// parsed and copied for every request); any other valid name as sent.
-fn header_name(name: &str) -> Option<HeaderName> {
-    static KNOWN: std::sync::LazyLock<[HeaderName; 6]> = std::sync::LazyLock::new(|| {
-        [
-            HeaderName::from_static("ratelimit-policy"),
-            HeaderName::from_static("ratelimit"),
-            HeaderName::from_static("x-ratelimit-limit"),
-            HeaderName::from_static("x-ratelimit-remaining"),
-            HeaderName::from_static("x-ratelimit-reset"),
-            http::header::RETRY_AFTER,
-        ]
-    });
-    match KNOWN.iter().find(|known| known.as_str().eq_ignore_ascii_case(name)) {
-        Some(known) => Some(known.clone()),
-        None => HeaderName::from_bytes(name.as_bytes()).ok(),
-    }
-}
-
 /// The endpoint's `{"error": "…"}` message, or its body as text.
 fn endpoint_reason(body: &str) -> String {
     serde_json::from_str::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
         .unwrap_or_else(|| body.chars().take(200).collect())
-}
-
-/// hyper-util's errors put the useful part (connection refused…) in the source chain.
-pub(super) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
 use super::config::Config;
-use super::decide::{Decision, EndpointError, decision_of, error_chain};
+use super::verdict::{Decision, EndpointError, decision_of, error_chain};
 
 /// The endpoint's answers are small; this only guards against a misdirected URL.
 pub(super) const MAX_ENDPOINT_BODY: usize = 4 << 20;

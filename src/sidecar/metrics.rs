@@ -24,7 +24,7 @@ pub struct DecisionLabels {
     pub result: &'static str,
 }
 
-/// `kind` is an [`super::decide::EndpointError::kind`], `breaker_open` or `no_snapshot`.
+/// `kind` is an [`super::verdict::EndpointError::kind`], `breaker_open` or `no_snapshot`.
 pub use crate::telemetry::KindLabels;
 
 pub struct SidecarMetrics {

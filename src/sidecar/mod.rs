@@ -13,6 +13,7 @@ mod endpoint;
 pub mod metrics;
 pub mod probes;
 pub mod proxy;
+pub mod verdict;
 
 use std::sync::Arc;
 

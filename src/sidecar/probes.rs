@@ -153,7 +153,7 @@ impl AppHealth {
                 }
             }
             Ok(Err(error)) => {
-                (StatusCode::SERVICE_UNAVAILABLE, format!("{uri}: {}\n", super::decide::error_chain(&error)))
+                (StatusCode::SERVICE_UNAVAILABLE, format!("{uri}: {}\n", super::verdict::error_chain(&error)))
             }
             Err(_) => (StatusCode::SERVICE_UNAVAILABLE, format!("{uri}: no answer within {deadline:?}\n")),
         }

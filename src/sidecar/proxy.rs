@@ -21,8 +21,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::connect::UpstreamConnector;
-use super::decide::{CheckInput, Decider, Decision, HeaderList, Refusal, error_chain};
+use super::decide::{CheckInput, Decider};
 use super::metrics::SidecarMetrics;
+use super::verdict::{Decision, HeaderList, Refusal, error_chain};
 use crate::request::{forwarded, headers};
 use crate::server::request::MAX_PATH_LEN;
 

@@ -10,6 +10,7 @@ pub mod keys;
 pub mod memory;
 pub mod redis;
 mod redis_batches;
+pub mod redis_library;
 
 use std::future::Future;
 

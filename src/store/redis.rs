@@ -30,55 +30,15 @@ use super::breaker::{Breaker, BreakerConfig, BreakerState, Transition};
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
+pub use super::redis_library::{
+    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
+};
+use super::redis_library::{function_missing, functions_unsupported};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
 
-/// The decision code: the shared prelude, one file per algorithm, then `decide` (lua/check.lua).
-pub const DECISION_CODE: &str = concat!(
-    include_str!("../../lua/common.lua"),
-    include_str!("../../lua/token_bucket.lua"),
-    include_str!("../../lua/gcra.lua"),
-    include_str!("../../lua/fixed_window.lua"),
-    include_str!("../../lua/sliding_window_log.lua"),
-    include_str!("../../lua/sliding_window_counter.lua"),
-    include_str!("../../lua/check.lua"),
-);
-
-/// `sluice_` and 16 hex digits of the code's SHA-256: the library's name and its function's.
-pub static FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(DECISION_CODE.as_bytes());
-    format!("sluice_{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
-});
-
-/// [`FUNCTION_NAME`] with `_many`: `decide_many`, several requests in one call.
-pub static MANY_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_many", &*FUNCTION_NAME));
-
-/// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`] and
-/// `decide_many` as [`MANY_FUNCTION_NAME`].
-pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
-    let name = &*FUNCTION_NAME;
-    let many = &*MANY_FUNCTION_NAME;
-    format!(
-        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\n"
-    )
-});
-
-/// The same code as a script, for Redis before 7.0. Scripts that read TIME and then write must
-/// ask for effects replication there.
-pub static SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn decide(KEYS, ARGV)\n"
-    )
-});
-
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
-
-/// Arguments the script takes per rule (see lua/check.lua).
-pub const ARGS_PER_RULE: usize = 2;
-/// Values the script returns per rule, after the overall flag.
-pub const REPLY_PER_RULE: usize = 5;
 
 /// Where Redis is.
 #[derive(Clone, PartialEq, Eq)]
@@ -434,17 +394,6 @@ impl RedisStore {
             Connection::Cluster(cluster) => command.query_async(&mut self.cluster(cluster).await?).await,
         }
     }
-}
-
-/// Redis has no function by that name (never loaded here, or lost with a restart or failover).
-pub(super) fn function_missing(error: &RedisError) -> bool {
-    error.to_string().contains("Function not found")
-}
-
-/// Redis before 7.0: FCALL is an unknown command.
-pub(super) fn functions_unsupported(error: &RedisError) -> bool {
-    let text = error.to_string().to_ascii_lowercase();
-    text.contains("unknown command") && text.contains("fcall")
 }
 
 impl Store for RedisStore {

@@ -15,7 +15,9 @@ use std::time::Duration;
 use ::redis::aio::ConnectionManager;
 use ::redis::{ErrorKind, RedisError, Value};
 
-use super::redis::{LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported};
+use super::redis_library::{
+    LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported,
+};
 use crate::batching::{Batcher, Exchange, Pending};
 
 /// One request's decision: its keys, and `decide`'s arguments (now, then two per rule).
