@@ -58,8 +58,10 @@ enum ConvertCommand {
         /// document's domain.
         #[arg(long)]
         namespace: Option<String>,
-        /// The algorithm of every rule: fixedWindow (default) decides exactly as envoyproxy/ratelimit
-        /// does; slidingWindowCounter avoids the double burst at window boundaries.
+        /// The algorithm of every rule: tokenBucket, gcra, leakyBucket, fixedWindow,
+        /// slidingWindowLog or slidingWindowCounter. fixedWindow (default) decides exactly as
+        /// envoyproxy/ratelimit does; slidingWindowCounter avoids the double burst at window
+        /// boundaries.
         #[arg(long, default_value = "fixedWindow")]
         algorithm: String,
     },
@@ -84,7 +86,7 @@ struct ServeArgs {
     #[arg(long = "policies", short = 'p', required = true, num_args = 1.., env = "SLUICE_POLICIES", value_delimiter = ',')]
     policies: Vec<PathBuf>,
     /// Address of the check API.
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = sluice::server::listen::parse_listen_address)]
     listen: SocketAddr,
     #[command(flatten)]
     store: StoreArgs,

@@ -67,7 +67,7 @@ fn quantity_flag(text: &str) -> Result<String, String> {
 #[derive(clap::Args, Debug, Clone)]
 pub struct WebhookArgs {
     /// Address of the HTTPS admission webhooks (`/validate-policy`, `/mutate-pod`); unset disables them.
-    #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN")]
+    #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
     pub webhook_listen: Option<SocketAddr>,
     /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names,
     /// and the check API Service's when it serves TLS (--check-api-tls).

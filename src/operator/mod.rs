@@ -66,7 +66,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(clap::Args, Debug, Clone)]
 pub struct OperatorArgs {
     /// Address of the check API (and /readyz, /metrics, /v1/snapshot).
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8080")]
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8080", value_parser = crate::server::listen::parse_listen_address)]
     pub listen: SocketAddr,
     /// Namespaces whose RateLimitPolicies are enforced; empty means all namespaces.
     #[arg(long, env = "SLUICE_NAMESPACES", value_delimiter = ',')]
@@ -114,7 +114,7 @@ pub struct OperatorArgs {
     pub check_api_tls: bool,
     /// Plain-HTTP address of /healthz, /readyz and /metrics only, for probes and scrapers (they
     /// are served on --listen too).
-    #[arg(long, env = "SLUICE_ADMIN_LISTEN")]
+    #[arg(long, env = "SLUICE_ADMIN_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
     pub admin_listen: Option<SocketAddr>,
     /// ServiceAccounts (NAMESPACE/NAME, comma-separated) trusted as gateways: they may name any
     /// namespace, a request's cost and the client IP.

@@ -47,6 +47,19 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// A listen address flag: `IP:PORT`. Names are not resolved (a listener binds an address), so
+/// `localhost:8080` gets a message saying what to write instead of the parser's bare "invalid
+/// socket address syntax".
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    text.trim().parse::<SocketAddr>().map_err(|_| {
+        let hint = match text.trim().rsplit_once(':') {
+            Some(("localhost", port)) => format!(" (for localhost write 127.0.0.1:{port})"),
+            _ => String::new(),
+        };
+        format!("{text:?} is not IP:PORT, e.g. 127.0.0.1:8080, 0.0.0.0:8080 or [::]:8080{hint}")
+    })
+}
+
 /// The flags of every role that serves HTTP.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ListenArgs {
@@ -217,6 +230,14 @@ pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listen_addresses_say_what_to_write() {
+        assert_eq!(parse_listen_address("0.0.0.0:8080"), Ok(SocketAddr::from(([0, 0, 0, 0], 8080))));
+        let error = parse_listen_address("localhost:8080").unwrap_err();
+        assert!(error.contains("not IP:PORT") && error.contains("write 127.0.0.1:8080"), "{error}");
+        assert!(parse_listen_address("8080").unwrap_err().contains("e.g. 127.0.0.1:8080"));
+    }
 
     #[test]
     fn the_connection_cap_follows_the_file_descriptor_limit() {

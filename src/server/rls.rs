@@ -56,7 +56,7 @@ const STORE_SHARE_OF_DEADLINE: f64 = 0.6;
 pub struct GrpcArgs {
     /// Address of Envoy's rate limit service (gRPC `ShouldRateLimit` and `grpc.health.v1`, HTTP/2
     /// cleartext unless --grpc-tls). Off without it.
-    #[arg(long, env = "SLUICE_GRPC_LISTEN")]
+    #[arg(long, env = "SLUICE_GRPC_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
     pub grpc_listen: Option<SocketAddr>,
     /// Serve the gRPC listener over TLS with the check API's certificate (`serve`: --tls-cert and
     /// --tls-key; `operator`: the operator's certificate, signed by its CA).

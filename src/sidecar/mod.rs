@@ -85,7 +85,9 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let address = listener.local_addr().map_err(|source| SidecarError::Listen { address: config.listen, source })?;
     let admin_address =
         admin.local_addr().map_err(|source| SidecarError::Listen { address: config.admin_listen, source })?;
-    tracing::info!(%address, upstream = %config.upstream, endpoint = %config.check_uri, namespace = %config.namespace, "sidecar listening");
+    // The URI it asks: batches of checks, or one check a request (--endpoint-batches 0).
+    let asks = if config.endpoint_batches == 0 { &config.check_uri } else { &config.checks_uri };
+    tracing::info!(%address, upstream = %config.upstream, endpoint = %asks, namespace = %config.namespace, "sidecar listening");
     tracing::info!(admin = %admin_address, app_probes = config.app_probes.len(), "sidecar admin (healthz, readyz, metrics, app-health) listening");
     if !config.inbound_ports.is_empty() {
         tracing::info!(ports = ?config.inbound_ports, "redirected connections go to the port they were sent to");
