@@ -766,6 +766,16 @@ async fn the_sidecar_verifies_the_endpoint_and_presents_its_token() {
     let r = get_with_key(&c, &anonymous.url("/limited/y"), "k").await;
     assert_eq!(r.status(), 429);
     assert_eq!(state.hits.load(Ordering::SeqCst), hits);
+    // And its log says so, and that nothing is cached (not "keeping the cached one").
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logs = anonymous.process.logs.lock().unwrap().join("\n");
+        if logs.contains("refused this sidecar's credential (401 Unauthorized)") && logs.contains("none is cached") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the refusal is not in the log:\n{logs}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -383,7 +383,15 @@ impl Decider {
                 Err(message) => {
                     // Log transitions only: a dead endpoint must not flood the log once a second.
                     if !was_failing {
-                        tracing::warn!(error = %message, "cannot fetch the policy snapshot; keeping the cached one");
+                        if self.installed.lock().is_some() {
+                            tracing::warn!(error = %message, "cannot fetch the policy snapshot; keeping the cached one");
+                        } else {
+                            tracing::warn!(
+                                error = %message,
+                                on_endpoint_failure = ?self.on_failure,
+                                "cannot fetch the policy snapshot, and none is cached: requests are decided by --on-endpoint-failure until it arrives"
+                            );
+                        }
                     }
                     was_failing = true;
                     false
@@ -419,6 +427,12 @@ impl Decider {
         let held = response.headers().contains_key(crate::server::http::SNAPSHOT_WAIT_HEADER);
         if response.status() == StatusCode::NOT_MODIFIED {
             return Ok(Fetched { etag: None, held });
+        }
+        if matches!(response.status(), StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+            return Err(format!(
+                "the endpoint refused this sidecar's credential ({}): check --token-file (in a cluster, the pod's projected token and --token-audience) and --namespace",
+                response.status()
+            ));
         }
         if !response.status().is_success() {
             return Err(format!("snapshot request answered {}", response.status()));
