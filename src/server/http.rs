@@ -34,6 +34,8 @@ use crate::telemetry::{ReasonLabels, StatusLabels};
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// The most checks one `POST /v1/checks` may carry.
 pub const MAX_BATCH_CHECKS: usize = 256;
+/// Checks of one batch decided at once.
+pub const BATCH_IN_FLIGHT: usize = 32;
 /// A batch body's limit: room for [`MAX_BATCH_CHECKS`] typical checks, not for that many of the
 /// largest single ones (a sender with large checks sends smaller batches).
 pub const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
@@ -255,9 +257,14 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             Err((status, error)) => Err((*status, error.clone())),
         })
         .collect();
-    let decisions =
-        futures::future::join_all(views.iter().filter_map(|view| view.as_ref().ok()).map(|view| engine.check(view)))
-            .await;
+    // BATCH_IN_FLIGHT checks at a time, in order: each holds its rules' keys while the store
+    // answers, so a batch of 256 checks of many rules and long keys holds 32 checks' worth of
+    // keys, not all of them (a shared-Redis batch still groups them into a few calls).
+    let decidable: Vec<&RequestView> = views.iter().filter_map(|view| view.as_ref().ok()).collect();
+    let mut decisions = Vec::with_capacity(decidable.len());
+    for chunk in decidable.chunks(BATCH_IN_FLIGHT) {
+        decisions.extend(futures::future::join_all(chunk.iter().map(|view| engine.check(view))).await);
+    }
     let mut decisions = decisions.iter();
     let results: Vec<BatchResult> = views
         .into_iter()
