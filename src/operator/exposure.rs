@@ -278,6 +278,9 @@ async fn lead(
     let mut applied: HashSet<(String, Vec<u16>)> = HashSet::new();
     let mut reported: HashSet<String> = HashSet::new();
     let mut dirty = false;
+    // Whether the last pass wrote everything it meant to; only a failed write is retried on the
+    // tick (recomputing from unchanged stores would find nothing new).
+    let mut settled = true;
     let settle = Duration::from_millis(500);
     let mut retry = tokio::time::interval(Duration::from_secs(10));
     loop {
@@ -293,8 +296,7 @@ async fn lead(
             },
             // Changes come in bursts (a rollout): act once they settle.
             _ = tokio::time::sleep(settle), if dirty => act = true,
-            // Failed writes are retried.
-            _ = retry.tick() => dirty = true,
+            _ = retry.tick() => dirty |= !settled,
         }
         if !act {
             continue;
@@ -303,7 +305,8 @@ async fn lead(
             && service_stores.iter().all(|s| s.wait_until_ready().now_or_never().is_some());
         if ready {
             dirty = false;
-            reconcile(client, config, metrics, &pod_stores, &service_stores, &mut applied, &mut reported).await;
+            settled =
+                reconcile(client, config, metrics, &pod_stores, &service_stores, &mut applied, &mut reported).await;
         }
     }
 }
@@ -316,7 +319,8 @@ async fn reconcile(
     service_stores: &[Store<Service>],
     applied: &mut HashSet<(String, Vec<u16>)>,
     reported: &mut HashSet<String>,
-) {
+) -> bool {
+    let mut settled = true;
     let pods: Vec<InjectedPod> = pod_stores
         .iter()
         .flat_map(|s| s.state())
@@ -339,6 +343,7 @@ async fn reconcile(
                     applied.insert((namespace, ports));
                 }
                 Err(error) => {
+                    settled = false;
                     tracing::warn!(%error, %namespace, policy = %name, "cannot apply the NetworkPolicy; retrying")
                 }
             }
@@ -382,10 +387,12 @@ async fn reconcile(
                 reported.insert(event_name);
             }
             Err(error) => {
+                settled = false;
                 tracing::warn!(%error, service = %bypass.name, "cannot publish the SidecarBypassed event; retrying")
             }
         }
     }
+    settled
 }
 
 #[cfg(test)]
