@@ -5,10 +5,16 @@
 -- so members are unique and the cost of each entry is kept. An entry counts while
 -- now < at + per, where now is never taken as earlier than the newest entry (a clock that steps
 -- back counts as the newest entry's time). Rule fields used: requests, per.
--- Reading walks the live entries: O(entries) ≤ O(requests) per decision.
+-- One more member, "sum" at score -1 - total, holds the summed cost of every entry in the set
+-- (a negative score: below every entry, outside every range of times), so a decision reads only
+-- the entries that expired since the last write (each is read and removed once), not the whole
+-- log: a log of 1000 entries costs what a log of one does. A set written before that member
+-- existed gets it at its first write (summed once, by walking it).
 -- TTL = newest entry + per − now.
 
 sluice.sliding_window_log = {}
+
+local SWL_SUM = 'sum'
 
 local function swl_parse(member)
   local at, cost = string.match(member, '^(%d+):(%d+)$')
@@ -18,7 +24,9 @@ local function swl_parse(member)
   return { at = tonumber(at), cost = tonumber(cost), member = member }
 end
 
--- state = { newest = {at, cost, member} or nil, live = { {at, cost, member}, … oldest first } }
+-- state = { newest = {at, cost, member}, total = summed cost of every entry in the set,
+--           stored_total = the total the "sum" member holds, or nil (a set written before it
+--           existed), key }
 function sluice.sliding_window_log.read(key)
   local newest = redis.pcall('ZRANGE', key, -1, -1)
   if newest.err then
@@ -29,9 +37,23 @@ function sluice.sliding_window_log.read(key)
   end
   local n = swl_parse(newest[1])
   if n == nil then
-    return nil, 'zset' -- not ours: another shape
+    return nil, 'zset' -- not ours: another shape (or only a sum, which a write never leaves)
   end
-  return { newest = n, parse = swl_parse, key = key }, 'zset'
+  local log = { newest = n, key = key, total = 0 }
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if first[1] == SWL_SUM then
+    log.total = -1 - tonumber(first[2])
+    log.stored_total = log.total
+    return log, 'zset'
+  end
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local e = swl_parse(m)
+    if e == nil then
+      return nil, 'zset'
+    end
+    log.total = log.total + e.cost
+  end
+  return log, 'zset'
 end
 
 local function swl_now_eff(log, now)
@@ -41,33 +63,58 @@ local function swl_now_eff(log, now)
   return math.max(log.newest.at, now)
 end
 
--- The live entries (at + per > now_eff), oldest first; nil when a member is not ours.
-local function swl_live(log, l, now_eff)
-  if log == nil then
-    return {}
+-- The summed cost of the entries that no longer count at now_eff (still in the set until the
+-- next write), and how many they are; kept on the state, so the decision and the write that
+-- follows it read them once.
+local function swl_expired(log, l, now_eff)
+  local seen = log.expired
+  if seen ~= nil and seen.now_eff == now_eff and seen.per == l.per then
+    return seen.cost, seen.count
   end
-  local members = redis.call('ZRANGEBYSCORE', log.key, '(' .. fmt(now_eff - l.per), '+inf')
-  local live = {}
-  for i, m in ipairs(members) do
-    local e = log.parse(m)
-    if e == nil then
+  local members = redis.call('ZRANGEBYSCORE', log.key, 0, fmt(now_eff - l.per))
+  local cost = 0
+  for _, m in ipairs(members) do
+    local e = swl_parse(m)
+    if e ~= nil then
+      cost = cost + e.cost
+    end
+  end
+  log.expired = { now_eff = now_eff, per = l.per, cost = cost, count = #members }
+  return cost, #members
+end
+
+-- The oldest live entry at which the log, walked out oldest first, has room for `cost`:
+-- its time + per is when the request fits. Reads the live entries in pages, from the oldest,
+-- only as far as needed.
+local function swl_fits_after(log, l, now_eff, used, cost)
+  local page, offset = 64, 0
+  local still_used = used
+  while true do
+    local members =
+      redis.call('ZRANGEBYSCORE', log.key, '(' .. fmt(now_eff - l.per), '+inf', 'LIMIT', offset, page)
+    for _, m in ipairs(members) do
+      local e = swl_parse(m)
+      if e ~= nil then
+        still_used = still_used - e.cost
+        if still_used + cost <= l.requests then
+          return e
+        end
+      end
+    end
+    if #members < page then
       return nil
     end
-    live[i] = e
+    offset = offset + page
   end
-  return live
 end
 
 function sluice.sliding_window_log.check(l, log, now, cost)
   local now_eff = swl_now_eff(log, now)
-  local live = swl_live(log, l, now_eff) or {}
   local used = 0
-  for _, e in ipairs(live) do
-    used = used + e.cost
-  end
   local newest_expiry = now
-  if #live > 0 then
-    newest_expiry = live[#live].at + l.per
+  if log ~= nil and log.newest.at + l.per > now_eff then
+    used = log.total - swl_expired(log, l, now_eff)
+    newest_expiry = log.newest.at + l.per
   end
   if used + cost <= l.requests then
     local reset_at = newest_expiry
@@ -78,14 +125,9 @@ function sluice.sliding_window_log.check(l, log, now, cost)
   end
   local retry_after = -1
   if cost <= l.requests then
-    -- Walk out the oldest entries until the request fits.
-    local still_used = used
-    for _, e in ipairs(live) do
-      still_used = still_used - e.cost
-      if still_used + cost <= l.requests then
-        retry_after = e.at + l.per - now
-        break
-      end
+    local e = swl_fits_after(log, l, now_eff, used, cost)
+    if e ~= nil then
+      retry_after = e.at + l.per - now
     end
   end
   return false, math.max(l.requests - used, 0), newest_expiry - now, retry_after, 0
@@ -96,9 +138,13 @@ function sluice.sliding_window_log.consume(key, ktype, log, l, now, cost)
   if log == nil and ktype ~= 'none' then
     redis.call('DEL', key)
   end
-  local newest = nil
+  local newest, total = nil, 0
   if log ~= nil then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now_eff - l.per))
+    local expired_cost, expired = swl_expired(log, l, now_eff)
+    total = log.total - expired_cost
+    if expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', key, 0, fmt(now_eff - l.per))
+    end
     if log.newest.at + l.per > now_eff then
       newest = log.newest
     end
@@ -106,12 +152,20 @@ function sluice.sliding_window_log.consume(key, ktype, log, l, now, cost)
   if cost > 0 then
     if newest ~= nil and newest.at == now_eff then
       redis.call('ZREM', key, newest.member)
+      total = total - newest.cost
       cost = newest.cost + cost
     end
     redis.call('ZADD', key, fmt(now_eff), fmt(now_eff) .. ':' .. fmt(cost))
+    total = total + cost
     newest = { at = now_eff }
   end
   if newest ~= nil then
+    if log == nil or log.stored_total ~= total then
+      redis.call('ZADD', key, fmt(-1 - total), SWL_SUM)
+    end
     redis.call('PEXPIRE', key, ttl_ms(newest.at + l.per, now))
+  elseif log ~= nil then
+    -- No entry counts any more: the set holds at most expired entries and the sum; gone with it.
+    redis.call('DEL', key)
   end
 end

@@ -55,6 +55,11 @@ pub struct StoreArgs {
     /// on its own). 0: one call per request.
     #[arg(long, env = "SLUICE_REDIS_BATCHES", default_value_t = RedisConfig::DEFAULT_BATCHES)]
     pub redis_batches: usize,
+    /// Rule decisions of one namespace's requests on their way to Redis at once. A namespace
+    /// whose lane is full waits for room in it (at most --redis-timeout), then its rules'
+    /// onStoreFailure decides: one tenant's load queues behind itself, not in front of others.
+    #[arg(long, env = "SLUICE_REDIS_NAMESPACE_LANE", default_value_t = crate::store::tenants::Tenants::DEFAULT_LANE, value_parser = clap::value_parser!(u32).range(1..))]
+    pub redis_namespace_lane: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +75,7 @@ pub enum BackendError {
 /// The store a process decides with.
 pub enum Backend {
     Memory(Arc<MemoryStore>),
-    Redis(RedisStore),
+    Redis(Box<RedisStore>),
 }
 
 /// A backend and the memory store that holds local fallback state (the same store when the
@@ -103,6 +108,7 @@ impl StoreArgs {
         config.timeout = self.redis_timeout;
         config.denial_cache = self.redis_denial_cache;
         config.batches = self.redis_batches;
+        config.namespace_lane = self.redis_namespace_lane;
         config.breaker = BreakerConfig {
             failure_threshold: self.redis_breaker_failures.max(1),
             cool_down: self.redis_breaker_cooldown,
@@ -119,7 +125,7 @@ impl StoreArgs {
                 "Redis does not answer yet: each rule's onStoreFailure decides until it does"
             );
         }
-        Ok(BuiltBackend { backend: Backend::Redis(redis), memory })
+        Ok(BuiltBackend { backend: Backend::Redis(Box::new(redis)), memory })
     }
 
     fn password(&self) -> Result<Option<String>, BackendError> {
@@ -136,7 +142,7 @@ impl Store for Backend {
     async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
         match self {
             Backend::Memory(store) => store.check(now, checks).await,
-            Backend::Redis(store) => Store::check(store, now, checks).await,
+            Backend::Redis(store) => Store::check(&**store, now, checks).await,
         }
     }
 
@@ -148,7 +154,7 @@ impl Store for Backend {
     ) -> Result<Verdict, StoreError> {
         match self {
             Backend::Memory(store) => store.check_for(namespace, now, checks).await,
-            Backend::Redis(store) => Store::check_for(store, namespace, now, checks).await,
+            Backend::Redis(store) => Store::check_for(&**store, namespace, now, checks).await,
         }
     }
 
@@ -168,7 +174,7 @@ impl Store for Backend {
     fn status(&self) -> StoreStatus {
         match self {
             Backend::Memory(store) => store.status(),
-            Backend::Redis(store) => Store::status(store),
+            Backend::Redis(store) => Store::status(&**store),
         }
     }
 }

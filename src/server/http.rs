@@ -608,11 +608,16 @@ fn reload_error_for(caller: &Caller, error: super::engine::ReloadError) -> super
     }
 }
 
-/// The store's status as `caller` may see it: evictions of its own namespaces only.
+/// The store's status as `caller` may see it: evictions and breakers of its own namespaces only.
 fn store_status_for(caller: &Caller, mut status: crate::store::StoreStatus) -> crate::store::StoreStatus {
     if let Some(visible) = caller.visible_namespaces() {
-        status.evicted_keys_by_namespace.retain(|namespace, _| visible.iter().any(|v| v == namespace));
+        let own = |namespace: &String| visible.iter().any(|v| v == namespace);
+        status.evicted_keys_by_namespace.retain(|namespace, _| own(namespace));
         status.evicted_keys = status.evicted_keys_by_namespace.values().sum();
+        status.breakers_by_namespace.retain(|namespace, _| own(namespace));
+        if status.breaker.is_some() {
+            status.breaker = Some(crate::store::tenants::overall_breaker(&status.breakers_by_namespace));
+        }
     }
     status
 }

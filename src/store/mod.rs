@@ -11,6 +11,7 @@ pub mod memory;
 pub mod redis;
 mod redis_batches;
 pub mod redis_library;
+pub mod tenants;
 
 use std::future::Future;
 
@@ -52,6 +53,10 @@ pub enum StoreError {
     Unavailable(String),
     #[error("store gave an unexpected answer: {0}")]
     Protocol(String),
+    /// The request's namespace already had its share of the store's calls under way: its own
+    /// load, not the store's failure ([`tenants`]).
+    #[error("store busy for this namespace: {0}")]
+    Busy(String),
 }
 
 impl StoreError {
@@ -61,6 +66,7 @@ impl StoreError {
             StoreError::Timeout(_) => "timeout",
             StoreError::Unavailable(_) => "unavailable",
             StoreError::Protocol(_) => "protocol",
+            StoreError::Busy(_) => "busy",
         }
     }
 }
@@ -119,6 +125,10 @@ pub struct StoreStatus {
     /// once and rules use their `onStoreFailure`) or `halfOpen` (one probe in flight).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub breaker: Option<&'static str>,
+    /// Namespaces whose own breaker is not closed (each namespace's failures open its own:
+    /// [`tenants`]), and its state.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub breakers_by_namespace: std::collections::BTreeMap<String, &'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     /// Keys held in this process's memory (the store itself, or the local fallback).

@@ -26,7 +26,7 @@ use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
-use super::breaker::{Breaker, BreakerConfig, BreakerState, Transition};
+use super::breaker::{BreakerConfig, Transition};
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
@@ -34,6 +34,7 @@ pub use super::redis_library::{
     ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
+use super::tenants::{Tenants, overall_breaker};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
@@ -99,6 +100,9 @@ pub struct RedisConfig {
     /// Calls in flight at once on a single Redis, each carrying every request that waited for
     /// it (see [`super::redis_batches`]); 0: one call per request.
     pub batches: usize,
+    /// Rule decisions of one namespace's requests on their way to Redis at once (see
+    /// [`super::tenants`]).
+    pub namespace_lane: u32,
 }
 
 impl RedisConfig {
@@ -124,6 +128,7 @@ impl RedisConfig {
             tls_root_ca: None,
             denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
             batches: RedisConfig::DEFAULT_BATCHES,
+            namespace_lane: Tenants::DEFAULT_LANE,
         }
     }
 }
@@ -148,8 +153,9 @@ pub struct RedisStore {
     /// On a single Redis with `batches` > 0: concurrent requests share calls.
     batches: Option<Arc<Batches>>,
     denials: DenialCache,
-    breaker: Breaker,
-    /// The breaker's time (its cool-down).
+    /// Each namespace's breaker and lane.
+    tenants: Tenants,
+    /// The breakers' time (their cool-down).
     clock: Arc<dyn Clock>,
     timeout: Duration,
     endpoint: String,
@@ -233,7 +239,7 @@ impl RedisStore {
             functions,
             batches,
             denials: DenialCache::new(config.denial_cache),
-            breaker: Breaker::new(config.breaker),
+            tenants: Tenants::new(config.breaker, config.namespace_lane),
             clock,
             timeout: config.timeout,
             endpoint,
@@ -245,9 +251,10 @@ impl RedisStore {
         &self.endpoint
     }
 
-    /// For metrics and status: `closed`, `open` or `halfOpen`.
-    pub fn breaker_state(&self) -> BreakerState {
-        self.breaker.state(self.clock.now())
+    /// For metrics and status: `closed`, `open` when any namespace's breaker is open, or
+    /// `halfOpen` when one is probing.
+    pub fn breaker_state(&self) -> &'static str {
+        overall_breaker(&self.tenants.open_breakers(self.clock.now()))
     }
 
     /// Decides `checks` atomically in the cluster slot of `tag` (the request's namespace).
@@ -269,9 +276,13 @@ impl RedisStore {
         if let Some(verdict) = self.denials.answer(&keys, checks, sent_at) {
             return Ok(verdict);
         }
-        let Some(permit) = self.breaker.try_acquire(self.clock.now()) else {
+        let tenant = self.tenants.of(tag, self.clock.now());
+        let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
+        // Waiting for its namespace's lane is not the store's time: the deadline starts after.
+        // A full lane drops the permit unreported: no failure is counted, a probe slot is freed.
+        let _lane = tenant.enter(checks.len(), self.timeout).await?;
         let args = script_args(now, checks);
         let call = async {
             let batches = self.batches.as_ref().filter(|_| self.functions.load(std::sync::atomic::Ordering::Relaxed));
@@ -289,7 +300,7 @@ impl RedisStore {
         match tokio::time::timeout(self.timeout, call).await {
             Err(_elapsed) => {
                 let error = StoreError::Timeout(self.timeout.as_millis() as u64);
-                self.tell(permit.failure(self.clock.now()), &error);
+                self.tell(tag, permit.failure(self.clock.now()), &error);
                 Err(error)
             }
             Ok(Err(error)) => {
@@ -300,12 +311,12 @@ impl RedisStore {
                     // Redis answered: it is up, whatever went wrong with this call.
                     permit.success(self.clock.now())
                 };
-                self.tell(transition, &error);
+                self.tell(tag, transition, &error);
                 tracing::debug!(endpoint = %self.endpoint, %error, "redis decision failed");
                 Err(error)
             }
             Ok(Ok(reply)) => {
-                self.tell(permit.success(self.clock.now()), &StoreError::Unavailable(String::new()));
+                self.tell(tag, permit.success(self.clock.now()), &StoreError::Unavailable(String::new()));
                 let verdict = parse_reply(&reply, checks.len())?;
                 self.denials.record(&keys, checks, &verdict, sent_at);
                 Ok(verdict)
@@ -318,15 +329,16 @@ impl RedisStore {
     /// Says so in the log when the breaker opens (the store just became unusable: every rule's
     /// `onStoreFailure` decides now) or closes again; metrics and `/v1/snapshot` show the state,
     /// but someone reading the log must not have to guess.
-    fn tell(&self, transition: Option<Transition>, error: &StoreError) {
+    fn tell(&self, namespace: &str, transition: Option<Transition>, error: &StoreError) {
         match transition {
             Some(Transition::Opened) => tracing::error!(
                 endpoint = %self.endpoint,
+                namespace,
                 %error,
-                "redis is unusable: circuit breaker open, each rule's onStoreFailure decides until it answers again"
+                "redis is unusable for this namespace: its circuit breaker is open, each of its rules' onStoreFailure decides until redis answers again"
             ),
             Some(Transition::Closed) => {
-                tracing::warn!(endpoint = %self.endpoint, "redis answers again: circuit breaker closed")
+                tracing::warn!(endpoint = %self.endpoint, namespace, "redis answers again: the namespace's circuit breaker closed")
             }
             None => {}
         }
@@ -416,10 +428,12 @@ impl Store for RedisStore {
     }
 
     fn status(&self) -> super::StoreStatus {
+        let breakers_by_namespace = self.tenants.open_breakers(self.clock.now());
         super::StoreStatus {
             kind: if matches!(self.connection, Connection::Cluster(_)) { "redisCluster" } else { "redis" },
             endpoint: Some(self.endpoint().to_string()),
-            breaker: Some(self.breaker_state().name()),
+            breaker: Some(overall_breaker(&breakers_by_namespace)),
+            breakers_by_namespace,
             timeout_ms: Some(self.timeout.as_millis() as u64),
             denial_cache: Some(super::DenialCacheStatus {
                 entries: self.denials.len() as u64,
