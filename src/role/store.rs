@@ -15,9 +15,10 @@ use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 /// Store flags shared by `sluice serve` and `sluice operator`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct StoreArgs {
-    /// Most keys held in memory (the store itself, or the local fallback when Redis is used);
-    /// beyond it keys are evicted from the namespaces holding the most, those closest to a full
-    /// quota first.
+    /// Memory for keys (the store itself, or the local fallback when Redis is used), in keys of
+    /// a counter algorithm (~64 bytes each; a sliding-log key counts one more per four entries
+    /// its log has room for). Beyond it keys are evicted from the namespaces above their share,
+    /// those closest to a full quota first.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
     pub max_keys: usize,
     /// Share state through this Redis: redis://[user:password@]host:port[/db] or rediss:// (TLS).

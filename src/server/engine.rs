@@ -185,6 +185,7 @@ impl<S: Store> Engine<S> {
         if let Some(fallback) = &self.fallback {
             let memory = fallback.store.status();
             status.live_keys = memory.live_keys;
+            status.live_units = memory.live_units;
             status.evicted_keys = memory.evicted_keys;
             status.evicted_keys_by_namespace = memory.evicted_keys_by_namespace;
         }

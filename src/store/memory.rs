@@ -19,18 +19,24 @@
 //! namespaces that have policies reach the store, so the ids are bounded; past 65,535 named
 //! namespaces the rest share the unnamed scope.
 //!
-//! A full shard first drops what has expired. If it is still full it evicts an eighth of its
-//! entries, taken from the namespaces holding the most entries *in that shard*, levelling them
-//! down (max-min fairness: the largest holder gives up keys until it is down to the next largest,
-//! then both do, and so on); within a namespace the entries closest to pristine go first. So a
-//! namespace flooding distinct keys evicts its own keys, and a namespace holding fewer entries
-//! than the level the largest holders are brought down to loses nothing, whatever the windows of
-//! either. Keys spread evenly over shards, so fairness per shard is, up to sampling noise, fairness
-//! over the whole store. Evictions are counted in [`MemoryStats::evicted`] and per namespace in
-//! [`MemoryStore::evictions_by_namespace`] (an evicted key starts over). A decision on an
-//! existing key pays only for the interning; the per-namespace counts are taken while a full
-//! shard is scanned for room anyway (that scan, amortized over the new keys it makes room for,
-//! costs a little more than the old global one).
+//! A full shard first drops what has expired. If it is still full it must evict (an eighth of its
+//! entries at a time), and the guarantee is stated per shard, where a namespace's *share* is the
+//! shard's capacity divided by the namespaces holding entries in it, the one asking for room
+//! included:
+//!
+//! - a namespace holding no more than its share never loses an entry to another namespace's new
+//!   keys, whatever the windows of either;
+//! - a namespace above its share gives up only entries above it: the largest excess goes first
+//!   (levelled down, max-min fairness), never below the share;
+//! - when nobody else is above their share, the namespace asking for room evicts its own entries.
+//!
+//! So a namespace flooding distinct keys evicts its own, and a newcomer's first keys take room
+//! from whoever holds more than the new share. Within a namespace the entries closest to pristine
+//! go first. Keys spread evenly over shards, so the shares per shard are, up to sampling noise,
+//! the shares of the whole cap. Evictions are counted in [`MemoryStats::evicted`] and per
+//! namespace in [`MemoryStore::evictions_by_namespace`] (an evicted key starts over). A decision
+//! on an existing key pays only for the interning; the per-namespace counts are taken while a
+//! full shard is scanned for room anyway.
 
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::Arc;
@@ -44,7 +50,7 @@ use super::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::algorithm::{self, Decision, Micros, State};
 use crate::clock::{Clock, SystemClock};
 
-/// Default cap on live keys: about 60 MB of state at the measured bytes per key.
+/// Default cap: a million counter keys' worth ([`UNIT_BYTES`] each), about 64 MB of state.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 /// Keys per shard when the cap allows it; also the point below which one shard is used.
@@ -104,11 +110,29 @@ impl Hash for SlotKey {
 // Slot keys are already uniform hashes: their low half is the table hash.
 type Slots = HashMap<SlotKey, Entry, BuildHasherDefault<crate::rule::PrehashedHasher>>;
 
-/// One shard's entries and what its key cap has evicted, by scope id.
+/// One shard's entries, the units of memory they hold ([`units_of`]), and what its cap has
+/// evicted, by scope id.
 #[derive(Default)]
 struct Table {
     slots: Slots,
+    units: usize,
     evicted: Vec<u64>,
+}
+
+/// Bytes one unit of the cap stands for: about what an entry of a counter algorithm costs (the
+/// slot key, the state and the table's own share), so `--max-keys` counter keys fit the cap.
+pub const UNIT_BYTES: usize = 64;
+
+/// What an entry holds of the cap: one unit, plus, for a sliding log of more than one entry,
+/// its deque's allocation in units (16 bytes per entry it has room for, 96 of deque and box):
+/// a log of 1000 entries holds about 250 units, so the cap bounds bytes, not only keys.
+fn units_of(state: &State) -> usize {
+    match state {
+        State::Log(entries) => {
+            1 + (96 + entries.capacity() * std::mem::size_of::<algorithm::LogEntry>()).div_ceil(UNIT_BYTES)
+        }
+        _ => 1,
+    }
 }
 
 /// Removes consecutive duplicates from a sorted slice in place; returns the distinct count.
@@ -152,12 +176,45 @@ fn level_down(held: &[u32], evict: u32) -> Vec<u32> {
     }
 }
 
+/// How many entries each scope gives up when `evict` must go from a shard of `capacity` whose
+/// scopes hold `held` (indexed by scope id) and `asking` needs room: first the entries above the
+/// share (capacity / scopes holding entries, `asking` counted), largest excess first; what is
+/// still missing, from `asking` itself.
+fn eviction_quotas(held: &[u32], capacity: usize, evict: u32, asking: usize) -> Vec<u32> {
+    let holders = held.iter().enumerate().filter(|&(scope, &h)| h > 0 || scope == asking).count().max(1);
+    let share = u32::try_from(capacity / holders).unwrap_or(u32::MAX);
+    let excess: Vec<u32> = held.iter().map(|&h| h.saturating_sub(share)).collect();
+    let available: u64 = excess.iter().map(|&e| u64::from(e)).sum();
+    let from_excess = u32::try_from(available.min(u64::from(evict))).unwrap_or(evict);
+    let mut quotas = level_down(&excess, from_excess);
+    if let (Some(quota), Some(&own)) = (quotas.get_mut(asking), held.get(asking)) {
+        *quota += (evict - from_excess).min(own - *quota);
+    }
+    quotas
+}
+
 /// The `quota`-th smallest of `expiries` (reordered) and how many entries at exactly it are to
 /// go besides those below it.
 fn cut_at(expiries: &mut [Micros], quota: u32) -> (Micros, u32) {
     let (_, &mut threshold, _) = expiries.select_nth_unstable(quota as usize - 1);
     let below = expiries.iter().filter(|&&at| at < threshold).count() as u32;
     (threshold, quota - below)
+}
+
+/// [`cut_at`] for entries of several units: the expiry up to which entries go so that at least
+/// `quota` units go, and how many units at exactly that expiry go besides those below it.
+fn weighted_cut(entries: &mut [(Micros, u32)], quota: u32) -> (Micros, u32) {
+    entries.sort_unstable_by_key(|&(expires_at, _)| expires_at);
+    let mut taken: u32 = 0;
+    let Some(&(threshold, _)) = entries.iter().find(|&&(_, size)| {
+        taken = taken.saturating_add(size);
+        taken >= quota
+    }) else {
+        // Not enough to meet the quota: all of them.
+        return (Micros::MAX, 0);
+    };
+    let strictly_below: u32 = entries.iter().take_while(|&&(at, _)| at < threshold).map(|&(_, size)| size).sum();
+    (threshold, quota.saturating_sub(strictly_below))
 }
 
 /// Namespace names to scope ids. Reads are lock-free (one `ArcSwap` load and one lookup);
@@ -219,6 +276,9 @@ struct Shard {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryStats {
     pub live_keys: u64,
+    /// Units of the cap the live keys hold ([`UNIT_BYTES`] each: one per counter key, more for a
+    /// sliding log of many entries).
+    pub live_units: u64,
     /// Entries dropped because their state was pristine again.
     pub expired: u64,
     /// Live entries evicted by the key cap (their counters started over).
@@ -320,7 +380,8 @@ impl MemoryStore {
             let decision = if let Some(entry) = table.slots.get_mut(&slot) {
                 let decision = algorithm::check(only.limit, Some(&entry.state), now, only.cost);
                 if decision.allowed {
-                    Self::consume_entry(entry, only, now);
+                    let resized = Self::consume_entry(entry, only, now);
+                    self.resized(&mut table, slot, resized, now);
                 }
                 decision
             } else {
@@ -442,17 +503,30 @@ impl MemoryStore {
         Verdict { allowed, decisions, cached_denial: None }
     }
 
-    fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) {
+    /// Consumes on an existing entry; returns its units before and after.
+    fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) -> (usize, usize) {
+        let before = units_of(&entry.state);
         let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
         entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
         if let Some(state) = state {
             entry.state = state;
         }
+        (before, units_of(&entry.state))
+    }
+
+    /// Accounts for an entry of `slot` that went from `before` to `after` units; makes room when
+    /// the shard is now over its cap (a log that grew).
+    fn resized(&self, table: &mut Table, slot: SlotKey, (before, after): (usize, usize), now: Micros) {
+        table.units = (table.units + after).saturating_sub(before);
+        if after > before && table.units > self.shard_capacity {
+            self.make_room(table, now, slot.scope(), 0);
+        }
     }
 
     fn consume(&self, table: &mut Table, slot: SlotKey, check: &RuleCheck<'_>, now: Micros) {
         if let Some(entry) = table.slots.get_mut(&slot) {
-            Self::consume_entry(entry, check, now);
+            let resized = Self::consume_entry(entry, check, now);
+            self.resized(table, slot, resized, now);
             return;
         }
         let mut state = None;
@@ -461,46 +535,55 @@ impl MemoryStore {
         if expires_at <= now {
             return; // a zero-cost check leaves nothing worth keeping
         }
-        if table.slots.len() >= self.shard_capacity {
-            self.make_room(table, now);
+        let units = units_of(&state);
+        if table.units + units > self.shard_capacity {
+            self.make_room(table, now, slot.scope(), units);
         }
+        table.units += units;
         table.slots.insert(slot, Entry { state, expires_at });
     }
 
-    /// Drops expired entries; if the shard is still full, evicts an eighth of it from the scopes
-    /// holding the most entries (levelling them down), each scope's entries closest to pristine
-    /// first.
-    fn make_room(&self, table: &mut Table, now: Micros) {
-        let Table { slots, evicted } = table;
-        // Entries held per scope id, counted while dropping the expired ones.
-        let mut held: Vec<u32> = Vec::new();
+    /// Drops expired entries; if the shard still has no room for `incoming` more units, evicts
+    /// an eighth of its cap (or what `incoming` needs, if more) as [`eviction_quotas`] shares it
+    /// out (`asking`: the scope of the entry that needs the room), each scope's entries closest
+    /// to pristine first.
+    fn make_room(&self, table: &mut Table, now: Micros, asking: usize, incoming: usize) {
+        let Table { slots, units, evicted } = table;
+        // Units held per scope id, counted while dropping the expired entries.
+        let mut held: Vec<u32> = vec![0; asking + 1];
         let before = slots.len();
+        let mut weighted = false;
         slots.retain(|slot, e| {
+            let size = units_of(&e.state);
             if e.expires_at <= now {
+                *units -= size;
                 return false;
             }
+            weighted |= size > 1;
             let scope = slot.scope();
             if scope >= held.len() {
                 held.resize(scope + 1, 0);
             }
-            held[scope] += 1;
+            held[scope] += u32::try_from(size).unwrap_or(u32::MAX);
             true
         });
         self.expired.fetch_add((before - slots.len()) as u64, Ordering::Relaxed);
-        if slots.len() < self.shard_capacity {
+        if *units + incoming <= self.shard_capacity {
             return;
         }
-        let quotas = level_down(&held, (slots.len() / 8).max(1) as u32);
+        let needed = (*units + incoming - self.shard_capacity).max(self.shard_capacity / 8).max(1);
+        let quotas = eviction_quotas(&held, self.shard_capacity, u32::try_from(needed).unwrap_or(u32::MAX), asking);
 
-        // Per scope giving entries up: its quota-th smallest expiry, and how many entries at
-        // exactly that expiry go (a flood arriving in one instant is evicted only up to the
-        // quota, not wholesale).
+        // Per scope giving entries up: the expiry up to which its entries go, and how many units
+        // at exactly that expiry go besides those below it (a flood arriving in one instant is
+        // evicted only up to the quota, not wholesale).
         let mut cut: Vec<Option<(Micros, u32)>> = vec![None; held.len()];
         let mut givers = quotas.iter().enumerate().filter(|&(_, &quota)| quota > 0);
-        match (givers.next(), givers.next()) {
-            (None, _) => return,
-            // The usual case (one namespace floods, or only one holds keys): its expiries alone.
-            (Some((scope, &quota)), None) => {
+        match (givers.next(), givers.next(), weighted) {
+            (None, _, _) => return,
+            // The usual case (one namespace floods, or only one holds keys, every entry one
+            // unit): its expiries alone, a linear selection.
+            (Some((scope, &quota)), None, false) => {
                 let mut mine: Vec<Micros> = if held[scope] as usize == slots.len() {
                     slots.values().map(|e| e.expires_at).collect()
                 } else {
@@ -508,24 +591,17 @@ impl MemoryStore {
                 };
                 cut[scope] = Some(cut_at(&mut mine, quota));
             }
-            // Several levelled together: group their expiries by scope (a counting sort).
+            // Several scopes, or entries of several units: each giver's (expiry, units), sorted.
             _ => {
-                let mut start = vec![0usize; held.len() + 1];
-                for scope in 0..held.len() {
-                    let mine = if quotas[scope] > 0 { held[scope] as usize } else { 0 };
-                    start[scope + 1] = start[scope] + mine;
-                }
-                let mut expiries: Vec<Micros> = vec![0; start[held.len()]];
-                let mut fill = start.clone();
+                let mut by_scope: Vec<Vec<(Micros, u32)>> = vec![Vec::new(); held.len()];
                 for (slot, e) in slots.iter() {
                     let scope = slot.scope();
                     if quotas[scope] > 0 {
-                        expiries[fill[scope]] = e.expires_at;
-                        fill[scope] += 1;
+                        by_scope[scope].push((e.expires_at, u32::try_from(units_of(&e.state)).unwrap_or(u32::MAX)));
                     }
                 }
                 for (scope, &quota) in quotas.iter().enumerate().filter(|&(_, &quota)| quota > 0) {
-                    cut[scope] = Some(cut_at(&mut expiries[start[scope]..start[scope + 1]], quota));
+                    cut[scope] = Some(weighted_cut(&mut by_scope[scope], quota));
                 }
             }
         }
@@ -536,16 +612,18 @@ impl MemoryStore {
         slots.retain(|slot, e| {
             let scope = slot.scope();
             let Some((threshold, ties)) = &mut cut[scope] else { return true };
+            let size = units_of(&e.state);
             let evict = if e.expires_at < *threshold {
                 true
             } else if e.expires_at == *threshold && *ties > 0 {
-                *ties -= 1;
+                *ties = ties.saturating_sub(u32::try_from(size).unwrap_or(u32::MAX));
                 true
             } else {
                 false
             };
             if evict {
                 evicted[scope] += 1;
+                *units -= size;
             }
             !evict
         });
@@ -558,9 +636,15 @@ impl MemoryStore {
         let mut removed = 0;
         for shard in self.shards.iter() {
             let mut table = shard.table.lock();
-            let slots = &mut table.slots;
+            let Table { slots, units, .. } = &mut *table;
             let before = slots.len();
-            slots.retain(|_, e| e.expires_at > now);
+            slots.retain(|_, e| {
+                let live = e.expires_at > now;
+                if !live {
+                    *units -= units_of(&e.state);
+                }
+                live
+            });
             removed += before - slots.len();
             if slots.capacity() > 64 && slots.len() < slots.capacity() / 4 {
                 slots.shrink_to_fit();
@@ -571,8 +655,15 @@ impl MemoryStore {
     }
 
     pub fn stats(&self) -> MemoryStats {
+        let (mut live_keys, mut live_units) = (0, 0);
+        for shard in self.shards.iter() {
+            let table = shard.table.lock();
+            live_keys += table.slots.len() as u64;
+            live_units += table.units as u64;
+        }
         MemoryStats {
-            live_keys: self.shards.iter().map(|s| s.table.lock().slots.len() as u64).sum(),
+            live_keys,
+            live_units,
             expired: self.expired.load(Ordering::Relaxed),
             evicted: self.evicted.load(Ordering::Relaxed),
         }
@@ -657,6 +748,7 @@ impl Store for MemoryStore {
         super::StoreStatus {
             kind: "memory",
             live_keys: stats.live_keys,
+            live_units: stats.live_units,
             evicted_keys: stats.evicted,
             evicted_keys_by_namespace: self.evictions_by_namespace().into_iter().collect(),
             ..Default::default()
@@ -812,15 +904,74 @@ mod tests {
             store.check_scoped_at("flood", T0, &[one(3, &l, &format!("f{i}"))]);
         }
         let live: HashMap<String, u64> = store.live_keys_by_namespace().into_iter().collect();
-        assert_eq!(live["small"], 200, "below every level: untouched");
-        // `big` and `flood` share what `small` leaves; an eviction (an eighth of the shard)
-        // brings neither below half of what is left after it.
-        let floor = (4096 - 4096 / 8 - 200) / 2;
-        assert!(live["big"] >= floor && live["flood"] >= floor, "{live:?}");
+        assert_eq!(live["small"], 200, "below its share: untouched");
+        // Three namespaces hold keys: each one's share is a third of the cap. `big` was above it
+        // and gave up only its excess; the flood's own keys made the rest of its room.
+        let share = 4096 / 3;
+        assert!(live["big"] >= share, "{live:?}");
+        assert!(live["flood"] >= share, "{live:?}");
         let evicted: HashMap<String, u64> = store.evictions_by_namespace().into_iter().collect();
         assert!(!evicted.contains_key("small"), "{evicted:?}");
         assert_eq!(evicted["big"], 3_000 - live["big"]);
         assert_eq!(evicted["flood"], 20_000 - live["flood"]);
+    }
+
+    /// Issue 23, item 7: with `--max-keys 4096`, a flood of distinct keys from one namespace
+    /// reset 1,208 of another's 3,000 exhausted counters (levelling took the victim down with the
+    /// flood, an eighth of the shard at a time, below half of the cap). Now the victim keeps its
+    /// share, half the cap with two namespaces, every one of those counters still exhausted.
+    #[test]
+    fn a_flood_never_takes_another_namespace_below_its_share() {
+        let store = MemoryStore::with_clock(4096, Arc::new(FakeClock::new(T0)));
+        let hourly = Limit::new(Algorithm::FixedWindow, 1, 3_600_000_000, None, None).unwrap();
+        let daily = Limit::new(Algorithm::FixedWindow, 1, 86_400_000_000, None, None).unwrap();
+        for i in 0..3_000u32 {
+            assert!(store.check_scoped_at("b", T0, &[one(1, &hourly, &format!("user-{i}"))]).allowed);
+        }
+        for i in 0..100_000u32 {
+            store.check_scoped_at("a", T0 + 1, &[one(2, &daily, &format!("flood-{i}"))]);
+        }
+        let still_exhausted =
+            (0..3_000u32).filter(|i| !store.peek_at(T0 + 2, &[one(1, &hourly, &format!("user-{i}"))]).allowed).count();
+        assert!(still_exhausted >= 4096 / 2, "{still_exhausted} of b's 3000 exhausted counters kept");
+        let evicted: HashMap<String, u64> = store.evictions_by_namespace().into_iter().collect();
+        assert!(evicted.get("b").copied().unwrap_or(0) <= 3_000 - 4096 / 2, "{evicted:?}");
+    }
+
+    /// Issue 23, item 3: the cap bounds bytes. A sliding log of 1000 entries is about 250 units,
+    /// so logs cannot take the store past its cap in bytes however few keys they are, and a
+    /// namespace of long logs is held to its share in units like any other.
+    #[test]
+    fn long_logs_count_by_their_bytes_under_the_cap() {
+        let store = MemoryStore::with_clock(4096, Arc::new(FakeClock::new(T0)));
+        let log = Limit::new(Algorithm::SlidingWindowLog, 1_000, 3_600_000_000, None, None).unwrap();
+        let counter = Limit::new(Algorithm::FixedWindow, 1, 3_600_000_000, None, None).unwrap();
+        for i in 0..1_000u32 {
+            assert!(store.check_scoped_at("b", T0, &[one(1, &counter, &format!("user-{i}"))]).allowed);
+        }
+        for key in 0..100u32 {
+            for at in 0..1_000u64 {
+                store.check_scoped_at("a", T0 + at, &[one(2, &log, &format!("log-{key}"))]);
+            }
+        }
+        let stats = store.stats();
+        assert!(stats.live_units <= store.max_keys() as u64, "{stats:?}");
+        let live: HashMap<String, u64> = store.live_keys_by_namespace().into_iter().collect();
+        assert_eq!(live["b"], 1_000, "below its share: untouched, {live:?}");
+        assert!(live["a"] <= 16, "{live:?}: a log of 1000 entries holds about 250 units of 4096");
+        let evicted: HashMap<String, u64> = store.evictions_by_namespace().into_iter().collect();
+        assert!(!evicted.contains_key("b"), "{evicted:?}");
+    }
+
+    #[test]
+    fn eviction_takes_the_excess_over_the_share_then_the_asker_own() {
+        // Capacity 12, three holders: a share of 4. Only the 5 above it can go, largest first.
+        assert_eq!(eviction_quotas(&[0, 9, 2, 1], 12, 3, 3), [0, 3, 0, 0]);
+        assert_eq!(eviction_quotas(&[0, 9, 2, 1], 12, 6, 3), [0, 5, 0, 1], "then the asker's own");
+        // Everyone at their share: the asker evicts its own.
+        assert_eq!(eviction_quotas(&[0, 4, 4, 4], 12, 2, 2), [0, 0, 2, 0]);
+        // A newcomer (holding nothing yet) counts as a holder: the share drops to 3.
+        assert_eq!(eviction_quotas(&[0, 6, 6, 0], 12, 4, 3), [0, 2, 2, 0]);
     }
 
     #[test]

@@ -133,6 +133,9 @@ pub struct StoreStatus {
     pub timeout_ms: Option<u64>,
     /// Keys held in this process's memory (the store itself, or the local fallback).
     pub live_keys: u64,
+    /// Units of the memory cap (`--max-keys`) they hold: one per counter key, more for a sliding
+    /// log of many entries (64 bytes a unit).
+    pub live_units: u64,
     /// Live keys evicted by the key cap since start.
     pub evicted_keys: u64,
     /// `evicted_keys` by the namespace that owned the keys (`""`: checks without a namespace);
