@@ -85,6 +85,9 @@ pub struct Metrics {
     pub rls_requests: Family<CodeLabels, Counter>,
     /// Requests the shared store's denial cache refused without asking Redis.
     pub denial_cache_hits: Counter,
+    /// Values counted as matching a policy regex without being matched, its time bound reached
+    /// (`policy::pattern`).
+    pub regex_undecided: Counter,
     /// (rule, key) denials the cache holds.
     pub denial_cache_entries: Gauge,
     /// Batched Redis calls, and the decisions they carried.
@@ -200,6 +203,12 @@ impl Metrics {
             "Requests refused from the denial cache without asking Redis (exact: each was a repeat of a denial before its retry-after)",
             denial_cache_hits.clone(),
         );
+        let regex_undecided = Counter::default();
+        registry.register(
+            "regex_undecided",
+            "Values counted as matching a policy regex without being matched: the regex reached its time bound (docs/policy.md, Budgets), and its rule applies",
+            regex_undecided.clone(),
+        );
         let denial_cache_entries = Gauge::default();
         registry.register(
             "redis_denial_cache_entries",
@@ -302,6 +311,7 @@ impl Metrics {
             auth_failures,
             rls_requests,
             denial_cache_hits,
+            regex_undecided,
             denial_cache_entries,
             redis_batched_calls,
             redis_batched_decisions,
@@ -327,6 +337,7 @@ impl Metrics {
         self.store_circuit_open.set(i64::from(status.breaker == Some("open")));
         self.live_keys.set(status.live_keys as i64);
         self.evicted_keys.set(status.evicted_keys as i64);
+        self.regex_undecided.inc_by(crate::policy::pattern::undecided().saturating_sub(self.regex_undecided.get()));
         if let Some(cache) = status.denial_cache {
             self.denial_cache_hits.inc_by(cache.hits.saturating_sub(self.denial_cache_hits.get()));
             self.denial_cache_entries.set(cache.entries as i64);

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use regex_automata::meta::Regex;
+use super::pattern::PolicyRegex as Regex;
 use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;

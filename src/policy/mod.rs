@@ -10,6 +10,7 @@ pub mod explain;
 pub mod load;
 pub mod matching;
 pub mod path;
+pub mod pattern;
 pub mod validate;
 
 pub use compile::{Compiled, CompiledPolicy, CompiledRule, Rejected, Snapshot, SnapshotPart, compile, rule_id};

@@ -5,8 +5,7 @@
 
 use std::fmt;
 
-use regex_automata::meta::{self, Regex};
-use regex_automata::util::syntax;
+use super::pattern::PolicyRegex as Regex;
 
 use super::crd::{
     DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN,
@@ -518,30 +517,20 @@ fn check_host_pattern(host: &str) -> Result<(), String> {
 }
 
 /// Compiles a user regex anchored to the whole input, with size caps: the compiled program
-/// (NFA) and the lazy DFA's cache at most [`MAX_REGEX_BYTES`] each. The configuration is what
-/// `regex::RegexBuilder` uses for `&str` (UTF-8, leftmost-first), so matching is `regex`'s;
-/// `memory_usage()` of the result is what the policy's regex budget counts.
-pub(crate) fn compile_regex(pattern: &str) -> Result<Regex, String> {
+/// (NFA) and the lazy DFA's cache at most [`MAX_REGEX_BYTES`] each, matched in bounded time
+/// ([`super::pattern`]); `memory_usage()` of the result is what the policy's regex budget counts.
+pub fn compile_regex(pattern: &str) -> Result<Regex, String> {
     if pattern.len() > MAX_PATTERN_LEN {
         return Err(format!("at most {MAX_PATTERN_LEN} characters"));
     }
-    let config = meta::Config::new()
-        .match_kind(regex_automata::MatchKind::LeftmostFirst)
-        .utf8_empty(true)
-        .nfa_size_limit(Some(MAX_REGEX_BYTES))
-        .hybrid_cache_capacity(MAX_REGEX_BYTES);
-    meta::Builder::new()
-        .configure(config)
-        .syntax(syntax::Config::new().utf8(true))
-        .build(&format!("^(?:{pattern})$"))
-        .map_err(|e| {
-            if e.size_limit().is_some() {
-                format!("regex {pattern:?} is too complex: it compiles to more than {}", human_bytes(MAX_REGEX_BYTES))
-            } else {
-                let detail = e.syntax_error().map_or_else(|| e.to_string(), ToString::to_string);
-                format!("invalid regex {pattern:?}: {}", one_line(&detail))
-            }
-        })
+    Regex::new(pattern).map_err(|e| {
+        if e.size_limit().is_some() {
+            format!("regex {pattern:?} is too complex: it compiles to more than {}", human_bytes(MAX_REGEX_BYTES))
+        } else {
+            let detail = e.syntax_error().map_or_else(|| e.to_string(), ToString::to_string);
+            format!("invalid regex {pattern:?}: {}", one_line(&detail))
+        }
+    })
 }
 
 /// `1048576` → `1 MiB (1048576 bytes)`, for messages.
