@@ -40,7 +40,7 @@ fn main() {
     inputs.push(("8 KiB of random a/b", random_ab));
     for pattern in &patterns {
         let pattern = pattern.as_str();
-        let Ok(re) = compile_regex(pattern) else {
+        let Ok(re) = compile_regex(pattern, false) else {
             println!("{pattern:30} refused at admission");
             continue;
         };

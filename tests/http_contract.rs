@@ -235,6 +235,45 @@ async fn envoy_ext_authz_mode_answers_200_or_429_with_headers() {
     assert_eq!(bad.status, 400);
 }
 
+/// What a CGI, WSGI, Tomcat or IIS app reads as `POST /orders/…` with key `k` is limited as that,
+/// at every entry point; a request with two values for the key, or two hosts, has none to decide.
+#[tokio::test]
+async fn spellings_apps_read_alike_are_limited_alike() {
+    let api = Api::new(POLICY);
+    let check = |path: &str, headers: Value| {
+        json!({"namespace": "tenant-acme", "labels": {"app": "orders"},
+        "method": "POST", "path": path, "headers": headers})
+    };
+    for path in ["/orders%2F1", "/orders;jsessionid=A/1", "/x/..;/orders"] {
+        assert_eq!(api.check(&check(path, json!({"X_API_KEY": "spelled"}))).await["allowed"], true, "{path}");
+    }
+    let fourth = api.check(&check("/orders\\1", json!({"x-api-key": "spelled"}))).await;
+    assert_eq!(fourth["allowed"], false, "one bucket: {fourth}");
+    let both = check("/orders/1", json!({"x-api-key": "a", "x_api_key": "b"}));
+    let r = api.post_body("/v1/check", serde_json::to_vec(&both).unwrap()).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+
+    let authz = |path: &str, headers: &[(&str, &str)]| {
+        let mut request = Request::post(format!("/v1/authz{path}"))
+            .header("x-sluice-namespace", "tenant-acme")
+            .header("x-sluice-labels", "app=orders");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        api.send(request.body(Body::empty()).unwrap())
+    };
+    for path in ["/orders%2F9", "/orders./9", "/orders;v=2"] {
+        assert_eq!(authz(path, &[("host", "api.example.com"), ("x_api_key", "authz")]).await.status, 200, "{path}");
+    }
+    assert_eq!(authz("/orders/9", &[("x-api-key", "authz")]).await.status, 429);
+    let r = authz("/orders/9", &[("x-api-key", "a"), ("x_api_key", "b")]).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("sent as both"), "{}", r.text());
+    let r = authz("/orders/9", &[("host", "a.example.com"), ("host", "b.example.com"), ("x-api-key", "c")]).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("more than one Host"), "{}", r.text());
+}
+
 #[tokio::test]
 async fn ext_authz_denial_status_can_be_403_for_nginx() {
     let api = Api::new(POLICY);

@@ -888,6 +888,53 @@ async fn spellings_of_a_path_share_its_limit() {
         let (status, _) = raw(sidecar.process.addr, &format!("GET {variant} HTTP/1.1\r\nConnection: close")).await;
         assert_eq!(status, 429, "{variant} is /orders/1 to the application, and to the limiter");
     }
+    // Spellings only some servers read as /orders/1 count against its limit too.
+    for (variant, who) in [
+        ("/orders%2F1", "WSGI decodes %2F"),
+        ("/orders;x=1/1", "Tomcat and Jetty drop path parameters"),
+        ("/orders;jsessionid=1", "Tomcat"),
+        ("/x/..;/orders/1", "Tomcat reads ..; as .."),
+        ("/orders%5C1", "IIS: an encoded backslash"),
+        ("/orders\\1", "IIS: a backslash"),
+        ("/orders./1", "IIS drops trailing dots"),
+    ] {
+        let (status, body) = raw(sidecar.process.addr, &format!("GET {variant} HTTP/1.1\r\nConnection: close")).await;
+        assert_eq!(status, 429, "{variant}: {who}: {body}");
+    }
+    // Case is kept unless a rule says otherwise: on a case-sensitive server this is another path.
+    assert_eq!(raw(sidecar.process.addr, "GET /Orders/1 HTTP/1.1\r\nConnection: close").await.0, 200);
+}
+
+#[tokio::test]
+async fn header_name_spellings_are_one_header_and_a_request_names_one_host() {
+    let (up, state) = start_upstream().await;
+    let (_dir, serve) = strict_serve();
+    let sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let addr = sidecar.process.addr;
+    assert_eq!(raw(addr, "GET /keyed HTTP/1.1\r\nX-API-Key: k1\r\nConnection: close").await.0, 200);
+    // CGI and WSGI servers read X_API_KEY as X-API-Key (both are HTTP_X_API_KEY): k1's bucket.
+    let (status, body) = raw(addr, "GET /keyed HTTP/1.1\r\nX_API_KEY: k1\r\nConnection: close").await;
+    assert_eq!(status, 429, "not a fresh bucket for an underscore spelling: {body}");
+    assert_eq!(raw(addr, "GET /keyed HTTP/1.1\r\nx_api-key: k2\r\nConnection: close").await.0, 200);
+    assert_eq!(raw(addr, "GET /keyed HTTP/1.1\r\nX-Api-Key: k2\r\nConnection: close").await.0, 429);
+
+    // Both spellings: two values for one header, refused like a repeated header.
+    let hits = state.hits.load(Ordering::SeqCst);
+    let (status, body) = raw(addr, "GET /keyed HTTP/1.1\r\nX-API-Key: k3\r\nX_API_KEY: k4\r\nConnection: close").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("x-api-key") && body.contains("x_api_key"), "names both spellings: {body}");
+
+    // `raw` adds `Host: app`; a second Host, or a Host another than the absolute target's, is
+    // refused (RFC 9112 §3.2) instead of limited as one host and served as another.
+    let (status, body) = raw(addr, "GET /all HTTP/1.1\r\nHost: other.example\r\nConnection: close").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("more than one Host header"), "{body}");
+    let (status, body) = raw(addr, "GET http://other.example/all HTTP/1.1\r\nConnection: close").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("differs from"), "{body}");
+    assert_eq!(state.hits.load(Ordering::SeqCst), hits, "none of them reached the application");
+    let (status, body) = raw(addr, "GET http://app/all HTTP/1.1\r\nConnection: close").await;
+    assert_eq!(status, 200, "an absolute target naming the Host's host is fine: {body}");
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@ use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;
 use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
+use super::matching::canonical_header_name;
 use super::validate::{CompiledRegexes, ValidationErrors, build_limit, compile_regex, validate_keeping_regexes};
 use crate::algorithm::{Algorithm, Limit};
 use crate::rule::{RuleCheck, RuleId};
@@ -119,9 +120,11 @@ pub(super) struct DescriptorEntryMatcher {
 
 #[derive(Debug)]
 pub(super) enum PathMatcher {
-    Exact(String),
+    /// `ignore_case`: ASCII letters compare in either case.
+    Exact { path: String, ignore_case: bool },
     /// Without a trailing '/', except the root, which matches everything.
-    Prefix(String),
+    Prefix { prefix: String, ignore_case: bool },
+    /// Compiled case-insensitively for `ignoreCase`.
     Regex(Regex),
 }
 
@@ -135,7 +138,7 @@ pub(super) enum HostMatcher {
 
 #[derive(Debug)]
 pub(super) struct HeaderMatcher {
-    /// Lowercase.
+    /// Canonical ([`canonical_header_name`]).
     pub(super) name: String,
     pub(super) test: HeaderTest,
 }
@@ -150,11 +153,14 @@ pub(super) enum HeaderTest {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum KeySource {
-    /// Lowercase name.
+    /// Canonical name ([`canonical_header_name`]).
     Header(String, Missing),
     ClientIp(Missing),
     Namespace,
     Path,
+    /// The path with ASCII letters lowercased: a rule that matches paths ignoring case keys on
+    /// them ignoring case too.
+    LowercasePath,
     Method,
     Host,
     /// The value of the descriptor entry with this key.
@@ -228,6 +234,7 @@ impl CompiledRule {
                 KeySource::ClientIp(Missing::Skip) => "clientIP (skip if missing)".to_string(),
                 KeySource::Namespace => "namespace".to_string(),
                 KeySource::Path => "path".to_string(),
+                KeySource::LowercasePath => "path (lowercased)".to_string(),
                 KeySource::Method => "method".to_string(),
                 KeySource::Host => "host".to_string(),
                 KeySource::Descriptor(key) => format!("descriptor {key}"),
@@ -320,7 +327,7 @@ fn version_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> Str
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Lowercase names of every header the policies' rules match or key on, sorted, once each.
+/// Canonical names of every header the policies' rules match or key on, sorted, once each.
 fn header_names_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> Vec<String> {
     let mut names: Vec<String> = policies
         .into_iter()
@@ -403,10 +410,10 @@ fn compile_rule(
     // rather than panic.
     let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
     // Each regex was compiled once by validation; take it from there.
-    let mut regex = |pattern: &str, field: String, errs: &mut ValidationErrors| {
+    let mut regex = |pattern: &str, ignore_case: bool, field: String, errs: &mut ValidationErrors| {
         let compiled = match validated.remove(&field) {
             Some(re) => Ok(re),
-            None => compile_regex(pattern),
+            None => compile_regex(pattern, ignore_case),
         };
         match compiled {
             Ok(re) => Some(re),
@@ -420,13 +427,15 @@ fn compile_rule(
     if let Some(m) = &rule.matches {
         matcher.methods = m.methods.iter().map(|s| s.to_ascii_uppercase()).collect();
         for (j, p) in m.paths.iter().enumerate() {
+            let ignore_case = p.ignore_case.unwrap_or(false);
             if let Some(exact) = &p.exact {
-                matcher.paths.push(PathMatcher::Exact(exact.clone()));
+                matcher.paths.push(PathMatcher::Exact { path: exact.clone(), ignore_case });
             } else if let Some(prefix) = &p.prefix {
                 let trimmed = prefix.trim_end_matches('/');
-                matcher.paths.push(PathMatcher::Prefix(if trimmed.is_empty() { "/".into() } else { trimmed.into() }));
+                let prefix = if trimmed.is_empty() { "/".into() } else { trimmed.into() };
+                matcher.paths.push(PathMatcher::Prefix { prefix, ignore_case });
             } else if let Some(re) = &p.regex
-                && let Some(re) = regex(re, format!("{path}.match.paths[{j}].regex"), &mut errs)
+                && let Some(re) = regex(re, ignore_case, format!("{path}.match.paths[{j}].regex"), &mut errs)
             {
                 matcher.paths.push(PathMatcher::Regex(re));
             }
@@ -450,7 +459,7 @@ fn compile_rule(
             match (exact, prefix, pattern) {
                 (Some(v), _, _) => Some(HeaderTest::Exact(v.clone())),
                 (_, Some(v), _) => Some(HeaderTest::Prefix(v.clone())),
-                (_, _, Some(v)) => regex(v, field, errs).map(HeaderTest::Regex),
+                (_, _, Some(v)) => regex(v, false, field, errs).map(HeaderTest::Regex),
                 _ => Some(otherwise),
             }
         };
@@ -458,7 +467,7 @@ fn compile_rule(
             let field = format!("{path}.match.headers[{j}].regex");
             let present = HeaderTest::Present(h.present.unwrap_or(true));
             let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, field, present, &mut errs) else { continue };
-            matcher.headers.push(HeaderMatcher { name: h.name.to_ascii_lowercase(), test });
+            matcher.headers.push(HeaderMatcher { name: canonical_header_name(&h.name), test });
         }
         for (j, entry) in m.descriptor.iter().enumerate() {
             let field = format!("{path}.match.descriptor[{j}].regex");
@@ -474,7 +483,9 @@ fn compile_rule(
             });
         }
     }
-    let key = rule.key.iter().map(key_source).collect();
+    let paths_ignore_case =
+        rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
+    let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
     let (Some(limit), true) = (limit, errs.is_empty()) else {
         return Err(errs);
     };
@@ -495,16 +506,16 @@ fn compile_rule(
     })
 }
 
-fn key_source(k: &KeyPart) -> KeySource {
+fn key_source(k: &KeyPart, paths_ignore_case: bool) -> KeySource {
     let missing = k.missing.unwrap_or_default();
     if let Some(name) = &k.header {
-        KeySource::Header(name.to_ascii_lowercase(), missing)
+        KeySource::Header(canonical_header_name(name), missing)
     } else if k.client_ip.is_some() {
         KeySource::ClientIp(missing)
     } else if k.namespace.is_some() {
         KeySource::Namespace
     } else if k.path.is_some() {
-        KeySource::Path
+        if paths_ignore_case { KeySource::LowercasePath } else { KeySource::Path }
     } else if k.method.is_some() {
         KeySource::Method
     } else if k.host.is_some() {
@@ -570,8 +581,8 @@ impl Snapshot {
     pub fn rule_count(&self) -> usize {
         self.policies.iter().map(|p| p.rules.len()).sum()
     }
-    /// Lowercase names of every header a rule matches on or keys on, sorted: the only headers
-    /// the sidecar needs to forward to the check API.
+    /// Canonical names ([`canonical_header_name`]) of every header a rule matches on or keys on,
+    /// sorted: the only headers the sidecar needs to forward to the check API.
     pub fn header_names(&self) -> &[String] {
         &self.header_names
     }

@@ -240,11 +240,13 @@ pub struct Match {
     #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub methods: Vec<String>,
 
-    /// Request paths; any entry may match. The query string is ignored. Each entry has exactly
-    /// one of `exact` (the whole path), `prefix` (whole path segments: `/orders` matches
-    /// `/orders` and `/orders/1`, not `/ordersX`; `/` matches everything) or `regex` (RE2
-    /// syntax, must match the whole path; counts against the policy's regex budget, see
-    /// `spec.rules`). Empty: any path.
+    /// Request paths; any entry may match. The query string is ignored, and the path is
+    /// normalized first: every spelling some common server routes to `/orders/1` (`//orders/1`,
+    /// `/x/../orders/1`, `/orders%2F1`, `/orders;x=1/1`, `\orders\1`, `/orders./1`) is matched
+    /// as `/orders/1`. Each entry has exactly one of `exact` (the whole path), `prefix` (whole path
+    /// segments: `/orders` matches `/orders` and `/orders/1`, not `/ordersX`; `/` matches
+    /// everything) or `regex` (RE2 syntax, must match the whole path; counts against the policy's
+    /// regex budget, see `spec.rules`), and may set `ignoreCase`. Empty: any path.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = MAX_MATCH_ITEMS))]
     pub paths: Vec<PathMatch>,
@@ -314,7 +316,7 @@ pub struct DescriptorEntryMatch {
     pub not_prefix: Vec<String>,
 }
 
-/// One path condition: exactly one of exact, prefix or regex.
+/// One path condition: exactly one of exact, prefix or regex, and optionally ignoreCase.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[x_kube(validation = CelRule::new("[has(self.exact), has(self.prefix), has(self.regex)].filter(x, x).size() == 1").message("a path match needs exactly one of exact, prefix or regex"))]
 #[serde(rename_all = "camelCase")]
@@ -334,6 +336,13 @@ pub struct PathMatch {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_PATTERN_LEN))]
     pub regex: Option<String>,
+    /// Match whatever the case of ASCII letters, for apps whose router ignores case (Express by
+    /// default, ASP.NET): `/Orders` and `/ORDERS` are then limited as `/orders`, and a `path` key
+    /// part of this rule is lowercased, so a new spelling is no new counter. Default false: on a
+    /// case-sensitive server `/Orders` and `/orders` are different resources with counters of
+    /// their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_case: Option<bool>,
 }
 
 /// One header condition: a name and exactly one of exact, prefix, regex or present.

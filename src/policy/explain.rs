@@ -153,11 +153,14 @@ fn describe_rule_failure(
                 .map(|m| {
                     m.paths
                         .iter()
-                        .map(|p| match (&p.exact, &p.prefix, &p.regex) {
-                            (Some(x), _, _) => format!("exact {x}"),
-                            (_, Some(x), _) => format!("prefix {x}"),
-                            (_, _, Some(x)) => format!("regex {x}"),
-                            _ => "?".to_string(),
+                        .map(|p| {
+                            let pattern = match (&p.exact, &p.prefix, &p.regex) {
+                                (Some(x), _, _) => format!("exact {x}"),
+                                (_, Some(x), _) => format!("prefix {x}"),
+                                (_, _, Some(x)) => format!("regex {x}"),
+                                _ => "?".to_string(),
+                            };
+                            if p.ignore_case == Some(true) { format!("{pattern} (ignoring case)") } else { pattern }
                         })
                         .collect()
                 })
@@ -214,6 +217,7 @@ fn describe_key_source(source: &KeySource) -> String {
         KeySource::ClientIp(_) => "clientIP".to_string(),
         KeySource::Namespace => "namespace".to_string(),
         KeySource::Path => "path".to_string(),
+        KeySource::LowercasePath => "path (lowercased)".to_string(),
         KeySource::Method => "method".to_string(),
         KeySource::Host => "host".to_string(),
         KeySource::Descriptor(key) => format!("descriptor {key}"),

@@ -19,9 +19,28 @@ use super::compile::{
 };
 use super::crd::Missing;
 
-/// Read-only string map: request headers (looked up by lowercase name) and workload labels.
+/// Read-only string map: request headers (looked up by [canonical name](canonical_header_name))
+/// and workload labels.
 pub trait StrMap: Sync {
     fn get_str(&self, key: &str) -> Option<&str>;
+}
+
+/// How rules name a header: lowercase, `_` written `-`. CGI and WSGI servers (and what runs
+/// behind them: PHP, Django, Flask, Rack) read `X-API-Key`, `x_api_key` and `X_API-KEY` all as
+/// `HTTP_X_API_KEY`, so in front of them these are one header; reading them as one is the
+/// reading that limits.
+pub fn canonical_header_name(name: &str) -> String {
+    name.bytes().map(|b| char::from(canonical_header_byte(b))).collect()
+}
+
+/// Whether `a` and `b` name one header in the sense of [`canonical_header_name`], without
+/// allocating.
+pub fn same_header_name(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).all(|(x, y)| canonical_header_byte(x) == canonical_header_byte(y))
+}
+
+fn canonical_header_byte(b: u8) -> u8 {
+    if b == b'_' { b'-' } else { b.to_ascii_lowercase() }
 }
 
 impl StrMap for BTreeMap<String, String> {
@@ -37,7 +56,7 @@ impl<S: BuildHasher + Sync> StrMap for HashMap<String, String, S> {
 }
 
 /// A borrowed list of (name, value) pairs, searched linearly (fine for the few headers a
-/// request carries); names must be lowercase for header lookups.
+/// request carries); names must be canonical ([`canonical_header_name`]) for header lookups.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Pairs<'a>(pub &'a [(&'a str, &'a str)]);
 
@@ -93,7 +112,7 @@ pub struct RequestView<'a> {
     /// As sent (any case, possibly with `:port`).
     pub host: Option<&'a str>,
     pub client_ip: Option<IpAddr>,
-    /// Looked up by lowercase name.
+    /// Looked up by canonical name ([`canonical_header_name`]).
     pub headers: &'a dyn StrMap,
     /// The request's own cost, multiplied by each rule's cost.
     pub cost: u64,
@@ -314,11 +333,14 @@ fn value_passes(test: &HeaderTest, value: Option<&str>) -> bool {
 /// Prefixes match whole segments, as in the Gateway API: `/orders` matches `/orders` and
 /// `/orders/1` but not `/ordersX`.
 fn path_matches(m: &PathMatcher, path: &str) -> bool {
+    let same = |a: &[u8], b: &[u8], ignore_case: bool| if ignore_case { a.eq_ignore_ascii_case(b) } else { a == b };
     match m {
-        PathMatcher::Exact(x) => path == x,
-        PathMatcher::Prefix(x) if x == "/" => true,
-        PathMatcher::Prefix(x) => {
-            path.starts_with(x.as_str()) && matches!(path.as_bytes().get(x.len()), None | Some(b'/'))
+        PathMatcher::Exact { path: x, ignore_case } => same(path.as_bytes(), x.as_bytes(), *ignore_case),
+        PathMatcher::Prefix { prefix, .. } if prefix == "/" => true,
+        PathMatcher::Prefix { prefix, ignore_case } => {
+            let (path, prefix) = (path.as_bytes(), prefix.as_bytes());
+            path.get(..prefix.len()).is_some_and(|head| same(head, prefix, *ignore_case))
+                && matches!(path.get(prefix.len()), None | Some(b'/'))
         }
         PathMatcher::Regex(re) => re.is_match(path),
     }
@@ -377,6 +399,10 @@ pub(super) fn build_key(
             },
             KeySource::Namespace => push_part(&mut key, req.namespace),
             KeySource::Path => push_part(&mut key, path),
+            KeySource::LowercasePath => {
+                push_len(&mut key, path.len());
+                key.extend(path.chars().map(|c| c.to_ascii_lowercase()));
+            }
             KeySource::Method => {
                 push_len(&mut key, req.method.len());
                 key.extend(req.method.chars().map(|c| c.to_ascii_uppercase()));

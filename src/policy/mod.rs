@@ -20,7 +20,9 @@ pub use crd::{
 };
 pub use explain::{ExplainReport, Explanation};
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files};
-pub use matching::{Descriptor, Matched, NoEntries, Pairs, RequestView, StrMap, encode_key};
+pub use matching::{
+    Descriptor, Matched, NoEntries, Pairs, RequestView, StrMap, canonical_header_name, encode_key, same_header_name,
+};
 pub use validate::{FieldError, ValidationErrors, validate, warnings};
 
 #[cfg(test)]

@@ -1,17 +1,29 @@
 //! The path rules match and key on, the same for every entry point.
 //!
-//! Application servers route `//orders/1`, `/%6Frders/1` and `/x/../orders/1` to `/orders/1`; a
-//! limiter that matched the raw text would let a client step around a `prefix: /orders` rule by
-//! spelling the path differently. So before matching, the path (without its query) is
-//! normalized as RFC 3986 §6.2.2 describes:
+//! Application servers do not agree on what a path names: WSGI decodes `%2F` in `PATH_INFO`,
+//! Tomcat and Jetty drop `;jsessionid=…` parameters, IIS reads `\` as `/` and ignores a
+//! segment's trailing dots, and every one of them routes `//orders/1`, `/%6Frders/1` and
+//! `/x/../orders/1` to `/orders/1`. A limiter that matched the raw text would let a client step
+//! around a `prefix: /orders` rule by spelling the path the way some server reads as `/orders`.
+//! So where servers disagree, the path is read the way that limits: every spelling that some
+//! common server routes to a resource is matched and keyed as that resource. An alternative
+//! spelling can then only be limited more, never less. Before matching, the path (without its
+//! query) is normalized in this order:
 //!
-//! 1. percent-escapes of unreserved characters (`A-Z a-z 0-9 - . _ ~`) are decoded; other escapes
-//!    keep their meaning and get upper-case hex digits (`%2f` → `%2F`: an encoded slash stays
-//!    encoded, since servers disagree about it);
-//! 2. repeated slashes collapse into one;
-//! 3. `.` and `..` segments are removed (`..` above the root stays at the root).
+//! 1. percent-escapes of unreserved characters (`A-Z a-z 0-9 - . _ ~`) are decoded, and so are
+//!    `%2F` and `%5C` (to `/`); a `\` is a `/` too; other escapes keep their meaning and get
+//!    upper-case hex digits (`%3b` → `%3B`: an encoded `;` is data); a `%` that starts no escape
+//!    is a literal `%` (`%25`);
+//! 2. the path is split into segments at `/`; repeated slashes give empty segments, which go;
+//! 3. each segment loses its `;` parameters (`/orders;x=1/1` → `/orders/1`), before `.` and `..`
+//!    are looked at, so `/x/..;/orders` ends at `/orders` as it does in Tomcat;
+//! 4. each segment other than `.` and `..` loses its trailing dots (`/orders.` → `/orders`);
+//! 5. `.` and `..` segments are removed (`..` above the root stays at the root), RFC 3986 §5.2.4.
 //!
-//! A trailing slash is kept (`/orders/` and `/orders` may be different resources).
+//! A trailing slash is kept (`/orders/` and `/orders` may be different resources). Case is kept:
+//! a rule opts in to ignoring it (`ignoreCase` on a path match), since folding it for every rule
+//! would merge distinct resources of case-sensitive servers. What the application receives is
+//! never altered: this is only how the limiter reads the path.
 
 use std::borrow::Cow;
 
@@ -21,10 +33,18 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
     if is_normal(path) {
         return Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path);
-    let trailing_slash = decoded.ends_with('/') || decoded.ends_with("/.") || decoded.ends_with("/..");
+    Cow::Owned(rewrite(path))
+}
+
+fn rewrite(path: &str) -> String {
+    let decoded = decode(path);
     let mut segments: Vec<&str> = Vec::new();
-    for segment in decoded.split('/') {
+    // Whether the last segment names a directory: a path ending in `/`, `/.` or `/..` (once
+    // parameters and dots are gone) keeps its trailing slash.
+    let mut ends_in_directory = false;
+    for raw in decoded.split('/') {
+        let segment = without_trailing_dots(without_parameters(raw));
+        ends_in_directory = matches!(segment, "" | "." | "..");
         match segment {
             "" | "." => {}
             ".." => {
@@ -38,22 +58,37 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
         out.push('/');
         out.push_str(segment);
     }
-    if out.is_empty() || trailing_slash {
+    if out.is_empty() || ends_in_directory {
         out.push('/');
     }
-    Cow::Owned(out)
+    out
 }
 
+/// Whether [`rewrite`] would return `path` unchanged: nothing to decode, no `\`, no parameters,
+/// no empty segment but the last, no segment ending in a dot (which covers `.` and `..`).
 fn is_normal(path: &str) -> bool {
     let bytes = path.as_bytes();
     if path == "*" || !bytes.starts_with(b"/") {
         return true;
     }
-    if bytes.contains(&b'%') {
+    if bytes.iter().any(|b| matches!(b, b'%' | b'\\' | b';')) {
         return false;
     }
-    // No empty, `.` or `..` segment: every '/' is followed by a byte that starts a real segment.
-    !bytes.windows(2).any(|w| w == b"//") && !path.split('/').skip(1).any(|segment| segment == "." || segment == "..")
+    !bytes.windows(2).any(|w| w == b"//") && !path.split('/').any(|segment| segment.ends_with('.'))
+}
+
+/// `orders;jsessionid=1` → `orders`: what Tomcat and Jetty route on.
+fn without_parameters(segment: &str) -> &str {
+    segment.split_once(';').map_or(segment, |(name, _)| name)
+}
+
+/// `orders.` → `orders`, `...` → `` (IIS, after Windows file names); `.` and `..` stay dot
+/// segments.
+fn without_trailing_dots(segment: &str) -> &str {
+    match segment {
+        "." | ".." => segment,
+        _ => segment.trim_end_matches('.'),
+    }
 }
 
 fn is_unreserved(b: u8) -> bool {
@@ -64,11 +99,18 @@ fn hex(b: u8) -> Option<u8> {
     (b as char).to_digit(16).map(|d| d as u8)
 }
 
-fn decode_unreserved(path: &str) -> String {
+/// Step 1 of the module docs: unreserved escapes decoded, every spelling of a separator (`\`,
+/// `%2F`, `%5C`) made `/`, other escapes with upper-case hex.
+fn decode(path: &str) -> String {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
+        if bytes[i] == b'\\' {
+            out.push('/');
+            i += 1;
+            continue;
+        }
         if bytes[i] == b'%'
             && i + 2 < bytes.len()
             && let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
@@ -76,6 +118,8 @@ fn decode_unreserved(path: &str) -> String {
             let value = hi * 16 + lo;
             if is_unreserved(value) {
                 out.push(value as char);
+            } else if matches!(value, b'/' | b'\\') {
+                out.push('/');
             } else {
                 out.push('%');
                 out.push((bytes[i + 1] as char).to_ascii_uppercase());
@@ -84,8 +128,17 @@ fn decode_unreserved(path: &str) -> String {
             i += 3;
             continue;
         }
-        // `path` is a str and '%' is ASCII: copying up to the next '%' keeps UTF-8 intact.
-        let next = path[i + 1..].find('%').map_or(bytes.len(), |at| i + 1 + at);
+        if bytes[i] == b'%' {
+            // Not an escape: a literal '%', as a server that decodes once reads it. Written as
+            // one, so that what decoding produces next (`%2%46` → `%2` `F`) cannot form an
+            // escape a second reading would decode.
+            out.push_str("%25");
+            i += 1;
+            continue;
+        }
+        // `path` is a str and '%' and '\' are ASCII: copying up to the next of them keeps UTF-8
+        // intact.
+        let next = path[i + 1..].find(['%', '\\']).map_or(bytes.len(), |at| i + 1 + at);
         out.push_str(&path[i..next]);
         i = next;
     }
@@ -95,6 +148,7 @@ fn decode_unreserved(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn spellings_of_one_path_normalize_alike() {
@@ -105,18 +159,65 @@ mod tests {
         assert_eq!(normalize("/../../orders"), "/orders", "never above the root");
     }
 
+    /// Each spelling some common server routes to `/orders/1` (or `/orders`), with the server.
+    #[test]
+    fn spellings_servers_disagree_on_are_read_the_way_that_limits() {
+        for (variant, normal, who) in [
+            ("/orders%2F1", "/orders/1", "WSGI decodes %2F in PATH_INFO"),
+            ("/orders%2f1", "/orders/1", "lower-case hex"),
+            ("/orders%5C1", "/orders/1", "IIS: an encoded backslash"),
+            ("/orders\\1", "/orders/1", "IIS: backslash is a separator"),
+            ("/\\orders\\1", "/orders/1", "IIS"),
+            ("/orders;x=1/1", "/orders/1", "Tomcat, Jetty: path parameters"),
+            ("/orders;jsessionid=ABC", "/orders", "Tomcat"),
+            ("/orders/1;", "/orders/1", "an empty parameter"),
+            ("/;x/orders/1", "/orders/1", "a segment of parameters only is empty"),
+            ("/x/..;/orders/1", "/orders/1", "Tomcat: `..;` is `..`"),
+            ("/x/.;y/orders/1", "/x/orders/1", "`.;y` is `.`"),
+            ("/orders./1", "/orders/1", "IIS: trailing dots"),
+            ("/orders../1..", "/orders/1", "IIS: several trailing dots"),
+            ("/orders.;x/1", "/orders/1", "parameters, then dots"),
+            ("/x/%2E%2E%2Forders/1", "/orders/1", "encoded dots and slash"),
+            ("/orders%2F..%2F..%2Forders/1", "/orders/1", "an encoded climb"),
+        ] {
+            assert_eq!(normalize(variant), normal, "{variant}: {who}");
+        }
+    }
+
     #[test]
     fn what_stays() {
         assert!(matches!(normalize("/orders/1"), Cow::Borrowed(_)), "normal paths are not copied");
+        assert!(matches!(normalize("/orders/1.json"), Cow::Borrowed(_)), "an inner dot is no trailing dot");
         assert_eq!(normalize("/orders/"), "/orders/", "trailing slash kept");
+        assert_eq!(normalize("/orders/;x"), "/orders/", "a trailing parameter-only segment is a trailing slash");
+        assert_eq!(normalize("/orders/..."), "/orders/", "a dots-only segment is empty");
         assert_eq!(normalize("/a/b/.."), "/a/");
-        assert_eq!(normalize("/a%2fb"), "/a%2Fb", "an encoded slash stays encoded");
-        assert_eq!(normalize("/a%zz"), "/a%zz", "a broken escape is left alone");
-        assert_eq!(normalize("/a%4"), "/a%4");
+        assert_eq!(normalize("/a%3bb"), "/a%3Bb", "an encoded `;` is data, not a parameter");
+        assert_eq!(normalize("/a%252Fb"), "/a%252Fb", "decoded once, like every server");
+        assert_eq!(normalize("/a%zz"), "/a%25zz", "a broken escape is a literal '%'");
+        assert_eq!(normalize("/a%4"), "/a%254");
+        assert_eq!(normalize("/a%2%46"), "/a%252F", "an escape decoding makes is not decoded again");
         assert_eq!(normalize("/caf%C3%A9/é"), "/caf%C3%A9/é");
+        assert_eq!(normalize("/Orders"), "/Orders", "case is a rule's choice (ignoreCase)");
         assert_eq!(normalize("*"), "*");
         assert_eq!(normalize("/"), "/");
         assert_eq!(normalize("//"), "/");
         assert_eq!(normalize("/.."), "/");
+        assert_eq!(normalize("/;"), "/");
+    }
+
+    proptest! {
+        /// The borrowed fast path says "normal" only of paths the rewrite leaves alone, and
+        /// normalizing is done once and for all.
+        #[test]
+        fn the_fast_path_agrees_and_normalizing_twice_changes_nothing(
+            path in "/[/\\\\.;%=0-9A-Fa-fo]{0,16}"
+        ) {
+            if is_normal(&path) {
+                prop_assert_eq!(rewrite(&path), path.clone());
+            }
+            let once = normalize(&path).into_owned();
+            prop_assert_eq!(normalize(&once), once.clone());
+        }
     }
 }

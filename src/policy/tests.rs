@@ -229,7 +229,7 @@ fn compiled_regex_size_is_capped_per_policy() {
     use super::crd::{MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY};
     // A large regex (the Unicode class \w is big), and how many of them fit in the budget.
     let big = r"\w{4}";
-    let size = super::validate::compile_regex(big).expect("compiles").memory_usage();
+    let size = super::validate::compile_regex(big, false).expect("compiles").memory_usage();
     assert!(size <= MAX_REGEX_BYTES && size > MAX_REGEX_BYTES_PER_POLICY / 8, "{size}");
     let fit = MAX_REGEX_BYTES_PER_POLICY / size;
     let policy = |n: usize| {
@@ -505,6 +505,78 @@ fn exact_regex_methods_hosts() {
     assert!(!hits(&s, &in_ns(host("badexample.com"))));
     assert!(hits(&s, &in_ns(host("API.test."))));
     assert!(!hits(&s, &in_ns(RequestView::new("/"))), "no host never matches a host list");
+}
+
+#[test]
+fn ignore_case_is_a_rules_choice_and_keys_the_path_lowercased() {
+    let r = Req::new(&[], &[]);
+    let sensitive = one_rule("{paths: [{prefix: /orders}]}");
+    assert!(!hits(&sensitive, &r.view("ns", "GET", "/Orders/1")), "case is kept by default");
+    for m in ["{paths: [{prefix: /Orders/, ignoreCase: true}]}", "{paths: [{exact: /ORDERS/1, ignoreCase: true}]}"] {
+        let s = one_rule(m);
+        for path in ["/orders/1", "/Orders/1", "/ORDERS/1", "/oRdErS%2F1"] {
+            assert!(hits(&s, &r.view("ns", "GET", path)), "{m}: {path}");
+        }
+        assert!(!hits(&s, &r.view("ns", "GET", "/ordersX/1")), "{m}");
+    }
+    let s = one_rule(r#"{paths: [{regex: "/orders/[a-z]+", ignoreCase: true}]}"#);
+    assert!(hits(&s, &r.view("ns", "GET", "/ORDERS/ABC")));
+
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: r
+    match: {paths: [{prefix: /orders, ignoreCase: true}]}
+    key: [{path: true}]
+    algorithm: gcra
+    limit: {requests: 5, per: 1s}
+"#,
+    );
+    let s = compile(vec![p]).snapshot;
+    let mut out = Vec::new();
+    s.resolve(&r.view("ns", "GET", "/Orders/A1"), &mut out);
+    assert_eq!(out[0].key, encode_key(["/orders/a1"]), "a new spelling is no new counter");
+    assert_eq!(out[0].rule.key_description(), "path (lowercased)");
+}
+
+#[test]
+fn path_patterns_no_normalized_path_reads_are_flagged() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: r
+    match: {paths: [{prefix: /orders;v=1}, {exact: /files./a}, {prefix: /ok/}, {exact: /Fine}]}
+    algorithm: gcra
+    limit: {requests: 5, per: 1s}
+"#,
+    );
+    let warned = warnings(&p);
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    assert!(warned[0].starts_with("spec.rules[0].match.paths[0].prefix: ") && warned[0].contains(r#"reads "/orders""#));
+    assert!(warned[1].starts_with("spec.rules[0].match.paths[1].exact: "), "{warned:?}");
+}
+
+#[test]
+fn header_names_are_canonical_underscore_or_dash() {
+    let p = with_rules(
+        "ns",
+        "p",
+        r#"  - name: r
+    match: {headers: [{name: X_Tenant, present: true}]}
+    key: [{header: X-API_Key}]
+    algorithm: gcra
+    limit: {requests: 5, per: 1s}
+"#,
+    );
+    let s = compile(vec![p]).snapshot;
+    assert_eq!(s.header_names(), ["x-api-key", "x-tenant"], "what the sidecar sends, under these names");
+    let r = Req::new(&[], &[("x-tenant", "t"), ("x-api-key", "k1")]);
+    let mut out = Vec::new();
+    s.resolve(&r.view("ns", "GET", "/"), &mut out);
+    assert_eq!(out[0].key, encode_key(["k1"]));
+    assert!(same_header_name("X_API-Key", "x-api_key"));
+    assert!(!same_header_name("x-api-key", "x-api-keys"));
+    assert_eq!(canonical_header_name("X_API-Key"), "x-api-key");
 }
 
 #[test]

@@ -13,6 +13,8 @@ use super::crd::{
     MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing,
     PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
 };
+use super::matching::same_header_name;
+use super::path::normalize;
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{Micros, parse_duration};
 
@@ -295,19 +297,19 @@ fn validate_path_match(p: &PathMatch, path: &str, regexes: &mut RegexSizes, errs
         }
     }
     if let Some(re) = &p.regex {
-        check_regex(re, format!("{path}.regex"), regexes, errs);
+        check_regex(re, p.ignore_case.unwrap_or(false), format!("{path}.regex"), regexes, errs);
     }
 }
 
 /// Compiles a policy regex, noting its size for the budget or reporting why it does not compile.
 /// Past the count budget (reported once for the policy) regexes are only counted: a policy file
 /// for `sluice serve`, which no CEL checked, may hold thousands.
-fn check_regex(pattern: &str, path: String, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
+fn check_regex(pattern: &str, ignore_case: bool, path: String, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     if regexes.len() >= MAX_REGEXES_PER_POLICY {
         regexes.push((path, 0, None));
         return;
     }
-    match compile_regex(pattern) {
+    match compile_regex(pattern, ignore_case) {
         Ok(re) => regexes.push((path, re.memory_usage(), Some(re))),
         Err(m) => {
             errs.push(path.clone(), m);
@@ -331,7 +333,7 @@ fn validate_header_match(h: &HeaderMatch, path: &str, regexes: &mut RegexSizes, 
         errs.push(path, format!("needs exactly one of exact, prefix, regex or present, got {set}"));
     }
     if let Some(re) = &h.regex {
-        check_regex(re, format!("{path}.regex"), regexes, errs);
+        check_regex(re, false, format!("{path}.regex"), regexes, errs);
     }
 }
 
@@ -362,7 +364,7 @@ fn validate_descriptor_entry(
         }
     }
     if let Some(re) = &entry.regex {
-        check_regex(re, format!("{path}.regex"), regexes, errs);
+        check_regex(re, false, format!("{path}.regex"), regexes, errs);
     }
 }
 
@@ -519,11 +521,15 @@ fn check_host_pattern(host: &str) -> Result<(), String> {
 /// Compiles a user regex anchored to the whole input, with size caps: the compiled program
 /// (NFA) and the lazy DFA's cache at most [`MAX_REGEX_BYTES`] each, matched in bounded time
 /// ([`super::pattern`]); `memory_usage()` of the result is what the policy's regex budget counts.
-pub fn compile_regex(pattern: &str) -> Result<Regex, String> {
+/// `ignore_case`: letters match in either case (a path match's `ignoreCase`).
+pub fn compile_regex(pattern: &str, ignore_case: bool) -> Result<Regex, String> {
     if pattern.len() > MAX_PATTERN_LEN {
         return Err(format!("at most {MAX_PATTERN_LEN} characters"));
     }
-    Regex::new(pattern).map_err(|e| {
+    // An inline flag rather than a builder option: the text carries it to every engine built
+    // from it.
+    let flags = if ignore_case { "(?i)" } else { "" };
+    Regex::new(&format!("{flags}{pattern}")).map_err(|e| {
         if e.size_limit().is_some() {
             format!("regex {pattern:?} is too complex: it compiles to more than {}", human_bytes(MAX_REGEX_BYTES))
         } else {
@@ -562,7 +568,7 @@ pub fn warnings(policy: &RateLimitPolicy) -> Vec<String> {
             }
             if let Some(name) = &part.header {
                 let restricted = m.headers.iter().any(|h| {
-                    h.name.eq_ignore_ascii_case(name) && (h.exact.is_some() || h.prefix.is_some() || h.regex.is_some())
+                    same_header_name(&h.name, name) && (h.exact.is_some() || h.prefix.is_some() || h.regex.is_some())
                 });
                 if !restricted {
                     out.push(format!(
@@ -577,6 +583,17 @@ pub fn warnings(policy: &RateLimitPolicy) -> Vec<String> {
             }
             if part.client_ip.is_some() && part.missing == Some(Missing::Skip) {
                 out.push(format!("{path}.key[{j}]: missing: skip exempts requests without a client IP from this rule"));
+            }
+        }
+        for (j, p) in m.paths.iter().enumerate() {
+            for (field, pattern) in [("exact", &p.exact), ("prefix", &p.prefix)] {
+                let Some(pattern) = pattern.as_deref().filter(|v| v.starts_with('/')) else { continue };
+                let read_as = normalize(pattern);
+                if read_as != pattern {
+                    out.push(format!(
+                        "{path}.match.paths[{j}].{field}: requests are matched on their normalized path, which never reads {pattern:?} (it reads {read_as:?}): this entry never matches as written"
+                    ));
+                }
             }
         }
         if rule.algorithm == Algorithm::SlidingWindowLog && rule.limit.requests > LOG_WARN_REQUESTS {

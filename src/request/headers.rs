@@ -8,16 +8,21 @@
 //!   and never reach the application, so rules never see them either — otherwise a client could
 //!   send `X-API-Key: <random>` with `Connection: x-api-key` and be keyed on a value the
 //!   application never receives;
-//! - a header sent several times has no single value (joining the copies, or keeping the first
-//!   or the last, each lets a client pick its own bucket by adding a copy), so such a request is
-//!   refused when a rule uses that header;
+//! - `_` and `-` are one character in a header name, as they are to CGI and WSGI servers (PHP,
+//!   Django, Flask, Rack…), which read `X-API-Key` and `X_API_KEY` both as `HTTP_X_API_KEY`: a
+//!   rule on `x-api-key` sees a value sent as `X_API_KEY` — otherwise a client could get a fresh
+//!   bucket by spelling the name with underscores (see
+//!   [`canonical_header_name`](crate::policy::canonical_header_name));
+//! - a header sent several times, under one spelling or several, has no single value (joining
+//!   the copies, or keeping the first or the last, each lets a client pick its own bucket by
+//!   adding a copy), so such a request is refused when a rule uses that header;
 //! - values must be UTF-8;
 //! - the endpoint's own credential header is never visible to rules.
 
 use http::HeaderMap;
 use http::header::{self, HeaderName, HeaderValue};
 
-use crate::policy::StrMap;
+use crate::policy::{StrMap, same_header_name};
 
 /// The header carrying the caller's credential to the endpoint (see `server::auth`): never part
 /// of what rules see.
@@ -72,17 +77,34 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-/// A borrowed [`StrMap`] over an HTTP header map (names are case-insensitive there), showing what
-/// the application would receive: no hop-by-hop headers, no credential.
+/// The copies of header `name` (canonical, see
+/// [`canonical_header_name`](crate::policy::canonical_header_name)) the application receives,
+/// under any spelling, with the name each was sent as: hop-by-hop copies left out (a proxy
+/// removes them by their exact name), and nothing for the credential header.
+fn received<'a>(headers: &'a HeaderMap, name: &str) -> impl Iterator<Item = (&'a str, &'a HeaderValue)> {
+    let visible = !same_header_name(name, CREDENTIAL_HEADER);
+    headers
+        .iter()
+        .map(|(sent, value)| (sent.as_str(), value))
+        .filter(move |(sent, _)| visible && same_header_name(sent, name) && !is_hop_by_hop(headers, sent))
+}
+
+/// The value rules see for header `name` (canonical): the one copy the application receives,
+/// under whichever spelling it was sent; `None` when there is none, or the value is not UTF-8.
+/// Requests with several copies are refused first ([`check_used_headers`]); should one get
+/// here, the first copy is taken.
+pub fn used_header_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    received(headers, name).next().and_then(|(_, value)| std::str::from_utf8(value.as_bytes()).ok())
+}
+
+/// A borrowed [`StrMap`] over an HTTP header map (names are case-insensitive there, and `_` is
+/// `-`), showing what the application would receive: no hop-by-hop headers, no credential.
 #[derive(Clone, Copy)]
 pub struct HeaderLookup<'a>(pub &'a HeaderMap);
 
 impl StrMap for HeaderLookup<'_> {
     fn get_str(&self, name: &str) -> Option<&str> {
-        if name == CREDENTIAL_HEADER || is_hop_by_hop(self.0, name) {
-            return None;
-        }
-        self.0.get(name).and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        used_header_value(self.0, name)
     }
 }
 
@@ -116,17 +138,22 @@ impl std::fmt::Display for UsedHeaderProblem {
     }
 }
 
-/// Refuses headers in `used` (lowercase names the rules use) that appear more than once, whose
-/// value is not UTF-8 or longer than [`MAX_USED_HEADER_BYTES`], naming the header. Hop-by-hop
-/// headers are not looked at: rules never see them.
+/// Refuses headers in `used` (canonical names the rules use) that appear more than once, under
+/// one spelling or several, whose value is not UTF-8 or longer than [`MAX_USED_HEADER_BYTES`],
+/// naming the header. Hop-by-hop headers are not looked at: rules never see them.
 pub fn check_used_headers(headers: &HeaderMap, used: &[String]) -> Result<(), UsedHeaderProblem> {
-    for name in used.iter().filter(|name| !is_hop_by_hop(headers, name)) {
-        let mut values = headers.get_all(name.as_str()).iter();
-        let Some(first) = values.next() else { continue };
-        if values.next().is_some() {
-            return Err(UsedHeaderProblem::Malformed(format!(
-                "header {name}: sent more than once; a rate-limited header must have one value"
-            )));
+    for name in used {
+        let mut values = received(headers, name);
+        let Some((first_name, first)) = values.next() else { continue };
+        if let Some((second_name, _)) = values.next() {
+            return Err(UsedHeaderProblem::Malformed(if first_name == second_name {
+                format!("header {name}: sent more than once; a rate-limited header must have one value")
+            } else {
+                format!(
+                    "header {name}: sent as both {first_name} and {second_name}, which CGI and WSGI servers read as \
+                     one header; a rate-limited header must have one value"
+                )
+            }));
         }
         if std::str::from_utf8(first.as_bytes()).is_err() {
             return Err(UsedHeaderProblem::Malformed(format!("header {name}: value is not UTF-8")));
@@ -159,6 +186,34 @@ mod tests {
         ));
         h.insert("x-long", HeaderValue::from_str(&"a".repeat(MAX_USED_HEADER_BYTES)).unwrap());
         assert!(check_used_headers(&h, &["x-long".into()]).is_ok());
+    }
+
+    #[test]
+    fn underscore_and_dash_spell_one_header() {
+        let mut h = HeaderMap::new();
+        h.append("x_api_key", HeaderValue::from_static("k1"));
+        assert_eq!(HeaderLookup(&h).get_str("x-api-key"), Some("k1"), "what a WSGI app reads as X-API-Key");
+        assert!(check_used_headers(&h, &["x-api-key".into()]).is_ok());
+        h.append("X-Api-Key", HeaderValue::from_static("k2"));
+        let problem = check_used_headers(&h, &["x-api-key".into()]).unwrap_err().to_string();
+        assert!(problem.contains("sent as both x_api_key and x-api-key"), "{problem}");
+        assert!(check_used_headers(&h, &["x-other".into()]).is_ok(), "unused, so not looked at");
+
+        // A proxy removes a hop-by-hop header by its exact name: the other spelling still reaches
+        // the application, so the rule sees it.
+        let mut h = HeaderMap::new();
+        h.append("x_api_key", HeaderValue::from_static("k1"));
+        h.append("x-api-key", HeaderValue::from_static("k2"));
+        h.append("connection", HeaderValue::from_static("x-api-key"));
+        assert!(check_used_headers(&h, &["x-api-key".into()]).is_ok());
+        assert_eq!(HeaderLookup(&h).get_str("x-api-key"), Some("k1"));
+        let mut forwarded = h.clone();
+        strip_hop_by_hop(&mut forwarded, false);
+        assert_eq!(forwarded.get("x_api_key").map(HeaderValue::as_bytes), Some(&b"k1"[..]));
+
+        let mut h = HeaderMap::new();
+        h.append("x_sluice_authorization", HeaderValue::from_static("Bearer t"));
+        assert_eq!(HeaderLookup(&h).get_str(CREDENTIAL_HEADER), None, "the credential in any spelling");
     }
 
     #[test]

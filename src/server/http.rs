@@ -26,6 +26,7 @@ use super::request::{BadRequest, CheckRequest, check_path};
 use crate::policy::RequestView;
 use crate::request::forwarded::gateway_client_ip;
 use crate::request::headers::{HeaderLookup, check_used_headers};
+use crate::request::host::request_host;
 use crate::request::labels::parse_label_list;
 use crate::store::Store;
 use crate::telemetry::{ReasonLabels, StatusLabels};
@@ -353,6 +354,11 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
     if let Err(problem) = check_used_headers(headers, live.snapshot.namespace_header_names(&parts.namespace)) {
         return bad_request(metrics, BadRequest(problem.to_string()));
     }
+    // The URI is this call's own, not the original request's: only Host names the host.
+    let host = match request_host(headers, None) {
+        Ok(host) => host,
+        Err(problem) => return bad_request(metrics, BadRequest(problem.to_string())),
+    };
     let client_ip = match (caller.is_trusted(), peer) {
         (true, Some(peer)) => Some(gateway_client_ip(headers, peer.ip(), state.gateway_trusted_hops)),
         (false, Some(peer)) => Some(peer.ip().to_canonical()),
@@ -363,7 +369,7 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         labels: &parts.labels,
         method: request.method().as_str(),
         path: &parts.path,
-        host: headers.get(header::HOST).and_then(|h| h.to_str().ok()),
+        host,
         client_ip,
         headers: &HeaderLookup(headers),
         cost: parts.cost,

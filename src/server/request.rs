@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use serde::Deserialize;
 
 use super::auth::{Caller, Forbidden};
+use crate::policy::canonical_header_name;
 use crate::policy::validate::is_token;
 
 /// The most a single check may cost; keeps every store's arithmetic exact.
@@ -42,7 +43,7 @@ pub struct CheckRequest {
     pub path: String,
     pub host: Option<String>,
     pub client_ip: Option<IpAddr>,
-    /// Header names lower-cased.
+    /// Under canonical names ([`canonical_header_name`]): lowercase, `_` as `-`.
     pub headers: BTreeMap<String, String>,
     /// The cost the caller named, if any (1 otherwise).
     pub cost: Option<u64>,
@@ -115,12 +116,7 @@ impl RawCheckRequest {
         for (name, value) in &self.headers {
             crate::request::headers::check_used_header_length(name, value.as_bytes()).map_err(BadRequest)?;
         }
-        // Names are usually lower-case already (HTTP/2 requires it); then the map is kept as is.
-        let headers = if self.headers.keys().any(|name| name.bytes().any(|b| b.is_ascii_uppercase())) {
-            self.headers.into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect()
-        } else {
-            self.headers
-        };
+        let headers = canonical_headers(self.headers)?;
         if let Some(cost) = self.cost
             && cost > MAX_COST
         {
@@ -137,6 +133,28 @@ impl RawCheckRequest {
             cost: self.cost,
         })
     }
+}
+
+/// The stated headers under their canonical names (what rules look up: lowercase, `_` as `-`).
+/// Two names of one header (`X-API-Key` and `x_api_key`) state two values for it, and the check
+/// is refused rather than one picked.
+fn canonical_headers(stated: BTreeMap<String, String>) -> Result<BTreeMap<String, String>, BadRequest> {
+    // Names are usually canonical already (HTTP/2 requires lowercase); then the map is kept as is.
+    if !stated.keys().any(|name| name.bytes().any(|b| b.is_ascii_uppercase() || b == b'_')) {
+        return Ok(stated);
+    }
+    let mut headers: BTreeMap<String, (String, String)> = BTreeMap::new();
+    for (name, value) in stated {
+        let canonical = canonical_header_name(&name);
+        if let Some((other, _)) = headers.get(&canonical) {
+            return Err(BadRequest(format!(
+                "headers: {other:?} and {name:?} are one header (names ignore case, and CGI and WSGI servers read '_' \
+                 as '-'); state it once"
+            )));
+        }
+        headers.insert(canonical, (name, value));
+    }
+    Ok(headers.into_iter().map(|(canonical, (_, value))| (canonical, value)).collect())
 }
 
 impl CheckRequest {
@@ -185,6 +203,19 @@ mod tests {
         assert_eq!(r.client_ip, Some("203.0.113.7".parse().unwrap()));
         assert_eq!(r.headers.get("x-api-key").map(String::as_str), Some("k1"));
         assert_eq!(r.cost, Some(2));
+    }
+
+    #[test]
+    fn header_names_are_canonical_and_each_header_is_stated_once() {
+        let r = CheckRequest::from_json(br#"{"path": "/", "headers": {"X_API_KEY": "k1", "Accept": "a"}}"#).unwrap();
+        assert_eq!(r.headers.get("x-api-key").map(String::as_str), Some("k1"), "what a WSGI app reads as the key");
+        assert_eq!(r.headers.get("accept").map(String::as_str), Some("a"));
+        for body in [
+            r#"{"path": "/", "headers": {"x-api-key": "k1", "x_api_key": "k2"}}"#,
+            r#"{"path": "/", "headers": {"X-API-Key": "k1", "x-api-key": "k2"}}"#,
+        ] {
+            assert!(err(body).starts_with("headers: ") && err(body).contains("are one header"), "{}", err(body));
+        }
     }
 
     #[test]

@@ -185,12 +185,13 @@ impl Decider {
         self.local.store().clone()
     }
 
-    /// The request headers a check should carry, lower-case names, repeated values joined; `None`
-    /// while no snapshot has said which (the first one is fetched here, once, within the endpoint
-    /// timeout).
+    /// The request headers a check should carry, under the names the snapshot gave (a value sent
+    /// as `X_API_KEY` goes as `x-api-key`); `None` while no snapshot has said which (the first one
+    /// is fetched here, once, within the endpoint timeout).
     ///
-    /// A used header sent more than once, or not UTF-8, is refused with 400 (no single value
-    /// says which bucket it belongs to); used headers over [`MAX_CHECK_HEADER_BYTES`] with 431.
+    /// A used header sent more than once (under one spelling or several), or not UTF-8, is
+    /// refused with 400 (no single value says which bucket it belongs to); used headers over
+    /// [`MAX_CHECK_HEADER_BYTES`] with 431.
     pub async fn check_headers(&self, headers: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, Refusal> {
         if matches!(**self.header_filter.load(), HeaderFilter::Unknown) {
             let _one = self.first_snapshot.lock().await;
@@ -223,7 +224,8 @@ impl Decider {
         let mut out = BTreeMap::new();
         let mut bytes = 0;
         for name in names {
-            if let Some(value) = headers.get(name.as_str()).and_then(|v| std::str::from_utf8(v.as_bytes()).ok()) {
+            // Under the name the snapshot gave, whichever spelling (`x_api_key`) the client used.
+            if let Some(value) = crate::request::headers::used_header_value(headers, name) {
                 bytes += name.len() + value.len();
                 out.insert(name.clone(), value.to_string());
             }

@@ -24,7 +24,7 @@ use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider};
 use super::metrics::SidecarMetrics;
 use super::verdict::{Decision, HeaderList, Refusal, error_chain};
-use crate::request::{forwarded, headers};
+use crate::request::{forwarded, headers, host};
 use crate::server::request::MAX_PATH_LEN;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
@@ -98,7 +98,10 @@ impl Proxy {
             return self.refuse(refusal);
         }
         let client_ip = forwarded::client_ip(request.headers(), peer.ip(), self.trusted_hops);
-        let host = request_host(&request);
+        let host = match host::request_host(request.headers(), request.uri().authority()) {
+            Ok(host) => host.map(str::to_string),
+            Err(problem) => return self.refuse(Refusal::new(StatusCode::BAD_REQUEST, problem.to_string())),
+        };
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
@@ -170,8 +173,9 @@ impl Proxy {
         response.map(Either::Left)
     }
 
-    /// Answers a request the limiter cannot decide as sent (400, 414, 431): the client's
-    /// fault, so it is never forwarded and never counts against the endpoint.
+    /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an
+    /// ambiguous Host, a rate-limited header sent twice or too large): the client's fault, so it
+    /// is never forwarded and never counts against the endpoint.
     fn refuse(&self, refusal: Refusal) -> Response<ProxyBody> {
         self.metrics.outcome("refused");
         let title = refusal.status.canonical_reason().unwrap_or("Bad Request");
@@ -206,15 +210,6 @@ impl Proxy {
         forwarded::set_forwarded(headers, peer.ip(), self.trusted_hops);
         Ok(())
     }
-}
-
-fn request_host(request: &Request<Incoming>) -> Option<String> {
-    request
-        .headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| request.uri().authority().map(|a| a.as_str().to_string()))
 }
 
 fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
