@@ -98,6 +98,8 @@ pub struct Metrics {
     /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
     /// [`Metrics::record_store_status`].
     pub memory_evictions: Family<NamespaceLabels, Counter>,
+    /// Keys each namespace holds in Redis, as last counted (`store::redis_usage`).
+    pub redis_keys: Family<NamespaceLabels, Gauge>,
     /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
     record_lock: parking_lot::Mutex<()>,
     /// (policy, rule) of the decision series in `decisions`, for [`Metrics::retain_rules`].
@@ -233,6 +235,12 @@ impl Metrics {
             "TokenReview API calls by result (authenticated, rejected, error)",
             token_reviews.clone(),
         );
+        let redis_keys = Family::<NamespaceLabels, Gauge>::default();
+        registry.register(
+            "redis_keys",
+            "Keys each namespace holds in Redis, as last counted (--redis-usage-interval); --redis-namespace-max-keys bounds it",
+            redis_keys.clone(),
+        );
         let memory_evictions = Family::<NamespaceLabels, Counter>::default();
         registry.register(
             "memory_evictions",
@@ -317,6 +325,7 @@ impl Metrics {
             redis_batched_decisions,
             token_reviews,
             memory_evictions,
+            redis_keys,
             record_lock: parking_lot::Mutex::new(()),
             rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,
@@ -345,6 +354,11 @@ impl Metrics {
         if let Some(batches) = status.batches {
             self.redis_batched_calls.inc_by(batches.calls.saturating_sub(self.redis_batched_calls.get()));
             self.redis_batched_decisions.inc_by(batches.decisions.saturating_sub(self.redis_batched_decisions.get()));
+        }
+        // Namespaces no longer counted lose their series.
+        self.redis_keys.clear();
+        for (namespace, &keys) in &status.redis_keys_by_namespace {
+            self.redis_keys.get_or_create(&NamespaceLabels { namespace: namespace.clone() }).set(keys as i64);
         }
         for (namespace, &total) in &status.evicted_keys_by_namespace {
             let counter = self.memory_evictions.get_or_create(&NamespaceLabels { namespace: namespace.clone() });

@@ -113,3 +113,34 @@ async fn concurrent_clients_never_over_admit_on_a_cluster() {
     }
     assert_eq!(total, 50);
 }
+
+/// Keys per namespace on a cluster: each namespace's slot, counted on its master (issue 23,
+/// item 6), with namespaces on different masters.
+#[tokio::test]
+async fn keys_are_counted_per_namespace_on_their_masters() {
+    let cluster = RedisCluster::shared();
+    let mut config = RedisConfig::cluster(cluster.urls());
+    config.timeout = Duration::from_secs(5);
+    config.usage_interval = Some(Duration::from_millis(50));
+    let store = RedisStore::connect(config).await.expect("cluster store");
+    let hourly = Limit::new(Algorithm::FixedWindow, 10, 3600 * SEC, None, None).unwrap();
+    let namespaces = ["count-a", "count-b", "count-c", "count-d"];
+    let masters: HashSet<u16> =
+        namespaces.iter().map(|ns| owner_port(cluster, cluster_slot(format!("{{{ns}}}").as_bytes()))).collect();
+    assert!(masters.len() > 1, "the namespaces should span masters");
+    for (n, ns) in namespaces.iter().enumerate() {
+        for i in 0..=n {
+            let key = format!("k{i}");
+            store.check_tagged(ns, None, &[check(1, &hourly, key.as_bytes(), true)]).await.expect("decided");
+        }
+    }
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let counted = sluice::store::Store::status(&store).redis_keys_by_namespace;
+        if namespaces.iter().enumerate().all(|(n, ns)| counted.get(*ns) == Some(&(n as u64 + 1))) {
+            break;
+        }
+        assert!(std::time::Instant::now() < give_up, "{counted:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

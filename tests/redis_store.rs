@@ -922,3 +922,59 @@ async fn long_sliding_logs_decide_like_rust_and_old_sets_upgrade() {
         assert_eq!(got.decisions[0], expected, "old set, cost {cost}");
     }
 }
+
+/// Issue 23, item 6: keys per namespace are counted, and a namespace at its bound is decided by
+/// its failure mode (it adds no more keys to Redis) while the others go on.
+#[tokio::test]
+async fn a_namespace_at_its_key_bound_stops_adding_keys_and_the_others_go_on() {
+    let server = RedisServer::start();
+    let mut config = RedisConfig::single(server.url());
+    config.timeout = Duration::from_secs(5);
+    config.denial_cache = 0;
+    config.namespace_max_keys = 50;
+    config.usage_interval = Some(Duration::from_millis(50));
+    let store = RedisStore::connect(config).await.expect("store");
+    let hourly = limit(Algorithm::FixedWindow, 10, 3600 * SEC, None, None);
+    for i in 0..60 {
+        let key = format!("user-{i}");
+        store
+            .check_tagged("flood", None, &[check(1, &hourly, key.as_bytes(), 1, true)])
+            .await
+            .expect("under the bound");
+    }
+    store.check_tagged("quiet", None, &[check(1, &hourly, b"one", 1, true)]).await.expect("quiet");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while store.status().redis_keys_by_namespace.get("flood").copied().unwrap_or(0) < 60 {
+        assert!(Instant::now() < give_up, "never counted: {:?}", store.status().redis_keys_by_namespace);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(store.status().redis_keys_by_namespace.get("quiet"), Some(&1));
+    let refused = store.check_tagged("flood", None, &[check(1, &hourly, b"one-more", 1, true)]).await;
+    assert!(matches!(&refused, Err(StoreError::OverBound(m)) if m.contains("60 keys")), "{refused:?}");
+    let mut con = raw(&server).await;
+    let keys: Vec<Vec<u8>> = con.keys("sl1:{flood}:*").await.unwrap();
+    assert_eq!(keys.len(), 60, "the refused decision added no key");
+    assert!(store.check_tagged("quiet", None, &[check(1, &hourly, b"two", 1, true)]).await.is_ok());
+}
+
+/// Issue 23, item 6: Redis settings that let one tenant's keys hurt the others are named at
+/// start-up.
+#[tokio::test]
+async fn memory_settings_that_reset_limits_are_named() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let mut con = raw(&server).await;
+    let _: () =
+        redis::cmd("CONFIG").arg("SET").arg("maxmemory-policy").arg("allkeys-lru").query_async(&mut con).await.unwrap();
+    let concerns = store.memory_settings(Duration::from_secs(5)).await;
+    assert!(concerns.iter().any(|c| c.contains("allkeys-lru") && c.contains("volatile-ttl")), "{concerns:?}");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-ttl")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("64mb").query_async(&mut con).await.unwrap();
+    assert_eq!(store.memory_settings(Duration::from_secs(5)).await, Vec::<String>::new());
+}

@@ -61,6 +61,14 @@ pub struct StoreArgs {
     /// onStoreFailure decides: one tenant's load queues behind itself, not in front of others.
     #[arg(long, env = "SLUICE_REDIS_NAMESPACE_LANE", default_value_t = crate::store::tenants::Tenants::DEFAULT_LANE, value_parser = clap::value_parser!(u32).range(1..))]
     pub redis_namespace_lane: u32,
+    /// How often each replica counts the keys each namespace holds in Redis (SCAN on a single
+    /// Redis, one CLUSTER COUNTKEYSINSLOT per namespace on a cluster); 0s: never.
+    #[arg(long, env = "SLUICE_REDIS_USAGE_INTERVAL", default_value = "60s", value_parser = crate::duration::parse_std_duration)]
+    pub redis_usage_interval: Duration,
+    /// Keys a namespace may hold in Redis (as last counted); at or over it, its rules'
+    /// onStoreFailure decides for it until the count falls below. 0: no bound.
+    #[arg(long, env = "SLUICE_REDIS_NAMESPACE_MAX_KEYS", default_value_t = 0)]
+    pub redis_namespace_max_keys: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +118,8 @@ impl StoreArgs {
         config.denial_cache = self.redis_denial_cache;
         config.batches = self.redis_batches;
         config.namespace_lane = self.redis_namespace_lane;
+        config.usage_interval = Some(self.redis_usage_interval).filter(|every| !every.is_zero());
+        config.namespace_max_keys = self.redis_namespace_max_keys;
         config.breaker = BreakerConfig {
             failure_threshold: self.redis_breaker_failures.max(1),
             cool_down: self.redis_breaker_cooldown,
@@ -125,6 +135,10 @@ impl StoreArgs {
                 %reason,
                 "Redis does not answer yet: each rule's onStoreFailure decides until it does"
             );
+        } else {
+            for concern in redis.memory_settings(Duration::from_secs(2)).await {
+                tracing::warn!(endpoint = %redis.endpoint(), "{concern}");
+            }
         }
         Ok(BuiltBackend { backend: Backend::Redis(Box::new(redis)), memory })
     }

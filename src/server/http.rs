@@ -621,6 +621,7 @@ fn store_status_for(caller: &Caller, mut status: crate::store::StoreStatus) -> c
         status.evicted_keys_by_namespace.retain(|namespace, _| own(namespace));
         status.evicted_keys = status.evicted_keys_by_namespace.values().sum();
         status.breakers_by_namespace.retain(|namespace, _| own(namespace));
+        status.redis_keys_by_namespace.retain(|namespace, _| own(namespace));
         if status.breaker.is_some() {
             status.breaker = Some(crate::store::tenants::overall_breaker(&status.breakers_by_namespace));
         }

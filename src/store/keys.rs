@@ -49,6 +49,20 @@ pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The hash tag the keys of `tag` (a request's namespace) carry, as [`state_key`] writes it.
+pub fn hash_tag(tag: &str) -> String {
+    let mut out = Vec::with_capacity(tag.len());
+    push_tag(&mut out, tag);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The hash tag of a key Sluice wrote (`sl1:{<tag>}:…`), or `None` for any other key.
+pub fn tag_of_key(key: &[u8]) -> Option<&str> {
+    let rest = key.strip_prefix(PREFIX.as_bytes())?.strip_prefix(b"{")?;
+    let end = rest.iter().position(|&b| b == b'}')?;
+    std::str::from_utf8(&rest[..end]).ok()
+}
+
 /// The hash tag must be non-empty and free of braces, or Redis would hash a different part of
 /// the key (an empty `{}` tag hashes the whole key, splitting a request's rules across slots).
 /// Kubernetes namespace names never contain braces; anything else is replaced by a digest.

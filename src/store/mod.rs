@@ -11,6 +11,7 @@ pub mod memory;
 pub mod redis;
 mod redis_batches;
 pub mod redis_library;
+pub mod redis_usage;
 pub mod tenants;
 
 use std::future::Future;
@@ -57,6 +58,9 @@ pub enum StoreError {
     /// load, not the store's failure ([`tenants`]).
     #[error("store busy for this namespace: {0}")]
     Busy(String),
+    /// The request's namespace holds more of the shared store than it may ([`redis_usage`]).
+    #[error("namespace over its share of the store: {0}")]
+    OverBound(String),
 }
 
 impl StoreError {
@@ -67,6 +71,7 @@ impl StoreError {
             StoreError::Unavailable(_) => "unavailable",
             StoreError::Protocol(_) => "protocol",
             StoreError::Busy(_) => "busy",
+            StoreError::OverBound(_) => "over_bound",
         }
     }
 }
@@ -136,6 +141,10 @@ pub struct StoreStatus {
     /// Units of the memory cap (`--max-keys`) they hold: one per counter key, more for a sliding
     /// log of many entries (64 bytes a unit).
     pub live_units: u64,
+    /// Keys each namespace holds in Redis, as last counted ([`redis_usage`]); empty when not
+    /// counted.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub redis_keys_by_namespace: std::collections::BTreeMap<String, u64>,
     /// Live keys evicted by the key cap since start.
     pub evicted_keys: u64,
     /// `evicted_keys` by the namespace that owned the keys (`""`: checks without a namespace);

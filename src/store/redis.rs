@@ -34,6 +34,7 @@ pub use super::redis_library::{
     ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
+use super::redis_usage::{Usage, count_cluster, count_single};
 use super::tenants::{Tenants, overall_breaker};
 use super::{RuleCheck, Store, StoreError, Verdict};
 use crate::algorithm::{Algorithm, Decision, Micros};
@@ -103,6 +104,11 @@ pub struct RedisConfig {
     /// Rule decisions of one namespace's requests on their way to Redis at once (see
     /// [`super::tenants`]).
     pub namespace_lane: u32,
+    /// How often keys are counted per namespace ([`super::redis_usage`]); `None`: never.
+    pub usage_interval: Option<Duration>,
+    /// Keys a namespace may hold in Redis before its rules' onStoreFailure decides for it; 0: no
+    /// bound (counted all the same).
+    pub namespace_max_keys: u64,
 }
 
 impl RedisConfig {
@@ -110,6 +116,7 @@ impl RedisConfig {
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
     pub const DEFAULT_DENIAL_CACHE: usize = 100_000;
     pub const DEFAULT_BATCHES: usize = 2;
+    pub const DEFAULT_USAGE_INTERVAL: Duration = Duration::from_secs(60);
 
     pub fn single(url: impl Into<String>) -> RedisConfig {
         RedisConfig::new(RedisEndpoint::Single(url.into()))
@@ -129,16 +136,19 @@ impl RedisConfig {
             denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
             batches: RedisConfig::DEFAULT_BATCHES,
             namespace_lane: Tenants::DEFAULT_LANE,
+            usage_interval: Some(RedisConfig::DEFAULT_USAGE_INTERVAL),
+            namespace_max_keys: 0,
         }
     }
 }
 
+#[derive(Clone)]
 enum Connection {
     /// Multiplexed: concurrent decisions are pipelined over one socket; reconnects by itself.
     Single(ConnectionManager),
     /// Connected on first use (and again after a failed first use), so the process starts while
     /// the cluster is down; afterwards the cluster connection re-routes and reconnects by itself.
-    Cluster(Box<ClusterState>),
+    Cluster(Arc<ClusterState>),
 }
 
 struct ClusterState {
@@ -154,7 +164,11 @@ pub struct RedisStore {
     batches: Option<Arc<Batches>>,
     denials: DenialCache,
     /// Each namespace's breaker and lane.
-    tenants: Tenants,
+    tenants: Arc<Tenants>,
+    /// Keys per namespace in Redis, and their bound.
+    usage: Arc<Usage>,
+    /// Counts `usage` in the background; stopped with the store.
+    usage_task: Option<tokio::task::JoinHandle<()>>,
     /// The breakers' time (their cool-down).
     clock: Arc<dyn Clock>,
     timeout: Duration,
@@ -221,10 +235,12 @@ impl RedisStore {
                     builder = builder.certs(certificates());
                 }
                 let client = builder.build().map_err(invalid)?;
-                Connection::Cluster(Box::new(ClusterState { client, connection: Default::default() }))
+                Connection::Cluster(Arc::new(ClusterState { client, connection: Default::default() }))
             }
         };
         let functions = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let tenants = Arc::new(Tenants::new(config.breaker, config.namespace_lane));
+        let usage = Arc::new(Usage::new(config.namespace_max_keys));
         let batches = match &connection {
             Connection::Single(manager) if config.batches > 0 => Some(Arc::new(redis_batches::batches(
                 manager.clone(),
@@ -234,12 +250,17 @@ impl RedisStore {
             ))),
             _ => None,
         };
+        let usage_task = config
+            .usage_interval
+            .map(|every| tokio::spawn(count_usage(connection.clone(), tenants.clone(), usage.clone(), every)));
         Ok(RedisStore {
             connection,
             functions,
             batches,
             denials: DenialCache::new(config.denial_cache),
-            tenants: Tenants::new(config.breaker, config.namespace_lane),
+            usage_task,
+            tenants,
+            usage,
             clock,
             timeout: config.timeout,
             endpoint,
@@ -275,6 +296,14 @@ impl RedisStore {
         let sent_at = now.unwrap_or_else(|| self.clock.now());
         if let Some(verdict) = self.denials.answer(&keys, checks, sent_at) {
             return Ok(verdict);
+        }
+        if self.usage.max_keys() > 0
+            && let Some(held) = self.usage.over_bound(&keys::hash_tag(tag))
+        {
+            return Err(StoreError::OverBound(format!(
+                "the namespace holds {held} keys in Redis, at or over --redis-namespace-max-keys {}",
+                self.usage.max_keys()
+            )));
         }
         let tenant = self.tenants.of(tag, self.clock.now());
         let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
@@ -361,6 +390,28 @@ impl RedisStore {
         }
     }
 
+    /// What is wrong with Redis's memory settings for rate limiting, read at start-up (`CONFIG
+    /// GET`; on a cluster, of the node that answers): each concern a sentence for the log.
+    pub async fn memory_settings(&self, within: Duration) -> Vec<String> {
+        let mut get = ::redis::cmd("CONFIG");
+        get.arg("GET").arg("maxmemory*");
+        let reply = match tokio::time::timeout(within, self.query(&get)).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(error)) => {
+                return vec![format!(
+                    "cannot read Redis's memory settings ({error}): check that maxmemory-policy is volatile-ttl or noeviction (docs/security.md, \"Redis memory\")"
+                )];
+            }
+            Err(_) => return Vec::new(),
+        };
+        let settings: std::collections::HashMap<String, String> = ::redis::from_redis_value(reply).unwrap_or_default();
+        memory_concerns(
+            settings.get("maxmemory").map(String::as_str).unwrap_or("0"),
+            settings.get("maxmemory-policy").map(String::as_str).unwrap_or("noeviction"),
+            self.usage.max_keys(),
+        )
+    }
+
     /// One decision call: FCALL, loading the library when Redis lacks it; EVALSHA on a Redis
     /// without Functions.
     async fn decide(&self, keys: &[Vec<u8>], args: &[String]) -> Result<Value, RedisError> {
@@ -408,6 +459,38 @@ impl RedisStore {
     }
 }
 
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        if let Some(task) = &self.usage_task {
+            task.abort();
+        }
+    }
+}
+
+/// Counts keys per namespace into `usage` now and every `every` ([`super::redis_usage`]).
+async fn count_usage(connection: Connection, tenants: Arc<Tenants>, usage: Arc<Usage>, every: Duration) {
+    loop {
+        let counted = match &connection {
+            Connection::Single(manager) => count_single(manager).await,
+            Connection::Cluster(cluster) => {
+                match cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await {
+                    Ok(connection) => {
+                        let tags: Vec<String> = tenants.namespaces().iter().map(|n| keys::hash_tag(n)).collect();
+                        count_cluster(connection, &tags).await
+                    }
+                    Err(error) => Err(error),
+                }
+            }
+        };
+        match counted {
+            Ok(counts) => usage.replace(counts),
+            // Redis down or the command refused (an ACL without SCAN): the decisions say more.
+            Err(error) => tracing::debug!(%error, "cannot count keys per namespace"),
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 impl Store for RedisStore {
     fn check(
         &self,
@@ -434,6 +517,7 @@ impl Store for RedisStore {
             endpoint: Some(self.endpoint().to_string()),
             breaker: Some(overall_breaker(&breakers_by_namespace)),
             breakers_by_namespace,
+            redis_keys_by_namespace: self.usage.keys_by_tag(),
             timeout_ms: Some(self.timeout.as_millis() as u64),
             denial_cache: Some(super::DenialCacheStatus {
                 entries: self.denials.len() as u64,
@@ -446,6 +530,32 @@ impl Store for RedisStore {
             ..Default::default()
         }
     }
+}
+
+/// The concerns [`RedisStore::memory_settings`] reports for these settings: an eviction policy
+/// that picks counters without regard to their state resets spent limits; a bounded Redis that
+/// refuses writes when full fails every tenant's decisions unless namespaces are bounded; an
+/// unbounded one grows with the keys.
+pub fn memory_concerns(maxmemory: &str, policy: &str, namespace_max_keys: u64) -> Vec<String> {
+    let mut concerns = Vec::new();
+    let bounded = maxmemory.trim() != "0";
+    match policy {
+        "volatile-ttl" => {}
+        "noeviction" if bounded && namespace_max_keys == 0 => concerns.push(
+            "Redis has maxmemory and noeviction: once full, every decision of every namespace fails (OOM) and rules fall to onStoreFailure; bound each namespace with --redis-namespace-max-keys".to_string(),
+        ),
+        "noeviction" => {}
+        other => concerns.push(format!(
+            "Redis evicts with maxmemory-policy {other}: under memory pressure it drops counters whatever their state, and a spent limit whose key is dropped starts over; use volatile-ttl (every Sluice key's TTL is the time until its state is a full quota, so the least used go first) or noeviction"
+        )),
+    }
+    if !bounded && namespace_max_keys == 0 {
+        concerns.push(
+            "Redis has no maxmemory and --redis-namespace-max-keys is 0: nothing bounds the keys a namespace can add"
+                .to_string(),
+        );
+    }
+    concerns
 }
 
 /// The script's algorithm codes (lua/check.lua).
@@ -700,6 +810,21 @@ mod tests {
                 .ends_with(&format!("redis.register_function('{}_many', decide_many)", &*FUNCTION_NAME))
         );
         assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
+    }
+
+    #[test]
+    fn memory_settings_that_hurt_other_tenants_are_named() {
+        assert!(memory_concerns("67108864", "volatile-ttl", 0).is_empty());
+        assert!(memory_concerns("67108864", "noeviction", 1000).is_empty());
+        for policy in
+            ["allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "volatile-lfu", "volatile-random"]
+        {
+            let concerns = memory_concerns("67108864", policy, 1000);
+            assert!(concerns.len() == 1 && concerns[0].contains(policy), "{policy}: {concerns:?}");
+        }
+        assert!(memory_concerns("67108864", "noeviction", 0)[0].contains("--redis-namespace-max-keys"));
+        assert!(memory_concerns("0", "noeviction", 0)[0].contains("no maxmemory"));
+        assert!(memory_concerns("0", "noeviction", 10).is_empty(), "namespaces bounded");
     }
 
     #[test]

@@ -92,6 +92,11 @@ impl Tenants {
         tenant
     }
 
+    /// The namespaces this store has decided for (and still keeps an entry for).
+    pub fn namespaces(&self) -> Vec<String> {
+        self.by_namespace.lock().keys().map(|namespace| namespace.to_string()).collect()
+    }
+
     /// The namespaces whose breaker is not closed, and its state.
     pub fn open_breakers(&self, now: Micros) -> BTreeMap<String, &'static str> {
         self.by_namespace
