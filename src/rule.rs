@@ -11,6 +11,21 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 /// so editing a limit keeps its counters.
 pub type RuleId = u64;
 
+/// Keys up to this many bytes are kept as they are; a longer one is replaced by
+/// [`long_key_digest`] as soon as it is built, so a request's keys hold at most this many bytes
+/// each however long the header values they came from (and a huge value makes no huge Redis key).
+pub const MAX_INLINE_KEY: usize = 128;
+
+/// The stand-in of a key longer than [`MAX_INLINE_KEY`]: its SHA-256 in lowercase hex.
+pub fn long_key_digest(key: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write;
+    Sha256::digest(key).iter().fold(String::with_capacity(64), |mut out, b| {
+        let _ = write!(out, "{b:02x}");
+        out
+    })
+}
+
 /// One rule's part in a request.
 #[derive(Clone, Copy, Debug)]
 pub struct RuleCheck<'a> {

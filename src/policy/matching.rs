@@ -419,6 +419,11 @@ pub(super) fn build_key(
             KeySource::Literal(text) => push_part(&mut key, text),
         }
     }
+    // What a store would make of it anyway (store::keys), done now: the request holds 64 bytes
+    // per rule while it waits for the store, not every key part's value again.
+    if key.len() > crate::rule::MAX_INLINE_KEY {
+        key = crate::rule::long_key_digest(key.as_bytes());
+    }
     Ok(key)
 }
 

@@ -832,3 +832,33 @@ fn descriptor_rules_are_validated() {
         assert!(got.contains(&want), "missing {want} in {got:?}");
     }
 }
+
+/// Issue 23, item 3: a key built from long values is held as its 64-byte digest (what the Redis
+/// key carried already), so a check of 64 rules x 8 key parts of an 8 KiB header holds 64 x 64
+/// bytes of keys while it waits for the store, not 64 x 64 KiB. Equal values, equal keys.
+#[test]
+fn long_keys_are_held_as_their_digest() {
+    let parts: String = (0..8).map(|_| "{header: X-Big}, ").collect();
+    let p = with_rules(
+        "ns",
+        "p",
+        &format!(
+            "  - name: r\n    key: [{}]\n    algorithm: gcra\n    limit: {{requests: 5, per: 1s}}\n",
+            parts.trim_end_matches(", ")
+        ),
+    );
+    let s = compile(vec![p]).snapshot;
+    let key_of = |value: &str| {
+        let r = Req::new(&[], &[("x-big", value)]);
+        let mut out = Vec::new();
+        s.resolve(&r.view("ns", "GET", "/"), &mut out);
+        out[0].key.clone()
+    };
+    let big = "v".repeat(8192);
+    let key = key_of(&big);
+    assert_eq!(key.len(), 64, "{}", &key[..key.len().min(80)]);
+    assert_eq!(key, crate::rule::long_key_digest(encode_key(vec![big.as_str(); 8]).as_bytes()));
+    assert_eq!(key, key_of(&big), "the same values, the same key");
+    assert_ne!(key, key_of(&"w".repeat(8192)));
+    assert_eq!(key_of("short"), encode_key(["short"; 8]), "short keys stay as they are");
+}

@@ -27,8 +27,7 @@ use super::RuleId;
 
 /// Version prefix of every key Sluice writes.
 pub const PREFIX: &str = "sl1:";
-/// Keys up to this many bytes are kept verbatim; longer ones are hashed.
-pub const MAX_INLINE_KEY: usize = 128;
+pub use crate::rule::MAX_INLINE_KEY;
 /// The tag used when a request names no namespace.
 pub const DEFAULT_TAG: &str = crate::rule::DEFAULT_NAMESPACE;
 
@@ -42,7 +41,7 @@ pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {
     out.extend_from_slice(format!("{rule:016x}").as_bytes());
     out.push(b':');
     if key.len() > MAX_INLINE_KEY {
-        out.extend_from_slice(hex(&Sha256::digest(key)).as_bytes());
+        out.extend_from_slice(crate::rule::long_key_digest(key).as_bytes());
     } else {
         out.extend_from_slice(key);
     }
