@@ -44,7 +44,7 @@ const STORE_CAP: usize = 2 * LIVE_KEYS;
 const COLD_TICK_SHIFT: u32 = 6;
 
 fn one<'a>(rule: u64, limit: &'a Limit, key: &'a [u8]) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce: true }
+    RuleCheck { rule, limit, key, cost: 1, enforce: true, hold: 0 }
 }
 
 /// Runs `n` decisions outside the timer and reports how many were admitted, so a table reader

@@ -83,7 +83,7 @@ fn rss() -> isize {
 }
 
 fn one<'a>(rule: u64, limit: &'a Limit, key: &'a [u8]) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce: true }
+    RuleCheck { rule, limit, key, cost: 1, enforce: true, hold: 0 }
 }
 
 /// Builds a structure with `fill`, returns it with (allocated bytes, RSS bytes) it added.

@@ -82,7 +82,7 @@ async fn main() {
                     cost: 1,
                     descriptor: None,
                 };
-                std::hint::black_box(engine.check(&view).await);
+                std::hint::black_box(engine.check(&view, sluice::server::engine::Holds::Leased).await);
             }
             // The first pass creates the keys; the second is the steady state.
             if pass == 1 {

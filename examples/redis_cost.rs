@@ -174,7 +174,8 @@ async fn main() {
                     let (store, hot) = (store.clone(), hot.clone());
                     tokio::spawn(async move {
                         for _ in 0..decisions / concurrency {
-                            let checks = [RuleCheck { rule: 77, limit: &hot, key: b"hot", cost: 1, enforce: true }];
+                            let checks =
+                                [RuleCheck { rule: 77, limit: &hot, key: b"hot", cost: 1, enforce: true, hold: 0 }];
                             let _ = store.check_tagged("bench", None, &checks).await.expect("decided");
                         }
                     })
@@ -218,7 +219,14 @@ async fn main() {
                             for i in 0..decisions / concurrency {
                                 let key = format!("k{}", (t * 7919 + i * 104_729) % KEYS).into_bytes();
                                 let checks: Vec<RuleCheck<'_>> = (0..rules as u64)
-                                    .map(|rule| RuleCheck { rule, limit: &limit, key: &key, cost: 1, enforce: true })
+                                    .map(|rule| RuleCheck {
+                                        rule,
+                                        limit: &limit,
+                                        key: &key,
+                                        cost: 1,
+                                        enforce: true,
+                                        hold: 0,
+                                    })
                                     .collect();
                                 let verdict = store.check_tagged("bench", None, &checks).await.expect("decided");
                                 assert!(verdict.allowed, "{algorithm:?} denied: the limit must admit the run");

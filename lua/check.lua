@@ -8,11 +8,13 @@
 --          cluster slot.
 -- ARGV[1]  now in µs since the Unix epoch, or "" to use the server's clock (redis.call('TIME')).
 --          Production always passes ""; tests pass a time.
--- ARGV[2i], ARGV[2i + 1]  for rule i: its parameters as one text
+-- ARGV[2]  the request's hold id (decimal), for the rules whose admission holds capacity until
+--          released (concurrency: see lua/concurrency.lua and `release` below), or "".
+-- ARGV[2i + 1], ARGV[2i + 2]  for rule i: its parameters as one text
 --          "algorithm:requests:per_us:burst:interval_us:max_delay_us:enforce" (algorithm 1
 --          tokenBucket, 2 gcra, 3 leakyBucket, 4 fixedWindow, 5 slidingWindowLog,
---          6 slidingWindowCounter; interval = per/requests rounded up; max_delay -1 when not
---          shaping; enforce 1, or 0 for shadow), then the request's cost for it, decimal.
+--          6 slidingWindowCounter, 7 concurrency; interval = per/requests rounded up; max_delay -1
+--          when not shaping; enforce 1, or 0 for shadow), then the request's cost for it, decimal.
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
 --          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
@@ -31,6 +33,7 @@ local modules = {
   sluice.fixed_window,
   sluice.sliding_window_log,
   sluice.sliding_window_counter,
+  sluice.concurrency,
 }
 
 -- Parsed rule parameters by their text. A rule's parameters change only with its policy, so a
@@ -74,9 +77,10 @@ local function rule_params(text)
 end
 
 -- Decides one request's n rules: rule i's key is KEYS[k0 + i], its parameters ARGV[a0 + 2i] and
--- its cost ARGV[a0 + 2i + 1]. Appends its reply (allowed, then five integers per rule) to `out`.
--- Returns an error text instead when an argument is malformed (nothing written then).
-local function decide_request(KEYS, ARGV, k0, a0, n, now, out)
+-- its cost ARGV[a0 + 2i + 1]; `hold` is the request's hold id ('' for none). Appends its reply
+-- (allowed, then five integers per rule) to `out`. Returns an error text instead when an
+-- argument is malformed (nothing written then).
+local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   local base = #out
   if n == 1 then
     -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
@@ -88,7 +92,7 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, out)
     local state, ktype = l.module.read(key)
     local ok, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, cost)
     if ok then
-      l.module.consume(key, ktype, state, l, now, cost)
+      l.module.consume(key, ktype, state, l, now, cost, hold)
     end
     out[base + 1], out[base + 2], out[base + 3], out[base + 4], out[base + 5], out[base + 6] =
       (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay
@@ -148,7 +152,7 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, out)
         -- store does.
         state, ktype = l.module.read(key)
       end
-      l.module.consume(key, ktype, state, l, now, costs[i])
+      l.module.consume(key, ktype, state, l, now, costs[i], hold)
       written = written or {}
       written[key] = true
     end
@@ -169,17 +173,29 @@ local function instant(text, clock)
   return int(text)
 end
 
+-- A hold id: '' (none) or decimal digits; nil for anything else.
+local function hold_id(text)
+  if text == '' or (type(text) == 'string' and string.match(text, '^%d+$')) then
+    return text
+  end
+  return nil
+end
+
 local function decide(KEYS, ARGV)
   local n = #KEYS
-  if #ARGV ~= 1 + 2 * n then
-    return redis.error_reply('sluice: expected ' .. (1 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
+  if #ARGV ~= 2 + 2 * n then
+    return redis.error_reply('sluice: expected ' .. (2 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
   end
   local now = instant(ARGV[1], {})
   if now == nil then
     return redis.error_reply('sluice: now must be a non-negative integer')
   end
+  local hold = hold_id(ARGV[2])
+  if hold == nil then
+    return redis.error_reply('sluice: the hold id must be empty or decimal digits')
+  end
   local out = {}
-  local err = decide_request(KEYS, ARGV, 0, 0, n, now, out)
+  local err = decide_request(KEYS, ARGV, 0, 1, n, now, hold, out)
   if err ~= nil then
     return redis.error_reply(err)
   end
@@ -190,8 +206,8 @@ end
 -- in a row (each all-or-nothing on its own; a later request sees an earlier one's writes).
 --
 -- ARGV[1]  the number of requests m; then per request: its now ("" for the server's clock, read
---          once for the whole call), its number of rules n, then its 2n parameter and cost
---          arguments as for `decide`. KEYS: every request's keys, in order.
+--          once for the whole call), its hold id ("" for none), its number of rules n, then its
+--          2n parameter and cost arguments as for `decide`. KEYS: every request's keys, in order.
 -- Returns the m replies of `decide` concatenated (1 + 5n integers each).
 -- Every argument is checked before anything is decided, so a malformed call writes nothing.
 local function decide_many(KEYS, ARGV)
@@ -201,19 +217,22 @@ local function decide_many(KEYS, ARGV)
   end
   local a, k = 2, 0
   for j = 1, m do
-    local n = int(ARGV[a + 1])
+    local n = int(ARGV[a + 2])
     if n == nil or n < 1 then
       return redis.error_reply('sluice: request ' .. j .. ' has no rule count')
     end
     for i = 1, n do
-      if rule_params(ARGV[a + 2 * i]) == nil or int(ARGV[a + 2 * i + 1]) == nil then
+      if rule_params(ARGV[a + 1 + 2 * i]) == nil or int(ARGV[a + 2 + 2 * i]) == nil then
         return redis.error_reply('sluice: bad arguments for rule ' .. i .. ' of request ' .. j)
       end
     end
     if ARGV[a] ~= '' and int(ARGV[a]) == nil then
       return redis.error_reply('sluice: now of request ' .. j .. ' must be a non-negative integer')
     end
-    a, k = a + 2 + 2 * n, k + n
+    if hold_id(ARGV[a + 1]) == nil then
+      return redis.error_reply('sluice: the hold id of request ' .. j .. ' must be empty or decimal digits')
+    end
+    a, k = a + 3 + 2 * n, k + n
   end
   if a - 1 ~= #ARGV or k ~= #KEYS then
     return redis.error_reply('sluice: ' .. m .. ' requests need ' .. k .. ' keys and ' .. (a - 1) .. ' arguments, got ' .. #KEYS .. ' and ' .. #ARGV)
@@ -221,9 +240,32 @@ local function decide_many(KEYS, ARGV)
   local out, clock = {}, {}
   a, k = 2, 0
   for _ = 1, m do
-    local n = int(ARGV[a + 1])
-    decide_request(KEYS, ARGV, k, a, n, instant(ARGV[a], clock), out)
-    a, k = a + 2 + 2 * n, k + n
+    local n = int(ARGV[a + 2])
+    decide_request(KEYS, ARGV, k, a + 1, n, instant(ARGV[a], clock), ARGV[a + 1], out)
+    a, k = a + 3 + 2 * n, k + n
   end
   return out
+end
+
+-- Settles a request's holds: gives back hold ARGV[2]'s slot in each of KEYS (the keys of the
+-- request's concurrency rules), and drops the leases there that ran out by ARGV[1] ("" for the
+-- server's clock). Idempotent: a hold already gone is left alone, and no count goes below zero
+-- (a slot is a member; removing an absent one removes nothing). A key of another shape is left
+-- alone. Returns the number of slots given back.
+local function release(KEYS, ARGV)
+  local now = instant(ARGV[1], {})
+  local hold = hold_id(ARGV[2])
+  if now == nil or hold == nil or hold == '' or #ARGV ~= 2 then
+    return redis.error_reply('sluice: release takes now ("" or µs) and a hold id (decimal digits)')
+  end
+  local freed = 0
+  for _, key in ipairs(KEYS) do
+    local removed = redis.pcall('ZREM', key, hold)
+    if type(removed) == 'number' and removed > 0 then
+      -- Only in a set that held this request's slot: a concurrency set, whatever the rule is now.
+      freed = freed + removed
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now))
+    end
+  end
+  return freed
 end

@@ -36,6 +36,9 @@ pub struct RuleCheck<'a> {
     pub cost: u64,
     /// Shadow rules (`false`) are decided and counted but never deny the request.
     pub enforce: bool,
+    /// The request's hold id, for the rules whose admission holds capacity until released
+    /// (`Algorithm::holds`); 0 otherwise.
+    pub hold: crate::algorithm::HoldId,
 }
 
 /// A hasher for keys that already are uniform hashes (rule ids, the memory store's slot keys):

@@ -48,6 +48,12 @@ pub struct CodeLabels {
     pub code: &'static str,
 }
 
+/// An entry point by name (`authz`, `rls`, `checks`, `sidecar`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiLabels {
+    pub api: &'static str,
+}
+
 /// A namespace that has policies (only those reach the store), or `""` for checks without one.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NamespaceLabels {
@@ -100,6 +106,9 @@ pub struct Metrics {
     pub memory_evictions: Family<NamespaceLabels, Counter>,
     /// Keys each namespace holds in Redis, as last counted (`store::redis_usage`).
     pub redis_keys: Family<NamespaceLabels, Gauge>,
+    /// Rules that hold capacity (concurrency) matched where nothing can release it, so not
+    /// decided there, by entry point.
+    pub holding_rules_skipped: Family<ApiLabels, Counter>,
     /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
     record_lock: parking_lot::Mutex<()>,
     /// (policy, rule) of the decision series in `decisions`, for [`Metrics::retain_rules`].
@@ -241,6 +250,12 @@ impl Metrics {
             "Keys each namespace holds in Redis, as last counted (--redis-usage-interval); --redis-namespace-max-keys bounds it",
             redis_keys.clone(),
         );
+        let holding_rules_skipped = Family::<ApiLabels, Counter>::default();
+        registry.register(
+            "holding_rules_skipped",
+            "Concurrency rules matched by requests of an entry point that cannot release them (ext_authz, the rate limit service, /v1/checks, the sidecar), so not decided there",
+            holding_rules_skipped.clone(),
+        );
         let memory_evictions = Family::<NamespaceLabels, Counter>::default();
         registry.register(
             "memory_evictions",
@@ -326,6 +341,7 @@ impl Metrics {
             token_reviews,
             memory_evictions,
             redis_keys,
+            holding_rules_skipped,
             record_lock: parking_lot::Mutex::new(()),
             rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,

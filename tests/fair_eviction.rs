@@ -60,7 +60,12 @@ fn engine() -> (Engine<Backend>, Arc<MemoryStore>) {
 async fn check(engine: &Engine<Backend>, namespace: &str, api_key: &str) -> CheckResponse {
     let body = serde_json::json!({"namespace": namespace, "path": "/", "headers": {"x-api-key": api_key}});
     let request = CheckRequest::from_json(body.to_string().as_bytes()).expect("valid request");
-    engine.check(&request.view(&Caller::Open).expect("an open caller may name any namespace")).await
+    engine
+        .check(
+            &request.view(&Caller::Open).expect("an open caller may name any namespace"),
+            sluice::server::engine::Holds::Leased,
+        )
+        .await
 }
 
 /// Exhausts tenant-a's victim key, then floods tenant-b with distinct keys.

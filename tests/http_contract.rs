@@ -468,3 +468,77 @@ async fn a_snapshot_request_waits_for_a_change() {
         assert!(reply.json()["error"].as_str().unwrap().contains(want), "{query}: {}", reply.text());
     }
 }
+
+const EXPORTS: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: exports, namespace: tenant-acme}
+spec:
+  rules:
+    - name: exports-in-flight
+      match: {paths: [{prefix: /exports}]}
+      key: [{header: X-Tenant}]
+      algorithm: concurrency
+      limit: {requests: 2, per: 5m}
+"#;
+
+/// Issue 24, item 1: a concurrency rule through the check API. Two exports may be in progress
+/// per tenant; each admitted check returns a lease, `POST /v1/release` gives the slot back
+/// (idempotently: twice frees one slot, a forged lease frees none), and ext_authz, which has no
+/// release signal, does not decide the rule at all.
+#[tokio::test]
+async fn concurrency_rules_hold_a_slot_until_released() {
+    let api = Api::new(EXPORTS);
+    let export = json!({"namespace": "tenant-acme", "path": "/exports/1", "headers": {"X-Tenant": "t1"}});
+    let first = api.check(&export).await;
+    let second = api.check(&export).await;
+    assert_eq!((first["allowed"].clone(), second["allowed"].clone()), (json!(true), json!(true)));
+    let third = api.check(&export).await;
+    assert_eq!(third["allowed"], false, "{third}");
+    assert_eq!(third["lease"], Value::Null, "a denied request holds nothing");
+    assert_eq!(third["rules"][0]["remaining"], 0);
+    let other_tenant =
+        api.check(&json!({"namespace": "tenant-acme", "path": "/exports/1", "headers": {"X-Tenant": "t2"}})).await;
+    assert_eq!(other_tenant["allowed"], true, "slots are per key");
+
+    let lease = first["lease"].as_str().expect("an admitted request holds a lease").to_string();
+    let release = |lease: &str| serde_json::to_vec(&json!({ "lease": lease })).unwrap();
+    let released = api.post_body("/v1/release", release(&lease)).await;
+    assert_eq!(released.status, 200, "{}", released.text());
+    assert_eq!(released.json()["released"], true);
+    let again = api.post_body("/v1/release", release(&lease)).await;
+    assert_eq!(again.status, 200, "releasing twice is fine: {}", again.text());
+    assert_eq!(api.check(&export).await["allowed"], true, "one slot freed");
+    assert_eq!(api.check(&export).await["allowed"], false, "and only one: the second release freed nothing");
+
+    // The same rule and key under a hold id nobody was given frees nothing.
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut forged: Value = serde_json::from_slice(&token.decode(second["lease"].as_str().unwrap()).unwrap()).unwrap();
+    forged["h"] = json!("12345");
+    let forged = token.encode(serde_json::to_vec(&forged).unwrap());
+    assert_eq!(api.post_body("/v1/release", release(&forged)).await.status, 200);
+    assert_eq!(api.check(&export).await["allowed"], false, "a forged lease freed no slot");
+
+    for bad in [json!({"lease": "!!"}), json!({"lease": "e30"}), json!({"lease": 5}), json!({})] {
+        let reply = api.post_body("/v1/release", serde_json::to_vec(&bad).unwrap()).await;
+        assert_eq!(reply.status, 400, "{bad}: {}", reply.text());
+        assert!(reply.json()["error"].as_str().unwrap().contains("lease"), "{}", reply.text());
+    }
+
+    // ext_authz cannot release: the rule is not decided there (counted), so it never holds.
+    for _ in 0..3 {
+        let reply = api
+            .send(
+                Request::get("/v1/authz/exports/1")
+                    .header("x-sluice-namespace", "tenant-acme")
+                    .header("x-tenant", "t1")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let metrics = api.get("/metrics").await.text();
+    assert!(metrics.contains(r#"sluice_holding_rules_skipped_total{api="authz"} 3"#), "{metrics}");
+}

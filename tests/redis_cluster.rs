@@ -23,7 +23,7 @@ async fn store(cluster: &RedisCluster) -> RedisStore {
 }
 
 fn check<'a>(rule: u64, limit: &'a Limit, key: &'a [u8], enforce: bool) -> RuleCheck<'a> {
-    RuleCheck { rule, limit, key, cost: 1, enforce }
+    RuleCheck { rule, limit, key, cost: 1, enforce, hold: 0 }
 }
 
 /// The master port owning `slot`, read from CLUSTER NODES.

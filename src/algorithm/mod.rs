@@ -1,4 +1,5 @@
-//! The six rate-limit algorithms, as pure functions of (state, now, limit, cost).
+//! The six rate-limit algorithms and the concurrency limit, as pure functions of (state, now,
+//! limit, cost).
 //!
 //! Nothing here reads a clock, allocates shared state or talks to a store: a store keeps one
 //! [`State`] per (rule, key), calls [`check`] to decide without changing anything and, when every
@@ -10,6 +11,7 @@
 //! algorithms. GCRA and the leaky bucket keep a single timestamp and cannot tell a stepped-back
 //! clock from a busy key: they stay conservative (they may deny a little longer, never admit more).
 
+pub mod concurrency;
 mod fixed_window;
 mod gcra;
 mod sliding_counter;
@@ -28,11 +30,12 @@ pub const MAX_EXACT: u64 = (1 << 53) - 1;
 /// The largest `requests` or `burst` a rule may declare.
 pub const MAX_REQUESTS: u64 = u32::MAX as u64;
 /// The largest `requests` a slidingWindowLog rule may declare. The log keeps one entry per
-/// admitted request and every decision reads all live entries of its key: in Redis, whose one
-/// thread (and circuit breaker) every tenant shares, reading a full log of 1 000 entries took
-/// about 0.3 ms per decision and the key 110 KB; 10 000 entries, 4 ms and 1.4 MB (redis 7, a
-/// busy 2-core machine). slidingWindowCounter keeps two counters whatever the limit.
+/// admitted request: a full log of 1 000 entries takes about 110 KB of Redis memory and 250
+/// units of the memory store's cap; slidingWindowCounter keeps two counters whatever the limit.
 pub const MAX_LOG_REQUESTS: u64 = 1000;
+/// The largest `requests` (slots) a concurrency rule may declare: its key keeps one lease per
+/// request in progress.
+pub const MAX_CONCURRENT: u64 = 10_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -52,9 +55,13 @@ pub enum Algorithm {
     SlidingWindowLog,
     /// Weighted estimate of the trailing window from the previous and current fixed windows.
     SlidingWindowCounter,
+    /// At most `requests` requests in progress at once; `per` is the lease: a slot not released
+    /// within it is freed (a holder that crashed keeps it no longer).
+    Concurrency,
 }
 
 impl Algorithm {
+    /// The rate algorithms (every algorithm but [`Algorithm::Concurrency`]).
     pub const ALL: [Algorithm; 6] = [
         Algorithm::TokenBucket,
         Algorithm::Gcra,
@@ -62,6 +69,16 @@ impl Algorithm {
         Algorithm::FixedWindow,
         Algorithm::SlidingWindowLog,
         Algorithm::SlidingWindowCounter,
+    ];
+    /// Every algorithm a rule may name: the rate algorithms, then concurrency.
+    pub const EVERY: [Algorithm; 7] = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::Concurrency,
     ];
 
     /// The name used in policies and scripts.
@@ -73,7 +90,14 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixedWindow",
             Algorithm::SlidingWindowLog => "slidingWindowLog",
             Algorithm::SlidingWindowCounter => "slidingWindowCounter",
+            Algorithm::Concurrency => "concurrency",
         }
+    }
+
+    /// Whether a request's admission holds capacity until it is released (see
+    /// [`concurrency`]): only the stores and APIs that see a request end can enforce it.
+    pub fn holds(self) -> bool {
+        self == Algorithm::Concurrency
     }
 
     /// Whether `burst` means anything to this algorithm.
@@ -91,8 +115,8 @@ impl std::fmt::Display for Algorithm {
 impl std::str::FromStr for Algorithm {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Algorithm::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
-            format!("unknown algorithm {s:?}; expected one of {}", Algorithm::ALL.map(Algorithm::name).join(", "))
+        Algorithm::EVERY.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            format!("unknown algorithm {s:?}; expected one of {}", Algorithm::EVERY.map(Algorithm::name).join(", "))
         })
     }
 }
@@ -108,6 +132,8 @@ pub enum LimitError {
         "slidingWindowLog allows at most {MAX_LOG_REQUESTS} requests per window; use slidingWindowCounter for larger limits"
     )]
     LogTooLong,
+    #[error("concurrency allows at most {MAX_CONCURRENT} requests in progress per key")]
+    TooManyConcurrent,
     #[error("per must be at least 1ms")]
     PeriodTooShort,
     #[error("per must be a whole number of milliseconds, got {0}")]
@@ -177,6 +203,9 @@ impl Limit {
         if algorithm == Algorithm::SlidingWindowLog && requests > MAX_LOG_REQUESTS {
             return Err(LimitError::LogTooLong);
         }
+        if algorithm == Algorithm::Concurrency && requests > MAX_CONCURRENT {
+            return Err(LimitError::TooManyConcurrent);
+        }
         let burst = burst.unwrap_or(requests);
         if burst == 0 {
             return Err(LimitError::ZeroBurst);
@@ -245,6 +274,16 @@ pub struct LogEntry {
     pub cost: u64,
 }
 
+/// Whose capacity a hold is: the request's id, chosen by whoever admits it (0: none).
+pub type HoldId = u64;
+
+/// Capacity a request holds until it is released or `until` passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hold {
+    pub id: HoldId,
+    pub until: Micros,
+}
+
 /// Per-key state. A key without state is pristine (full bucket, empty window).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum State {
@@ -263,6 +302,8 @@ pub enum State {
     LogOne(LogEntry),
     /// Sliding window log: admitted requests still inside the window, oldest first.
     Log(Box<VecDeque<LogEntry>>),
+    /// Concurrency: the leases of the requests in progress.
+    Holds(Box<Vec<Hold>>),
 }
 
 /// Decides whether `cost` may pass now, without changing anything.
@@ -273,6 +314,7 @@ pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> De
         Algorithm::FixedWindow => fixed_window::check(limit, fixed_window::view(state), now, cost),
         Algorithm::SlidingWindowLog => sliding_log::check(limit, sliding_log::view(state), now, cost),
         Algorithm::SlidingWindowCounter => sliding_counter::check(limit, sliding_counter::view(state), now, cost),
+        Algorithm::Concurrency => concurrency::check(limit, concurrency::view(state), now, cost),
     }
 }
 
@@ -281,12 +323,18 @@ pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> De
 ///
 /// A state of another algorithm's shape (the rule's algorithm was edited) is replaced.
 pub fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
+    apply_held(limit, state, now, cost, 0)
+}
+
+/// [`apply`] for a request whose holds are `hold` (its id: see [`concurrency`]).
+pub fn apply_held(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64, hold: HoldId) -> Micros {
     match limit.algorithm {
         Algorithm::TokenBucket => token_bucket::apply(limit, state, now, cost),
         Algorithm::Gcra | Algorithm::LeakyBucket => gcra::apply(limit, state, now, cost),
         Algorithm::FixedWindow => fixed_window::apply(limit, state, now, cost),
         Algorithm::SlidingWindowLog => sliding_log::apply(limit, state, now, cost),
         Algorithm::SlidingWindowCounter => sliding_counter::apply(limit, state, now, cost),
+        Algorithm::Concurrency => concurrency::apply(limit, state, now, cost, hold),
     }
 }
 

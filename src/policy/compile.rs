@@ -207,7 +207,7 @@ impl CompiledRule {
     }
     /// What the store needs to decide this rule for one key.
     pub fn check<'a>(&'a self, key: &'a [u8], cost: u64) -> RuleCheck<'a> {
-        RuleCheck { rule: self.id, limit: &self.limit, key, cost, enforce: self.enforce() }
+        RuleCheck { rule: self.id, limit: &self.limit, key, cost, enforce: self.enforce(), hold: 0 }
     }
     /// Human description of the key, e.g. `header x-api-key, clientIP`.
     /// `per` as the policy wrote it (`/v1/snapshot` shows it so).

@@ -187,9 +187,12 @@ pub struct PolicyRule {
     /// requests/per), gcra (same decisions, one timestamp per key), leakyBucket (constant
     /// drain; with maxDelay it delays instead of rejecting), fixedWindow (requests per
     /// window aligned to the clock; up to twice the limit across a boundary),
-    /// slidingWindowLog (exact; keeps one entry per admitted request and reads them all on
-    /// each decision, so at most 1000 requests per window) or slidingWindowCounter (weighted
-    /// estimate of the trailing window, two counters per key, any limit).
+    /// slidingWindowLog (exact; keeps one entry per admitted request, so at most 1000 requests
+    /// per window), slidingWindowCounter (weighted estimate of the trailing window, two counters
+    /// per key, any limit), or concurrency (at most `requests` requests in progress per key,
+    /// each holding its slot until it is released through `POST /v1/release` or its lease of
+    /// `per` runs out; decided by `POST /v1/check`, not by ext_authz, the rate limit service,
+    /// `/v1/checks` or the sidecar yet, which skip it).
     pub algorithm: Algorithm,
 
     /// How many requests are allowed per period.
@@ -432,14 +435,15 @@ pub enum Missing {
 #[serde(rename_all = "camelCase")]
 pub struct LimitSpec {
     /// Requests allowed per `per` (the refill or drain rate for the bucket algorithms, the
-    /// window quota for the window algorithms). At least 1, at most 4294967295;
-    /// slidingWindowLog: at most 1000 (it keeps and reads one entry per admitted request; use
-    /// slidingWindowCounter for larger limits).
+    /// window quota for the window algorithms; concurrency: requests in progress at once). At
+    /// least 1, at most 4294967295; slidingWindowLog: at most 1000 (it keeps one entry per
+    /// admitted request; use slidingWindowCounter for larger limits); concurrency: at most 10000.
     #[schemars(range(min = 0, max = MAX_REQUESTS))]
     pub requests: u64,
 
     /// The period, a duration such as `1s`, `500ms`, `1m`, `1h`, `1d` or `1m30s`; a whole number
-    /// of milliseconds between 1ms and 366d.
+    /// of milliseconds between 1ms and 366d. concurrency: the lease, the longest a request holds
+    /// its slot when nobody releases it (a crashed caller); longer than the slowest request.
     #[x_kube(validation = duration_rule("per"))]
     #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
     pub per: String,

@@ -862,3 +862,37 @@ fn long_keys_are_held_as_their_digest() {
     assert_ne!(key, key_of(&"w".repeat(8192)));
     assert_eq!(key_of("short"), encode_key(["short"; 8]), "short keys stay as they are");
 }
+
+/// Issue 24: a concurrency rule counts requests (cost does not apply) and needs a release
+/// signal, which descriptor matches (the rate limit service) never give.
+#[test]
+fn concurrency_rules_refuse_cost_and_descriptors() {
+    let rule = |extra: &str| {
+        with_rules(
+            "ns",
+            "p",
+            &format!(
+                "  - name: r\n    key: [{{header: X-Tenant}}]\n    algorithm: concurrency\n    limit: {{requests: 20, per: 5m}}\n{extra}"
+            ),
+        )
+    };
+    assert!(compile(vec![rule("")]).rejected.is_empty(), "a plain concurrency rule is fine");
+    let errors = |p| {
+        compile(vec![p])
+            .rejected
+            .iter()
+            .flat_map(|r| r.errors.errors.iter().map(|e| format!("{}: {}", e.path, e.message)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let cost = errors(rule("    cost: 2\n"));
+    assert!(cost.contains("spec.rules[0].cost") && cost.contains("cost does not apply"), "{cost}");
+    let descriptor = errors(rule("    match: {descriptor: [{key: tenant}]}\n"));
+    assert!(descriptor.contains("spec.rules[0].match.descriptor") && descriptor.contains("release"), "{descriptor}");
+    let many = errors(with_rules(
+        "ns",
+        "p",
+        "  - name: r\n    algorithm: concurrency\n    limit: {requests: 10001, per: 5m}\n",
+    ));
+    assert!(many.contains("spec.rules[0].limit.requests") && many.contains("10000"), "{many}");
+}

@@ -173,6 +173,20 @@ fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: 
     if rule.cost > MAX_REQUESTS {
         errs.push(format!("{path}.cost"), format!("must be at most {MAX_REQUESTS}"));
     }
+    if rule.algorithm.holds() {
+        if rule.cost != 1 {
+            errs.push(
+                format!("{path}.cost"),
+                "a concurrency rule counts requests in progress, one slot each: cost does not apply".to_string(),
+            );
+        }
+        if rule.matches.as_ref().is_some_and(|m| !m.descriptor.is_empty()) {
+            errs.push(
+                format!("{path}.match.descriptor"),
+                "a concurrency rule needs to learn when each request ends, and descriptors reach Sluice only through the rate limit service, which never says: match on paths, methods and headers (the check API with POST /v1/release)".to_string(),
+            );
+        }
+    }
 }
 
 /// Parses a rule's limit, reporting problems at the right field path.
@@ -215,7 +229,10 @@ pub(crate) fn build_limit(
             Ok(limit) => return Some(limit),
             Err(e) => {
                 let field = match &e {
-                    LimitError::ZeroRequests | LimitError::TooManyRequests | LimitError::LogTooLong => "requests",
+                    LimitError::ZeroRequests
+                    | LimitError::TooManyRequests
+                    | LimitError::LogTooLong
+                    | LimitError::TooManyConcurrent => "requests",
                     LimitError::PeriodTooShort
                     | LimitError::PeriodNotWholeMilliseconds(_)
                     | LimitError::PeriodTooLong => "per",

@@ -5,12 +5,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::Micros;
+use crate::algorithm::{HoldId, Micros};
 use crate::clock::Clock;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
 use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, with_password};
-use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
+use crate::store::{RuleCheck, RuleId, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
 #[derive(clap::Args, Clone, Debug)]
@@ -183,6 +183,19 @@ impl Store for Backend {
         match self {
             Backend::Memory(store) => store.peek_for(namespace, now, checks).await,
             Backend::Redis(_) => Ok(None),
+        }
+    }
+
+    async fn release_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        held: &[(RuleId, &[u8])],
+        hold: HoldId,
+    ) -> Result<(), StoreError> {
+        match self {
+            Backend::Memory(store) => store.release_for(namespace, now, held, hold).await,
+            Backend::Redis(store) => Store::release_for(&**store, namespace, now, held, hold).await,
         }
     }
 

@@ -34,6 +34,21 @@ pub struct CheckResponse {
     pub rules: Vec<RuleResult>,
     /// The snapshot version that decided (empty before the first load).
     pub snapshot: Arc<str>,
+    /// What the admitted request holds (its concurrency rules' slots), to give back to
+    /// `POST /v1/release` when it ends ([`super::lease`]); only from entry points that can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+}
+
+/// Whether the entry point can give back what a request holds (a concurrency rule's slot) when
+/// the request ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holds {
+    /// Its caller releases: what an admitted request holds comes back as a lease.
+    Leased,
+    /// No release signal reaches it (ext_authz, the rate limit service): rules that hold are not
+    /// decided there, and `sluice_holding_rules_skipped_total{api}` counts them under this name.
+    Skipped(&'static str),
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -267,11 +282,14 @@ impl<S: Store> Engine<S> {
     /// namespace, the snapshot version and the number of rules it matched (the store's and the
     /// failure modes' logs come inside it). Otherwise the span costs one level comparison: the
     /// traced path is out of line and boxed, so the hot path's future stays as it is.
-    pub async fn check(&self, request: &RequestView<'_>) -> CheckResponse {
+    pub async fn check(&self, request: &RequestView<'_>, holds: Holds) -> CheckResponse {
         let started = Instant::now();
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
         live.snapshot.resolve(request, &mut matched);
+        if let Holds::Skipped(api) = holds {
+            self.skip_holding_rules(&mut matched, api);
+        }
         let response = if tracing::enabled!(target: "sluice::check", tracing::Level::DEBUG) {
             Box::pin(self.decide_traced(&live, request.namespace, &matched)).await
         } else {
@@ -279,6 +297,32 @@ impl<S: Store> Engine<S> {
         };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         response
+    }
+
+    /// Drops the rules whose admission would hold capacity nobody can give back, counting them.
+    fn skip_holding_rules(&self, matched: &mut Vec<Matched<'_>>, api: &'static str) {
+        let before = matched.len();
+        matched.retain(|m| !m.rule.limit().algorithm().holds());
+        let skipped = before - matched.len();
+        if skipped > 0 {
+            self.metrics
+                .holding_rules_skipped
+                .get_or_create(&crate::telemetry::ApiLabels { api })
+                .inc_by(skipped as u64);
+        }
+    }
+
+    /// Gives back what a lease holds (`POST /v1/release`), in the shared store or, for a lease
+    /// taken while it was down, in this replica's memory. Idempotent.
+    pub async fn release(&self, lease: &super::lease::Lease) -> Result<(), StoreError> {
+        let held: Vec<(RuleId, &[u8])> = lease.held.iter().map(|(rule, key)| (*rule, key.as_bytes())).collect();
+        match (&self.fallback, lease.local) {
+            (Some(fallback), true) => {
+                fallback.store.release_at(self.clock.now(), &held, lease.hold);
+                Ok(())
+            }
+            _ => self.store.release_for(&lease.namespace, None, &held, lease.hold).await,
+        }
     }
 
     #[inline(never)]
@@ -323,6 +367,12 @@ impl<S: Store> Engine<S> {
             live.snapshot.resolve(&RequestView::descriptor(namespace, descriptor, cost), &mut found);
             let mut indices = Vec::with_capacity(found.len());
             for m in found.drain(..) {
+                // The rate limit service has no release signal: a slot taken here would be held
+                // until its lease ran out.
+                if m.rule.limit().algorithm().holds() {
+                    self.metrics.holding_rules_skipped.get_or_create(&crate::telemetry::ApiLabels { api: "rls" }).inc();
+                    continue;
+                }
                 // One counter is decided once per request, whichever descriptors reach it.
                 match matched.iter().position(|c| c.rule.id() == m.rule.id() && c.key == m.key) {
                     Some(i) => {
@@ -362,9 +412,15 @@ impl<S: Store> Engine<S> {
                 headers: Vec::new(),
                 rules: Vec::new(),
                 snapshot: live.version.clone(),
+                lease: None,
             };
         }
-        let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
+        // The request's hold id, when a rule holds: only entry points that release reach here
+        // with such rules ([`Holds`]).
+        let hold =
+            if matched.iter().any(|m| m.rule.limit().algorithm().holds()) { rand::random::<u64>() | 1 } else { 0 };
+        let checks: Vec<RuleCheck<'_>> =
+            matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
         let deciding = self.store.check_for(namespace, None, &checks);
         let outcome = match store_budget {
             None => deciding.await,
@@ -423,6 +479,17 @@ impl<S: Store> Engine<S> {
             });
         }
         let allowed = verdict.allowed;
+        let lease = (allowed && hold != 0).then(|| {
+            let held: Vec<(RuleId, String)> = matched
+                .iter()
+                .zip(&verdict.decisions)
+                .filter(|(m, d)| m.rule.limit().algorithm().holds() && d.allowed && m.cost > 0)
+                .map(|(m, _)| (m.rule.id(), m.key.clone()))
+                .collect();
+            let local = failed && self.fallback.is_some();
+            (!held.is_empty())
+                .then(|| super::lease::Lease { namespace: namespace.to_string(), hold, held, local }.token())
+        });
         CheckResponse {
             allowed,
             status: if allowed { 200 } else { 429 },
@@ -431,6 +498,7 @@ impl<S: Store> Engine<S> {
             headers: rate_limit_headers(&header_inputs, allowed, now),
             rules,
             snapshot: live.version.clone(),
+            lease: lease.flatten(),
         }
     }
 
@@ -582,7 +650,7 @@ mod tests {
             tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(filter)).with(fields.clone());
         tracing::subscriber::with_default(subscriber, || {
             let request = RequestView { namespace: "ns", ..RequestView::new("/") };
-            let response = futures::executor::block_on(engine.check(&request));
+            let response = futures::executor::block_on(engine.check(&request, Holds::Leased));
             assert!(response.allowed);
         });
         let recorded = fields.0.lock().clone();
@@ -615,6 +683,16 @@ mod tests {
             };
             Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0) })
         }
+
+        async fn release_for(
+            &self,
+            _: &str,
+            _: Option<Micros>,
+            _: &[(RuleId, &[u8])],
+            _: crate::algorithm::HoldId,
+        ) -> Result<(), StoreError> {
+            Ok(())
+        }
     }
 
     #[tokio::test]
@@ -627,7 +705,7 @@ mod tests {
         let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
         let engine = Engine::new(CachedDenial, Arc::new(crate::clock::SystemClock), Arc::new(Metrics::new()));
         engine.install(Arc::new(snapshot));
-        let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }).await;
+        let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }, Holds::Leased).await;
         assert!(!response.allowed);
         assert_eq!((response.rules[0].not_decided, response.rules[1].not_decided), (false, true));
         let policy_header = response.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").map(|(_, v)| v.as_str());

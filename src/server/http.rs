@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
-use super::engine::{CheckResponse, Engine};
+use super::engine::{CheckResponse, Engine, Holds};
 use super::request::{BadRequest, CheckRequest, check_path};
 use crate::policy::RequestView;
 use crate::request::forwarded::gateway_client_ip;
@@ -84,6 +84,7 @@ pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))
         .route("/v1/checks", post(checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
+        .route("/v1/release", post(release::<S>))
         .route("/v1/explain", post(explain::<S>))
         .route("/v1/authz", any(authz::<S>))
         .route("/v1/authz/", any(authz::<S>))
@@ -174,9 +175,59 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body
         Ok(view) => view,
         Err(error) => return forbidden(engine.metrics(), error, StatusCode::FORBIDDEN),
     };
-    let decision = engine.check(&view).await;
+    let decision = engine.check(&view, Holds::Leased).await;
     engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
+}
+
+/// `POST /v1/release` body: `{"lease": "<the lease of a /v1/check answer>"}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    lease: String,
+}
+
+/// Gives back what an admitted request held (its concurrency rules' slots) once it has ended:
+/// 200 `{"released": true}` (also when it was released before, or its lease ran out), 400 for a
+/// token this endpoint did not issue, 403 for a lease of a namespace the caller may not act in,
+/// 503 when the store did not answer (the lease then runs out by itself; retrying is safe).
+async fn release<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
+    let engine = &state.engine;
+    let metrics = engine.metrics();
+    let caller = match state.auth.caller(&headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(metrics, error),
+    };
+    let body = match read_body(metrics, body, super::lease::MAX_TOKEN_LEN + 64).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let lease = match serde_json::from_slice::<ReleaseBody>(&body) {
+        Ok(parsed) => match super::lease::Lease::from_token(&parsed.lease) {
+            Ok(lease) => lease,
+            Err(error) => return bad_request(metrics, BadRequest(error.to_string())),
+        },
+        Err(error) => return bad_request(metrics, BadRequest(format!("expected {{\"lease\": \"…\"}}: {error}"))),
+    };
+    if let Err(error) = caller.namespace_of(Some(&lease.namespace)) {
+        return forbidden(metrics, error, StatusCode::FORBIDDEN);
+    }
+    match engine.release(&lease).await {
+        Ok(()) => {
+            metrics.responses_ok.inc();
+            (StatusCode::OK, axum::Json(json!({ "released": true }))).into_response()
+        }
+        Err(error) => {
+            metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
+            metrics.responses.get_or_create(&StatusLabels { status: 503 }).inc();
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the release did not reach the store ({error}); the lease runs out by itself, and retrying is safe"
+                ),
+            )
+        }
+    }
 }
 
 /// `POST /v1/checks` body: `{"requests": [check, …]}`, each check a `POST /v1/check` body.
@@ -264,7 +315,9 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     let decidable: Vec<&RequestView> = views.iter().filter_map(|view| view.as_ref().ok()).collect();
     let mut decisions = Vec::with_capacity(decidable.len());
     for chunk in decidable.chunks(BATCH_IN_FLIGHT) {
-        decisions.extend(futures::future::join_all(chunk.iter().map(|view| engine.check(view))).await);
+        decisions.extend(
+            futures::future::join_all(chunk.iter().map(|view| engine.check(view, Holds::Skipped("checks")))).await,
+        );
     }
     let mut decisions = decisions.iter();
     let results: Vec<BatchResult> = views
@@ -375,7 +428,7 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         cost: parts.cost,
         descriptor: None,
     };
-    let decision = engine.check(&view).await;
+    let decision = engine.check(&view, Holds::Skipped("authz")).await;
     let status = if decision.allowed { StatusCode::OK } else { deny_status };
     metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
     json_response(status, &decision, Some(&decision.headers))

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod engine;
 pub mod headers;
 pub mod http;
+pub mod lease;
 pub mod listen;
 pub mod reload;
 pub mod request;

@@ -27,7 +27,7 @@ use super::verdict::{decision_of, error_chain};
 use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
-use crate::server::engine::{CheckResponse, Engine};
+use crate::server::engine::{CheckResponse, Engine, Holds};
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
@@ -349,7 +349,7 @@ impl Decider {
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         if self.local.is_loaded() {
-            return (Source::Local, from_engine(self.local.check(&view_of(input)).await));
+            return (Source::Local, from_engine(self.local.check(&view_of(input), Holds::Skipped("sidecar")).await));
         }
         (Source::FailureMode, self.failure_mode())
     }

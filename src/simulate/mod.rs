@@ -36,6 +36,10 @@ pub enum SimulateError {
     Request(String),
     #[error("no policy in namespace {0:?} (the request template's namespace)")]
     NoRules(String),
+    #[error(
+        "rule {0} is a concurrency rule: simulate does not replay those yet (their slots depend on how long each request takes, which a trace does not say)"
+    )]
+    Concurrency(String),
     #[error("the rules' windows have no common boundary below 2^51 µs; use windows that divide each other")]
     NoCommonBoundary,
     #[error("cannot read {path}: {error}")]

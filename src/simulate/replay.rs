@@ -304,6 +304,9 @@ pub fn replay(
     if rules.is_empty() {
         return Err(SimulateError::NoRules(namespace.to_string()));
     }
+    if let Some(holding) = rules.iter().find(|r| r.algorithm().holds()) {
+        return Err(SimulateError::Concurrency(holding.identity().to_string()));
+    }
     let start = start_time(&rules, options.start_offset)?;
     let mut keyed: Vec<String> = rules.iter().flat_map(|r| r.keyed_headers()).map(str::to_string).collect();
     keyed.sort();

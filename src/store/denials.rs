@@ -175,7 +175,7 @@ mod tests {
         let limit = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(5), None).unwrap();
         let keys = vec![b"k".to_vec()];
         let cache = DenialCache::new(16);
-        let check = |cost| RuleCheck { rule: 1, limit: &limit, key: b"k", cost, enforce: true };
+        let check = |cost| RuleCheck { rule: 1, limit: &limit, key: b"k", cost, enforce: true, hold: 0 };
         cache.record(&keys, &[check(3)], &denied(Some(200)), 1_000);
         let hit = cache.answer(&keys, &[check(3)], 1_100).expect("covered");
         assert_eq!((hit.allowed, hit.cached_denial), (false, Some(0)));
@@ -198,7 +198,7 @@ mod tests {
     fn the_other_rules_of_a_cached_denial_are_not_asked_and_memory_is_bounded() {
         let limit = Limit::new(Algorithm::FixedWindow, 10, 1_000_000, None, None).unwrap();
         let cache = DenialCache::new(SHARDS);
-        let check = |key: &'static [u8]| RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true };
+        let check = |key: &'static [u8]| RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true, hold: 0 };
         cache.record(&[b"n".to_vec()], &[check(b"n")], &denied(None), 0);
         assert!(cache.is_empty(), "a cost that never fits is no repeat bounded in time");
         cache.record(&[b"a".to_vec()], &[check(b"a")], &denied(Some(100)), 0);
@@ -209,7 +209,7 @@ mod tests {
         assert_eq!(hit.decisions[1].retry_after, Some(90));
         let many: Vec<Vec<u8>> = (0..20 * SHARDS).map(|i| format!("k{i}").into_bytes()).collect();
         for key in &many {
-            let c = RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true };
+            let c = RuleCheck { rule: 1, limit: &limit, key, cost: 1, enforce: true, hold: 0 };
             cache.record(std::slice::from_ref(key), &[c], &denied(Some(100)), 10);
         }
         assert!(cache.len() <= SHARDS, "one entry per shard at most: {}", cache.len());

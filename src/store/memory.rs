@@ -507,7 +507,7 @@ impl MemoryStore {
     fn consume_entry(entry: &mut Entry, check: &RuleCheck<'_>, now: Micros) -> (usize, usize) {
         let before = units_of(&entry.state);
         let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
-        entry.expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
+        entry.expires_at = algorithm::apply_held(check.limit, &mut state, now, check.cost, check.hold);
         if let Some(state) = state {
             entry.state = state;
         }
@@ -530,7 +530,7 @@ impl MemoryStore {
             return;
         }
         let mut state = None;
-        let expires_at = algorithm::apply(check.limit, &mut state, now, check.cost);
+        let expires_at = algorithm::apply_held(check.limit, &mut state, now, check.cost, check.hold);
         let Some(state) = state else { return };
         if expires_at <= now {
             return; // a zero-cost check leaves nothing worth keeping
@@ -628,6 +628,32 @@ impl MemoryStore {
             !evict
         });
         self.evicted.fetch_add((before - slots.len()) as u64, Ordering::Relaxed);
+    }
+
+    /// Gives back the slots `hold` holds under each (rule, key) of `held` (see
+    /// [`algorithm::concurrency`]); idempotent.
+    pub fn release_at(&self, now: Micros, held: &[(RuleId, &[u8])], hold: algorithm::HoldId) {
+        for &(rule, key) in held {
+            let slot = self.slot_key(Scope::UNNAMED, rule, key);
+            let mut table = self.shards[self.shard_of(slot)].table.lock();
+            let Table { slots, units, .. } = &mut *table;
+            let Some(entry) = slots.get_mut(&slot) else { continue };
+            let before = units_of(&entry.state);
+            let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
+            match algorithm::concurrency::release(&mut state, hold, now) {
+                Some(pristine_at) => {
+                    entry.expires_at = pristine_at;
+                    if let Some(state) = state {
+                        entry.state = state;
+                    }
+                    *units = (*units + units_of(&entry.state)).saturating_sub(before);
+                }
+                None => {
+                    slots.remove(&slot);
+                    *units = units.saturating_sub(before);
+                }
+            }
+        }
     }
 
     /// Drops every entry whose state is pristine at `now`; returns how many. Run periodically so
@@ -743,6 +769,17 @@ impl Store for MemoryStore {
         Ok(self.check_scoped(scope, now, checks))
     }
 
+    async fn release_for(
+        &self,
+        _namespace: &str,
+        now: Option<Micros>,
+        held: &[(RuleId, &[u8])],
+        hold: algorithm::HoldId,
+    ) -> Result<(), StoreError> {
+        self.release_at(now.unwrap_or_else(|| self.clock.now()), held, hold);
+        Ok(())
+    }
+
     fn status(&self) -> super::StoreStatus {
         let stats = self.stats();
         super::StoreStatus {
@@ -771,7 +808,7 @@ mod tests {
     }
 
     fn one<'a>(rule: RuleId, limit: &'a Limit, key: &'a str) -> RuleCheck<'a> {
-        RuleCheck { rule, limit, key: key.as_bytes(), cost: 1, enforce: true }
+        RuleCheck { rule, limit, key: key.as_bytes(), cost: 1, enforce: true, hold: 0 }
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod tenants;
 
 use std::future::Future;
 
-use crate::algorithm::{Decision, Micros};
+use crate::algorithm::{Decision, HoldId, Micros};
 
 pub use crate::rule::{RuleCheck, RuleId};
 
@@ -111,6 +111,17 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Ok(None))
     }
 
+    /// Settles a request's holds: gives back the capacity `hold` (the request's id) took under
+    /// each (rule, key) of `held` in `namespace` (a concurrency rule's slot). Idempotent; a hold
+    /// already gone (released, or its lease over) is left alone. `now` as for [`Store::check`].
+    fn release_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        held: &[(RuleId, &[u8])],
+        hold: HoldId,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
     fn status(&self) -> StoreStatus {
         StoreStatus::default()
@@ -198,6 +209,16 @@ impl<T: Store> Store for std::sync::Arc<T> {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Option<Verdict>, StoreError>> + Send {
         (**self).peek_for(namespace, now, checks)
+    }
+
+    fn release_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        held: &[(RuleId, &[u8])],
+        hold: HoldId,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).release_for(namespace, now, held, hold)
     }
 
     fn status(&self) -> StoreStatus {

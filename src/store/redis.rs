@@ -31,7 +31,8 @@ use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
 pub use super::redis_library::{
-    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
+    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, RELEASE_FUNCTION_NAME,
+    RELEASE_SCRIPT_SOURCE, REPLY_PER_RULE, SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
 use super::redis_usage::{Usage, count_cluster, count_single};
@@ -41,6 +42,7 @@ use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
+static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&RELEASE_SCRIPT_SOURCE));
 
 /// Where Redis is.
 #[derive(Clone, PartialEq, Eq)]
@@ -355,6 +357,29 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// Gives back `hold`'s slots under each (rule, key) of `held`, in the slot of `tag` (see
+    /// `release` in lua/check.lua). Bounded by the store's deadline; not counted by the breaker
+    /// (a lost release is a lease that runs out by itself).
+    pub async fn release_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        held: &[(super::RuleId, &[u8])],
+        hold: crate::algorithm::HoldId,
+    ) -> Result<(), StoreError> {
+        if held.is_empty() || hold == 0 {
+            return Ok(());
+        }
+        let keys: Vec<Vec<u8>> = held.iter().map(|&(rule, key)| keys::state_key(tag, rule, key)).collect();
+        let args = [now.map_or_else(String::new, |n| n.to_string()), hold.to_string()];
+        match tokio::time::timeout(self.timeout, self.call(&RELEASE_FUNCTION_NAME, &RELEASE_SCRIPT, &keys, &args)).await
+        {
+            Err(_) => Err(StoreError::Timeout(self.timeout.as_millis() as u64)),
+            Ok(Err(error)) => Err(classify(&error).0),
+            Ok(Ok(_freed)) => Ok(()),
+        }
+    }
+
     /// Says so in the log when the breaker opens (the store just became unusable: every rule's
     /// `onStoreFailure` decides now) or closes again; metrics and `/v1/snapshot` show the state,
     /// but someone reading the log must not have to guess.
@@ -412,13 +437,24 @@ impl RedisStore {
         )
     }
 
-    /// One decision call: FCALL, loading the library when Redis lacks it; EVALSHA on a Redis
-    /// without Functions.
+    /// One decision call (see [`Self::call`]).
     async fn decide(&self, keys: &[Vec<u8>], args: &[String]) -> Result<Value, RedisError> {
+        self.call(&FUNCTION_NAME, &SCRIPT, keys, args).await
+    }
+
+    /// One call of the library's `function`: FCALL, loading the library when Redis lacks it;
+    /// `script` by EVALSHA on a Redis without Functions.
+    async fn call(
+        &self,
+        function: &str,
+        script: &Script,
+        keys: &[Vec<u8>],
+        args: &[String],
+    ) -> Result<Value, RedisError> {
         use std::sync::atomic::Ordering;
         if self.functions.load(Ordering::Relaxed) {
             let mut fcall = ::redis::cmd("FCALL");
-            fcall.arg(&*FUNCTION_NAME).arg(keys.len()).arg(keys).arg(args);
+            fcall.arg(function).arg(keys.len()).arg(keys).arg(args);
             match self.query(&fcall).await {
                 Err(error) if function_missing(&error) => {
                     let mut load = ::redis::cmd("FUNCTION");
@@ -433,7 +469,7 @@ impl RedisStore {
                 result => return result,
             }
         }
-        let mut invocation = SCRIPT.prepare_invoke();
+        let mut invocation = script.prepare_invoke();
         for key in keys {
             invocation.key(key);
         }
@@ -510,6 +546,16 @@ impl Store for RedisStore {
         self.check_tagged(namespace, now, checks)
     }
 
+    async fn release_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        held: &[(super::RuleId, &[u8])],
+        hold: crate::algorithm::HoldId,
+    ) -> Result<(), StoreError> {
+        self.release_tagged(namespace, now, held, hold).await
+    }
+
     fn status(&self) -> super::StoreStatus {
         let breakers_by_namespace = self.tenants.open_breakers(self.clock.now());
         super::StoreStatus {
@@ -567,6 +613,7 @@ pub fn algorithm_code(algorithm: Algorithm) -> u8 {
         Algorithm::FixedWindow => 4,
         Algorithm::SlidingWindowLog => 5,
         Algorithm::SlidingWindowCounter => 6,
+        Algorithm::Concurrency => 7,
     }
 }
 
@@ -574,8 +621,11 @@ pub fn algorithm_code(algorithm: Algorithm) -> u8 {
 /// text (which the library parses once per rule and keeps) and the cost.
 pub fn script_args(now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Vec<String> {
     use std::fmt::Write as _;
-    let mut args = Vec::with_capacity(1 + ARGS_PER_RULE * checks.len());
+    let mut args = Vec::with_capacity(2 + ARGS_PER_RULE * checks.len());
     args.push(now.map_or_else(String::new, |n| n.to_string()));
+    // Every check of a request carries the request's hold id (or none).
+    let hold = checks.iter().map(|c| c.hold).find(|&h| h != 0);
+    args.push(hold.map_or_else(String::new, |h| h.to_string()));
     for check in checks {
         let limit = check.limit;
         let mut params = String::with_capacity(48);
@@ -778,15 +828,18 @@ mod tests {
         let shaper = Limit::new(Algorithm::LeakyBucket, 3, 1_000_000, Some(2), Some(400_000)).unwrap();
         let window = Limit::new(Algorithm::FixedWindow, 10, 60_000_000, None, None).unwrap();
         let checks = [
-            RuleCheck { rule: 1, limit: &shaper, key: b"a", cost: 1, enforce: true },
-            RuleCheck { rule: 2, limit: &window, key: b"b", cost: 2, enforce: false },
+            RuleCheck { rule: 1, limit: &shaper, key: b"a", cost: 1, enforce: true, hold: 0 },
+            RuleCheck { rule: 2, limit: &window, key: b"b", cost: 2, enforce: false, hold: 0 },
         ];
         assert_eq!(
             script_args(Some(42), &checks),
-            ["42", "3:3:1000000:2:333334:400000:1", "1", "4:10:60000000:10:6000000:-1:0", "2"]
+            ["42", "", "3:3:1000000:2:333334:400000:1", "1", "4:10:60000000:10:6000000:-1:0", "2"]
         );
         assert_eq!(script_args(None, &checks[..1])[0], "");
-        assert_eq!(script_args(None, &checks).len(), 1 + ARGS_PER_RULE * 2);
+        assert_eq!(script_args(None, &checks).len(), 2 + ARGS_PER_RULE * 2);
+        let slots = Limit::new(Algorithm::Concurrency, 20, 300_000_000, None, None).unwrap();
+        let held = [RuleCheck { rule: 3, limit: &slots, key: b"t", cost: 1, enforce: true, hold: 77 }];
+        assert_eq!(script_args(None, &held), ["", "77", "7:20:300000000:20:15000000:-1:1", "1"], "the hold id second");
     }
 
     #[test]
@@ -797,6 +850,7 @@ mod tests {
             "sluice.fixed_window",
             "sluice.sliding_window_log",
             "sluice.sliding_window_counter",
+            "sluice.concurrency",
         ] {
             assert!(SCRIPT_SOURCE.contains(&format!("{name} = {{}}")), "{name}");
         }
@@ -807,7 +861,7 @@ mod tests {
         assert!(
             LIBRARY_SOURCE
                 .trim_end()
-                .ends_with(&format!("redis.register_function('{}_many', decide_many)", &*FUNCTION_NAME))
+                .ends_with(&format!("redis.register_function('{}_release', release)", &*FUNCTION_NAME))
         );
         assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
     }

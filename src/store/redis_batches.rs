@@ -20,7 +20,7 @@ use super::redis_library::{
 };
 use crate::batching::{Batcher, Exchange, Pending};
 
-/// One request's decision: its keys, and `decide`'s arguments (now, then two per rule).
+/// One request's decision: its keys, and `decide`'s arguments (now, hold, then two per rule).
 pub(super) struct Decide {
     pub keys: Vec<Vec<u8>>,
     pub args: Vec<String>,
@@ -88,8 +88,10 @@ impl Exchange for FunctionCalls {
         }
         fcall.arg(batch.len());
         for pending in &batch {
+            // `decide`'s arguments: now, hold, then the rules'; `decide_many` wants the rule
+            // count between the hold and the rules.
             let Decide { keys, args } = &pending.request;
-            fcall.arg(&args[0]).arg(keys.len()).arg(&args[1..]);
+            fcall.arg(&args[0]).arg(&args[1]).arg(keys.len()).arg(&args[2..]);
         }
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.decisions.fetch_add(batch.len() as u64, Ordering::Relaxed);

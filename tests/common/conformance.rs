@@ -201,6 +201,7 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
                     key: key.as_bytes(),
                     cost: step.cost,
                     enforce: r.enforce,
+                    hold: 0,
                 })
                 .collect();
             let now = T0 + micros(&step.at);
