@@ -253,7 +253,7 @@ impl Metrics {
         let holding_rules_skipped = Family::<ApiLabels, Counter>::default();
         registry.register(
             "holding_rules_skipped",
-            "Concurrency rules matched by requests of an entry point that cannot release them (ext_authz, the rate limit service, /v1/checks, the sidecar), so not decided there",
+            "Concurrency rules matched by requests of an entry point that cannot release them (ext_authz, the rate limit service), so not decided there",
             holding_rules_skipped.clone(),
         );
         let memory_evictions = Family::<NamespaceLabels, Counter>::default();

@@ -512,6 +512,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         upstream: "127.0.0.1:1".parse().unwrap(),
         check_uri: endpoint("/v1/check"),
         checks_uri: endpoint("/v1/checks"),
+        release_uri: endpoint("/v1/release"),
         snapshot_uri: endpoint("/v1/snapshot"),
         namespace: "tenant-acme".into(),
         labels: [("app".to_string(), "web".to_string())].into(),
@@ -1233,4 +1234,53 @@ async fn the_apps_probes_run_on_the_admin_port_without_a_limit() {
         assert_eq!(get_with_key(&c, &sidecar.url("/limited/a"), "k1").await.status(), 200);
     }
     assert_eq!(get_with_key(&c, &sidecar.url("/limited/a"), "k1").await.status(), 429);
+}
+
+const STREAMS_IN_FLIGHT: &str = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: streams, namespace: tenant-acme}
+spec:
+  selector: {matchLabels: {app: web}}
+  rules:
+    - name: one-stream
+      match: {paths: [{exact: /stream}]}
+      key: [{header: X-API-Key}]
+      algorithm: concurrency
+      limit: {requests: 1, per: 5m}
+"#;
+
+/// Issue 24, item 1, through the sidecar: a concurrency slot is held while the response streams,
+/// given back when its last chunk is sent, and given back when the client goes away mid-response.
+#[tokio::test]
+async fn a_concurrency_slot_is_held_until_the_response_ends_or_the_client_leaves() {
+    let (up, state) = start_upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), STREAMS_IN_FLIGHT).unwrap();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let sidecar = start_sidecar_with_timeout(up, &serve.url(""), "2s", &[]);
+    let c = client();
+
+    let mut first = get_with_key(&c, &sidecar.url("/stream"), "k").await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.chunk().await.unwrap().unwrap(), "first\n");
+    let second = get_with_key(&c, &sidecar.url("/stream"), "k").await;
+    assert_eq!(second.status(), 429, "one stream in progress per key");
+    // Another key's stream: admitted, and its client leaves at once (one release).
+    assert_eq!(get_with_key(&c, &sidecar.url("/stream"), "other").await.status(), 200, "slots are per key");
+    state.release.notify_waiters();
+    assert_eq!(first.chunk().await.unwrap().unwrap(), "last\n");
+    assert!(first.chunk().await.unwrap().is_none());
+    sidecar.await_metric(r#"sluice_sidecar_releases_total{result="released"} 2"#).await;
+
+    // The slot came back with the last chunk: the next stream is admitted, and its client leaves
+    // after the first chunk, which gives the slot back too.
+    let mut leaving = get_with_key(&c, &sidecar.url("/stream"), "k").await;
+    assert_eq!(leaving.status(), 200, "the first stream's slot was released");
+    assert_eq!(leaving.chunk().await.unwrap().unwrap(), "first\n");
+    drop(leaving);
+    sidecar.await_metric(r#"sluice_sidecar_releases_total{result="released"} 3"#).await;
+    let after = get_with_key(&c, &sidecar.url("/stream"), "k").await;
+    assert_eq!(after.status(), 200, "a client that left gave its slot back");
+    state.release.notify_waiters();
 }

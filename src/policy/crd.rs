@@ -191,8 +191,9 @@ pub struct PolicyRule {
     /// per window), slidingWindowCounter (weighted estimate of the trailing window, two counters
     /// per key, any limit), or concurrency (at most `requests` requests in progress per key,
     /// each holding its slot until it is released through `POST /v1/release` or its lease of
-    /// `per` runs out; decided by `POST /v1/check`, not by ext_authz, the rate limit service,
-    /// `/v1/checks` or the sidecar yet, which skip it).
+    /// `per` runs out; decided by the sidecar, which releases when the response ends, and by
+    /// `POST /v1/check` and `/v1/checks`, whose callers release; ext_authz and the rate limit
+    /// service, which never learn that a request ended, skip it).
     pub algorithm: Algorithm,
 
     /// How many requests are allowed per period.

@@ -257,6 +257,8 @@ struct LeanDecision<'a> {
     #[serde(serialize_with = "super::engine::ordered_map")]
     headers: &'a [(&'static str, String)],
     snapshot: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease: Option<&'a str>,
 }
 
 /// Many checks in one call, for a proxy that has several requests waiting (the sidecar under
@@ -315,9 +317,7 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     let decidable: Vec<&RequestView> = views.iter().filter_map(|view| view.as_ref().ok()).collect();
     let mut decisions = Vec::with_capacity(decidable.len());
     for chunk in decidable.chunks(BATCH_IN_FLIGHT) {
-        decisions.extend(
-            futures::future::join_all(chunk.iter().map(|view| engine.check(view, Holds::Skipped("checks")))).await,
-        );
+        decisions.extend(futures::future::join_all(chunk.iter().map(|view| engine.check(view, Holds::Leased))).await);
     }
     let mut decisions = decisions.iter();
     let results: Vec<BatchResult> = views
@@ -333,6 +333,7 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                         delay_ms: decision.delay_ms,
                         headers: &decision.headers,
                         snapshot: &decision.snapshot,
+                        lease: decision.lease.as_deref(),
                     })
                 }
                 None => BatchResult::Refused { status: 500, error: "no decision".into() },

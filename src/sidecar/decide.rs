@@ -23,7 +23,7 @@ use super::config::{Config, OnFailure};
 use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
-use super::verdict::{decision_of, error_chain};
+use super::verdict::{Held, decision_of, error_chain};
 use crate::clock::{Clock, SystemClock};
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
@@ -153,6 +153,7 @@ impl Decider {
             client: endpoint_client(config)?,
             check_uri: config.check_uri.clone(),
             checks_uri: config.checks_uri.clone(),
+            release_uri: config.release_uri.clone(),
             snapshot_uri: config.snapshot_uri.clone(),
             snapshot_wait_uri: format!("{}?wait={}s", config.snapshot_uri, SNAPSHOT_WAIT.as_secs())
                 .parse()
@@ -178,6 +179,40 @@ impl Decider {
             clock,
             metrics,
         })
+    }
+
+    /// Gives back what an admitted request held, once its response has ended (or its client
+    /// gone): to the endpoint, or to the local engine that admitted it. A release that fails is
+    /// logged and left to the lease, which runs out by itself.
+    pub async fn release(&self, held: Held) {
+        let outcome = match held {
+            Held::Local(token) => match crate::server::lease::Lease::from_token(&token) {
+                Ok(lease) => self.local.release(&lease).await.map_err(|e| e.to_string()),
+                Err(error) => Err(error.to_string()),
+            },
+            Held::Endpoint(token) => {
+                let body = serde_json::json!({ "lease": token }).to_string();
+                match tokio::time::timeout(self.timeout, self.endpoint.post(&self.endpoint.release_uri, body.into()))
+                    .await
+                {
+                    Ok(Ok((status, _))) if status.is_success() => Ok(()),
+                    Ok(Ok((status, body))) => {
+                        Err(format!("endpoint answered {status}: {}", endpoint_reason(&String::from_utf8_lossy(&body))))
+                    }
+                    Ok(Err(error)) => Err(error.to_string()),
+                    Err(_) => Err(format!("no answer within {:?}", self.timeout)),
+                }
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                self.metrics.releases.get_or_create(&super::metrics::ResultLabels { result: "released" }).inc();
+            }
+            Err(reason) => {
+                self.metrics.releases.get_or_create(&super::metrics::ResultLabels { result: "failed" }).inc();
+                tracing::warn!(%reason, "could not release a request's concurrency slots; they come back when the lease runs out");
+            }
+        }
     }
 
     /// The local fallback's store, for the sweeper that drops idle keys.
@@ -250,7 +285,7 @@ impl Decider {
 
     fn failure_mode(&self) -> Decision {
         match self.on_failure {
-            OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new() },
+            OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None },
             OnFailure::Deny => Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new() },
         }
     }
@@ -329,7 +364,7 @@ impl Decider {
         if crate::server::request::check_path(input.path).is_err() || self.local.matches_any(&view_of(input)) {
             return None;
         }
-        Some(Decision::Allow { delay: Duration::ZERO, headers: Vec::new() })
+        Some(Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None })
     }
 
     fn count(&self, source: Source, decision: &Decision) {
@@ -349,7 +384,7 @@ impl Decider {
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         if self.local.is_loaded() {
-            return (Source::Local, from_engine(self.local.check(&view_of(input), Holds::Skipped("sidecar")).await));
+            return (Source::Local, from_engine(self.local.check(&view_of(input), Holds::Leased).await));
         }
         (Source::FailureMode, self.failure_mode())
     }
@@ -508,7 +543,13 @@ fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
 
 fn from_engine(response: CheckResponse) -> Decision {
     let headers = response.headers.iter().map(|(k, v)| (*k, v.as_str()));
-    decision_of(response.allowed, response.retry_after_ms, response.delay_ms, headers)
+    decision_of(
+        response.allowed,
+        response.retry_after_ms,
+        response.delay_ms,
+        headers,
+        response.lease.clone().map(Held::Local),
+    )
 }
 
 /// The endpoint's `{"error": "…"}` message, or its body as text.

@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
 use super::config::Config;
-use super::verdict::{Decision, EndpointError, decision_of, error_chain};
+use super::verdict::{Decision, EndpointError, Held, decision_of, error_chain};
 
 /// The endpoint's answers are small; this only guards against a misdirected URL.
 pub(super) const MAX_ENDPOINT_BODY: usize = 4 << 20;
@@ -28,6 +28,7 @@ pub(super) struct Endpoint {
     pub client: EndpointClient,
     pub check_uri: Uri,
     pub checks_uri: Uri,
+    pub release_uri: Uri,
     pub snapshot_uri: Uri,
     /// `snapshot_uri` with `?wait=`: held by the endpoint while the snapshot is unchanged.
     pub snapshot_wait_uri: Uri,
@@ -88,6 +89,9 @@ pub(super) struct Answer {
     /// Set with `error` when this check was refused.
     status: Option<u16>,
     error: Option<String>,
+    /// What an admitted request holds, to release when it ends.
+    #[serde(default)]
+    lease: Option<String>,
 }
 
 impl Answer {
@@ -101,7 +105,7 @@ impl Answer {
         }
         let allowed = self.allowed.ok_or_else(|| EndpointError::Decode("an answer without `allowed`".into()))?;
         let headers = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        Ok(decision_of(allowed, self.retry_after_ms, self.delay_ms, headers))
+        Ok(decision_of(allowed, self.retry_after_ms, self.delay_ms, headers, self.lease.map(Held::Endpoint)))
     }
 }
 

@@ -24,6 +24,12 @@ pub struct DecisionLabels {
     pub result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `released` or `failed`.
+    pub result: &'static str,
+}
+
 /// `kind` is an [`super::verdict::EndpointError::kind`], `breaker_open` or `no_snapshot`.
 pub use crate::telemetry::KindLabels;
 
@@ -43,6 +49,7 @@ pub struct SidecarMetrics {
     pub endpoint_exchanges: Family<KindLabels, Counter>,
     /// Checks sent in batches; ÷ batch exchanges = the mean batch size.
     pub batched_checks: Counter,
+    pub releases: Family<ResultLabels, Counter>,
 }
 
 impl Default for SidecarMetrics {
@@ -99,6 +106,12 @@ impl SidecarMetrics {
         );
         let batched_checks = Counter::default();
         registry.register("batched_checks", "Checks sent to the endpoint in batches", batched_checks.clone());
+        let releases = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "releases",
+            "Concurrency slots given back when a request's response ended, by result (a failed one runs out with its lease)",
+            releases.clone(),
+        );
         SidecarMetrics {
             registry,
             requests,
@@ -113,6 +126,7 @@ impl SidecarMetrics {
             upgrades_active,
             endpoint_exchanges,
             batched_checks,
+            releases,
         }
     }
 

@@ -23,12 +23,60 @@ use tokio::sync::watch;
 use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider};
 use super::metrics::SidecarMetrics;
-use super::verdict::{Decision, HeaderList, Refusal, error_chain};
+use super::verdict::{Decision, HeaderList, Held, Refusal, error_chain};
 use crate::request::{forwarded, headers, host};
 use crate::server::request::MAX_PATH_LEN;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
-pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;
+
+/// Gives back an admitted request's concurrency slots when dropped: when its response body has
+/// ended, when the client went away mid-response (hyper drops the body), or when the request
+/// never reached the application (an early answer drops it at once).
+struct Release {
+    decider: Arc<Decider>,
+    held: Held,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        // At shutdown there may be no runtime left: the lease then runs out by itself.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (decider, held) = (self.decider.clone(), self.held.clone());
+            runtime.spawn(async move { decider.release(held).await });
+        }
+    }
+}
+
+/// The application's response body, carrying what the request holds until its last frame.
+pub struct Releasing<B> {
+    inner: B,
+    release: Option<Release>,
+}
+
+impl<B: hyper::body::Body + Unpin> hyper::body::Body for Releasing<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(None) = polled {
+            self.release.take();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 pub struct Proxy {
     upstream: Authority,
@@ -118,13 +166,18 @@ impl Proxy {
             }
             Ok(None) => self.decider.undecidable(),
         };
+        // Dropped wherever this request ends from here on, which gives its slots back.
+        let held: Option<Release>;
         let (delay, rate_headers) = match decision {
             Decision::Deny { retry_after_secs, headers } => {
                 self.metrics.outcome("limited");
                 return too_many_requests(retry_after_secs, headers);
             }
             Decision::Refuse(refusal) => return self.refuse(refusal),
-            Decision::Allow { delay, headers } => (delay, headers),
+            Decision::Allow { delay, headers, lease } => {
+                held = lease.map(|held| Release { decider: self.decider.clone(), held });
+                (delay, headers)
+            }
         };
         if !delay.is_zero() {
             // Shaping (leaky bucket with maxDelay): the endpoint has already admitted the request
@@ -151,6 +204,8 @@ impl Proxy {
             let upstream_upgrade = hyper::upgrade::on(&mut response);
             let metrics = self.metrics.clone();
             tokio::spawn(async move {
+                // A relayed connection holds its slots until it closes.
+                let _held = held;
                 match tokio::try_join!(client_upgrade, upstream_upgrade) {
                     Ok((client, upstream)) => {
                         metrics.upgrades_active.inc();
@@ -170,7 +225,7 @@ impl Proxy {
         self.metrics.outcome("forwarded");
         headers::strip_hop_by_hop(response.headers_mut(), false);
         add_headers(response.headers_mut(), rate_headers);
-        response.map(Either::Left)
+        response.map(|body| Either::Left(Releasing { inner: body, release: held }))
     }
 
     /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an

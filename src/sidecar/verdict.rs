@@ -14,6 +14,8 @@ pub enum Decision {
     Allow {
         delay: Duration,
         headers: HeaderList,
+        /// What the request holds (its concurrency rules' slots) until its response ends.
+        lease: Option<Held>,
     },
     Deny {
         retry_after_secs: Option<u64>,
@@ -21,6 +23,14 @@ pub enum Decision {
     },
     /// The request cannot be decided as sent: answered with a 4xx, never forwarded.
     Refuse(Refusal),
+}
+
+/// An admitted request's lease, and who holds it: the endpoint, or (while it was away) this
+/// sidecar's local engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    Endpoint(String),
+    Local(String),
 }
 
 /// Why a request is answered with a 4xx by the sidecar itself.
@@ -69,10 +79,11 @@ pub fn decision_of<'a>(
     retry_after_ms: Option<u64>,
     delay_ms: u64,
     headers: impl Iterator<Item = (&'a str, &'a str)>,
+    lease: Option<Held>,
 ) -> Decision {
     let headers = headers.filter_map(|(k, v)| Some((header_name(k)?, HeaderValue::from_str(v).ok()?))).collect();
     if allowed {
-        Decision::Allow { delay: Duration::from_millis(delay_ms), headers }
+        Decision::Allow { delay: Duration::from_millis(delay_ms), headers, lease }
     } else {
         Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
     }
