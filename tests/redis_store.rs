@@ -1023,3 +1023,52 @@ async fn concurrency_holds_and_releases_like_rust() {
         }
     }
 }
+
+/// Three replicas (three stores on one Redis) admitting and releasing concurrently: the
+/// requests observed in progress never exceed the limit, and every slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_never_hold_more_than_the_limit_in_progress() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let server = RedisServer::start();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(Arc::new(store(&server).await));
+    }
+    let in_progress = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let limit_of = 4;
+    let tasks: Vec<_> = (0..24u64)
+        .map(|task| {
+            let store = replicas[task as usize % 3].clone();
+            let (in_progress, most, admitted) = (in_progress.clone(), most.clone(), admitted.clone());
+            tokio::spawn(async move {
+                let slots = limit(Algorithm::Concurrency, limit_of, 60 * SEC, None, None);
+                for round in 0..20u64 {
+                    let hold = (task << 32) | (round + 1);
+                    let checks = [RuleCheck { hold, ..check(1, &slots, b"exports", 1, true) }];
+                    let verdict = store.check_tagged("in-flight", None, &checks).await.expect("decided");
+                    if verdict.allowed {
+                        admitted.fetch_add(1, Ordering::SeqCst);
+                        let now = in_progress.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        // Counted out before the release: the store may admit the next one as
+                        // soon as the slot is back.
+                        in_progress.fetch_sub(1, Ordering::SeqCst);
+                        store.release_tagged("in-flight", None, &[(1, b"exports")], hold).await.expect("released");
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= limit_of as usize, "{most} in progress with a limit of {limit_of}");
+    assert!(admitted.load(Ordering::SeqCst) >= 20, "the slots kept coming back");
+    let mut con = raw(&server).await;
+    let left: i64 = redis::cmd("ZCARD").arg(state_key("in-flight", 1, b"exports")).query_async(&mut con).await.unwrap();
+    assert_eq!(left, 0, "every slot was given back");
+}
