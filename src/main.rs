@@ -191,8 +191,13 @@ fn run_redirect(args: &sluice::redirect::RedirectArgs) -> anyhow::Result<()> {
 }
 
 fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
-    let snapshot = match serve::load_snapshot(&args.policies) {
-        Ok(snapshot) => snapshot,
+    let snapshot = match serve::load_snapshot_with_warnings(&args.policies) {
+        Ok((snapshot, warnings)) => {
+            for warning in warnings {
+                eprintln!("warning: {warning}");
+            }
+            snapshot
+        }
         Err(message) => bail!("invalid policies:\n{message}"),
     };
     let request = sluice::server::request::CheckRequest::from_json(args.request.as_bytes())

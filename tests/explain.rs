@@ -180,4 +180,13 @@ fn the_cli_prints_the_contract_fields() {
     let text = run(&order(), false);
     assert!(text.contains("per-api-key (fixedWindow): matches; key header x-api-key=\"k1\""), "{text}");
     assert!(text.contains("nothing consumed"), "{text}");
+    // The policies' risky choices (a key on a header whose values nothing restricts) on stderr.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["explain", "--policies"])
+        .arg(&file)
+        .args(["--request", &order().to_string()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("warning: ") && stderr.contains("policies.yaml") && stderr.contains(".key["), "{stderr}");
 }

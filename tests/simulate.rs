@@ -284,3 +284,36 @@ fn errors_are_named() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("missing `for DURATION`"));
 }
+
+/// Issue 28, item 7: with no arrivals the command names both ways to give them; `--start` is
+/// stated in the header; the policies' warnings go to stderr (the report on stdout stays clean);
+/// a namespace with a concurrency rule is refused with the reason.
+#[test]
+fn the_cli_says_what_it_needs_and_warns_on_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p.yaml");
+    // Keyed on a header whose values nothing restricts: valid, and warned about.
+    std::fs::write(&path, policy("fixedWindow", "{requests: 3, per: 1s}")).unwrap();
+    let run = |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap();
+
+    let none = run(&["simulate", "--policies", path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&none.stderr);
+    assert!(!none.status.success());
+    assert!(stderr.contains("--trace") && stderr.contains("--pattern"), "{stderr}");
+
+    let started = run(&["simulate", "--policies", path.to_str().unwrap(), "--pattern", "burst 4", "--start", "300ms"]);
+    assert!(started.status.success(), "{}", String::from_utf8_lossy(&started.stderr));
+    let stdout = String::from_utf8_lossy(&started.stdout);
+    assert!(stdout.lines().next().unwrap().contains("300ms after a window boundary of every rule"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&started.stderr);
+    assert!(
+        stderr.contains("warning: ") && stderr.contains("spec.rules[0].key[0]") && stderr.contains("p.yaml"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("warning"), "warnings stay off stdout: {stdout}");
+
+    std::fs::write(&path, policy("concurrency", "{requests: 3, per: 1m}")).unwrap();
+    let refused = run(&["simulate", "--policies", path.to_str().unwrap(), "--pattern", "burst 4"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("concurrency rule"), "{stderr}");
+}

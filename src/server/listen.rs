@@ -47,16 +47,19 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// A listen address flag: `IP:PORT`. Names are not resolved (a listener binds an address), so
-/// `localhost:8080` gets a message saying what to write instead of the parser's bare "invalid
-/// socket address syntax".
+/// A listen address flag: `IP:PORT`, or `localhost:PORT` for 127.0.0.1. Other names are not
+/// resolved (a listener binds an address); a bad value gets a message with examples instead of
+/// the parser's bare "invalid socket address syntax".
 pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
-    text.trim().parse::<SocketAddr>().map_err(|_| {
-        let hint = match text.trim().rsplit_once(':') {
-            Some(("localhost", port)) => format!(" (for localhost write 127.0.0.1:{port})"),
-            _ => String::new(),
-        };
-        format!("{text:?} is not IP:PORT, e.g. 127.0.0.1:8080, 0.0.0.0:8080 or [::]:8080{hint}")
+    let text = text.trim();
+    // `localhost` is the loopback address people write; resolving names is not the listener's
+    // business, so this one name is read as 127.0.0.1 and no other.
+    let literal = match text.rsplit_once(':') {
+        Some((host, port)) if host.eq_ignore_ascii_case("localhost") => format!("127.0.0.1:{port}"),
+        _ => text.to_string(),
+    };
+    literal.parse::<SocketAddr>().map_err(|_| {
+        format!("{text:?} is not IP:PORT or localhost:PORT, e.g. 127.0.0.1:8080, 0.0.0.0:8080 or [::]:8080")
     })
 }
 
@@ -234,9 +237,12 @@ mod tests {
     #[test]
     fn listen_addresses_say_what_to_write() {
         assert_eq!(parse_listen_address("0.0.0.0:8080"), Ok(SocketAddr::from(([0, 0, 0, 0], 8080))));
-        let error = parse_listen_address("localhost:8080").unwrap_err();
-        assert!(error.contains("not IP:PORT") && error.contains("write 127.0.0.1:8080"), "{error}");
+        assert_eq!(parse_listen_address("localhost:8080"), Ok(SocketAddr::from(([127, 0, 0, 1], 8080))));
+        assert_eq!(parse_listen_address("LOCALHOST:0"), Ok(SocketAddr::from(([127, 0, 0, 1], 0))));
+        let error = parse_listen_address("example.com:8080").unwrap_err();
+        assert!(error.contains("not IP:PORT or localhost:PORT"), "{error}");
         assert!(parse_listen_address("8080").unwrap_err().contains("e.g. 127.0.0.1:8080"));
+        assert!(parse_listen_address("localhost:http").is_err());
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub struct SidecarArgs {
     /// The same CA as PEM text (what the injecting webhook sets).
     #[arg(long, env = "SLUICE_ENDPOINT_CA_PEM", hide_env_values = true)]
     pub endpoint_ca_pem: Option<String>,
-    /// The pod's namespace; wins over --namespace-file.
+    /// The pod's namespace; wins over --namespace-file. With neither: `default`.
     #[arg(long, env = "SLUICE_NAMESPACE")]
     pub namespace: Option<String>,
     /// Downward-API file holding the namespace (a file with just the name).
@@ -66,7 +66,9 @@ pub struct SidecarArgs {
     /// Reverse proxies in front of the sidecar whose X-Forwarded-For entries are trusted.
     #[arg(long, env = "SLUICE_TRUSTED_HOPS", default_value_t = 0)]
     pub trusted_hops: usize,
-    /// How often the endpoint's snapshot is polled (a 304 when unchanged).
+    /// The endpoint holds each snapshot request until the snapshot changes (then answers at once),
+    /// so changes arrive without polling; this is the pause after a failed request, and the
+    /// polling interval for an endpoint that answers at once (an older release).
     #[arg(long, env = "SLUICE_SNAPSHOT_INTERVAL", default_value = "1s", value_parser = crate::duration::parse_positive_std_duration)]
     pub snapshot_interval: Duration,
     /// File holding the bearer token presented to the endpoint (the injected pod's projected

@@ -56,10 +56,10 @@ pub struct SimulateArgs {
     #[arg(long = "policies", short = 'p', required = true, num_args = 1.., value_delimiter = ',')]
     pub policies: Vec<PathBuf>,
     /// Arrivals, one per line: `seconds [key [cost]]` (docs/simulate.md).
-    #[arg(long, conflicts_with = "pattern", required_unless_present = "pattern")]
+    #[arg(long, group = "arrivals")]
     pub trace: Option<PathBuf>,
     /// Arrivals from shapes, e.g. `burst 20; burst 20 at 300ms` (docs/simulate.md).
-    #[arg(long)]
+    #[arg(long, group = "arrivals")]
     pub pattern: Option<String>,
     /// Everything else about each request, as the body of POST /v1/check.
     #[arg(long, default_value = r#"{"path": "/"}"#)]
@@ -101,7 +101,17 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
             "--png is not offered: a raster picture needs a font shipped with the binary; use --svg (text is SVG <text>, rendered by the viewer)".into(),
         ));
     }
-    let snapshot = crate::server::serve::load_snapshot(&args.policies).map_err(SimulateError::Policies)?;
+    if args.trace.is_none() && args.pattern.is_none() {
+        return Err(SimulateError::Usage(
+            "no arrivals: give --trace FILE (one `seconds [key [cost]]` per line) or --pattern SPEC (e.g. 'burst 20; burst 20 at 300ms'); docs/simulate.md".into(),
+        ));
+    }
+    let (snapshot, warnings) =
+        crate::server::serve::load_snapshot_with_warnings(&args.policies).map_err(SimulateError::Policies)?;
+    // The command's own stderr: the report on stdout stays what a script reads.
+    for warning in warnings {
+        eprintln!("warning: {warning}");
+    }
     let template = CheckRequest::from_json(args.request.as_bytes()).map_err(|e| SimulateError::Request(e.0))?;
     let arrivals = match (&args.trace, &args.pattern) {
         (Some(path), _) => {
@@ -110,7 +120,7 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
             parse_trace(&text)?
         }
         (None, Some(pattern)) => parse_pattern(pattern)?,
-        (None, None) => return Err(SimulateError::Usage("give --trace FILE or --pattern SPEC".into())),
+        (None, None) => unreachable!("checked above"),
     };
     let options = ReplayOptions { start_offset: args.start, bucket: args.bucket };
     let mut report = replay(&snapshot, &template, &arrivals, &options)?;

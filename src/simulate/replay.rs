@@ -37,6 +37,9 @@ pub struct ReplayOptions {
 pub struct SimulationReport {
     /// The simulated Unix time of trace time 0, in microseconds.
     pub start_unix_micros: Micros,
+    /// How long after a window boundary of every rule trace time 0 falls (`--start`).
+    #[serde(skip)]
+    pub start_offset: Micros,
     pub arrivals: u64,
     /// From trace time 0 to the last arrival.
     pub duration_ms: f64,
@@ -380,6 +383,7 @@ pub fn replay(
     }
     Ok(SimulationReport {
         start_unix_micros: start,
+        start_offset: options.start_offset,
         arrivals: arrivals.len() as u64,
         duration_ms: duration as f64 / MICROS_PER_MS as f64,
         bucket_ms: bucket as f64 / MICROS_PER_MS as f64,
@@ -393,9 +397,13 @@ impl SimulationReport {
     pub fn to_text(&self) -> String {
         use std::fmt::Write as _;
         let mut out = String::new();
+        let boundary = match self.start_offset {
+            0 => "a window boundary of every rule".to_string(),
+            offset => format!("{} after a window boundary of every rule", crate::duration::HumanDuration(offset)),
+        };
         let _ = writeln!(
             out,
-            "{} arrivals over {:.3} s (trace time 0 = Unix {:.6} s, a window boundary of every rule)",
+            "{} arrivals over {:.3} s (trace time 0 = Unix {:.6} s, {boundary})",
             self.arrivals,
             self.duration_ms / 1000.0,
             self.start_unix_micros as f64 / 1e6
