@@ -59,7 +59,7 @@ helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
   || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
 
 echo "==> formatting and lints"
-shellcheck -x e2e/*.sh scripts/test.sh scripts/bench/*.sh .ci/run
+shellcheck -x e2e/*.sh scripts/test.sh scripts/fuzz.sh scripts/bench/*.sh .ci/run
 cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
 cargo clippy --locked --all-targets --quiet -- -D warnings
 
@@ -71,6 +71,12 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --locked --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
+# Every parser of outside input under libFuzzer for a few seconds each (scripts/fuzz.sh runs
+# longer); a crash fails the run with its input saved.
+echo "==> fuzzing (short)"
+fuzz_status=0
+SECONDS_EACH="${SLUICE_FUZZ_SECONDS:-5}" scripts/fuzz.sh 2>&1 | tee -a "$log" || fuzz_status=$?
+if [ "$fuzz_status" -ne 0 ]; then status=$fuzz_status; fi
 # The install path on a real one-node cluster: release image, helm install, injected sidecar,
 # failover, upgrade, uninstall (docs/operator.md, "The one-node cluster").
 echo "==> real node: e2e/local-node.sh"

@@ -136,9 +136,10 @@ fn decode(path: &str) -> String {
             i += 1;
             continue;
         }
-        // `path` is a str and '%' and '\' are ASCII: copying up to the next of them keeps UTF-8
-        // intact.
-        let next = path[i + 1..].find(['%', '\\']).map_or(bytes.len(), |at| i + 1 + at);
+        // `i` is on a character boundary (everything above steps over ASCII only), and so is the
+        // next '%' or '\': copying up to it keeps UTF-8 intact. Searching from `i + 1` instead
+        // cut a multi-byte character after an escape in two (found by scripts/fuzz.sh).
+        let next = path[i..].find(['%', '\\']).map_or(bytes.len(), |at| i + at);
         out.push_str(&path[i..next]);
         i = next;
     }
@@ -148,6 +149,18 @@ fn decode(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by scripts/fuzz.sh (path_normalize): a multi-byte character right after an escape
+    /// or a `\` made the copy start inside it, a panic on every entry point's request path.
+    #[test]
+    fn multi_byte_characters_after_escapes_and_backslashes() {
+        for input in ["/\\/\\\\\\\\\\\\\\х////\0.", "/%41é", "/a\\é", "/%zzé", "/%é"] {
+            let once = normalize(input);
+            assert_eq!(normalize(&once), once, "{input:?}");
+        }
+        assert_eq!(normalize("/%41é"), "/Aé");
+        assert_eq!(normalize("/a\\é"), "/a/é");
+    }
     use proptest::prelude::*;
 
     #[test]

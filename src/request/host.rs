@@ -30,7 +30,14 @@ pub enum HostProblem {
 /// the client's own request target.
 pub fn request_host<'a>(headers: &'a HeaderMap, target: Option<&'a Authority>) -> Result<Option<&'a str>, HostProblem> {
     let mut values = headers.get_all(HOST).iter();
-    let Some(value) = values.next() else { return Ok(target.map(Authority::as_str)) };
+    let Some(value) = values.next() else {
+        // A target's authority may carry a user part (`user@host`): a host never does, and which
+        // part the application would read as its host is anyone's guess (found by scripts/fuzz.sh).
+        return match target {
+            Some(target) if target.as_str().contains('@') => Err(HostProblem::Invalid(target.as_str().to_string())),
+            _ => Ok(target.map(Authority::as_str)),
+        };
+    };
     if values.next().is_some() {
         return Err(HostProblem::Repeated);
     }
@@ -67,6 +74,8 @@ mod tests {
         assert_eq!(request_host(&with_hosts(&["[::1]:80"]), None), Ok(Some("[::1]:80")));
         assert_eq!(request_host(&with_hosts(&[""]), None), Ok(Some("")), "allowed when the target has no authority");
         assert_eq!(request_host(&with_hosts(&[]), None), Ok(None));
+        let with_user = Authority::from_static("user@api.example.com");
+        assert!(matches!(request_host(&with_hosts(&[]), Some(&with_user)), Err(HostProblem::Invalid(_))));
         let target = Authority::from_static("api.example.com");
         assert_eq!(request_host(&with_hosts(&[]), Some(&target)), Ok(Some("api.example.com")));
         assert_eq!(request_host(&with_hosts(&["API.example.com"]), Some(&target)), Ok(Some("API.example.com")));
