@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 # jq and curl (the control-plane build and start script); for the one-node cluster
 # (e2e/local-node.sh): containerd, runc, the CNI plugins, iptables and conntrack (kube-proxy),
 # busybox-static (the demo app's image), libc6-dev (the static pause binary), ca-certificates
-# (the image's trust store); shellcheck for the e2e scripts.
+# (the image's trust store); shellcheck for the e2e scripts; g++ for libFuzzer (scripts/fuzz.sh).
 packages=(redis-server redis-tools openssl nginx jq curl containerd runc containernetworking-plugins
-  iptables conntrack iproute2 util-linux busybox-static libc6-dev gcc ca-certificates shellcheck)
+  iptables conntrack iproute2 util-linux busybox-static libc6-dev gcc g++ ca-certificates shellcheck)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
