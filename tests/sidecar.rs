@@ -1284,3 +1284,42 @@ async fn a_concurrency_slot_is_held_until_the_response_ends_or_the_client_leaves
     assert_eq!(after.status(), 200, "a client that left gave its slot back");
     state.release.notify_waiters();
 }
+
+/// Issue 24: a sidecar killed (-9) while a request holds a concurrency slot never releases it;
+/// the slot comes back when its lease runs out, not before and not much after.
+#[tokio::test]
+async fn a_killed_sidecar_slots_come_back_when_their_lease_runs_out() {
+    let (up, state) = start_upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = STREAMS_IN_FLIGHT.replace("per: 5m", "per: 2s");
+    std::fs::write(dir.path().join("policies.yaml"), policy).unwrap();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let mut crashed = start_sidecar_with_timeout(up, &serve.url(""), "2s", &[]);
+    let c = client();
+
+    let admitted_at = Instant::now();
+    let mut holding = get_with_key(&c, &crashed.url("/stream"), "k").await;
+    assert_eq!(holding.status(), 200);
+    assert_eq!(holding.chunk().await.unwrap().unwrap(), "first\n");
+    crashed.process.child.kill().unwrap();
+    crashed.process.child.wait().unwrap();
+    drop(holding);
+
+    let fresh = start_sidecar_with_timeout(up, &serve.url(""), "2s", &[]);
+    assert_eq!(
+        get_with_key(&c, &fresh.url("/stream"), "k").await.status(),
+        429,
+        "the crashed holder's slot is still held"
+    );
+    let came_back = loop {
+        let response = get_with_key(&c, &fresh.url("/stream"), "k").await;
+        if response.status() == 200 {
+            break admitted_at.elapsed();
+        }
+        assert_eq!(response.status(), 429);
+        assert!(admitted_at.elapsed() < Duration::from_secs(10), "the slot never came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(came_back >= Duration::from_secs(2), "back after {came_back:?}, before its 2 s lease ran out");
+    state.release.notify_waiters();
+}
