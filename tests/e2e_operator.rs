@@ -506,3 +506,38 @@ async fn sigterm_stops_gracefully_and_releases_the_lease() {
     let lease = holder(&client, "e2e-release").await;
     assert!(lease.as_deref() != Some("release-a"), "still held by {lease:?}");
 }
+
+/// Two replicas that start together can both see the Lease orphaned; the second one's
+/// acquisition (kube-lease-manager's server-side apply of holderIdentity, without
+/// resourceVersion or force) must then conflict instead of overwriting the first one's hold, or
+/// both lead until the loser's first renewal and status and events are written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_replica_cannot_take_a_held_lease_by_applying_it() {
+    let cp = cluster();
+    let client = control_plane::client_for(&cp.operator_kubeconfig).await;
+    let name = "e2e-held";
+    let (leading, task) =
+        sluice::operator::leader::elect(client.clone(), "sluice-system", name, "held-a", Duration::from_secs(6))
+            .await
+            .expect("joins");
+    let mut watch = leading.clone();
+    tokio::time::timeout(Duration::from_secs(20), watch.wait_for(|l| *l)).await.expect("held-a leads").expect("open");
+
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "sluice-system");
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let taking = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "spec": {"acquireTime": now, "renewTime": now, "holderIdentity": "held-b", "leaseDurationSeconds": 6}
+    });
+    let manager = sluice::operator::leader::lease_field_manager("held-b");
+    let outcome = leases
+        .patch(name, &PatchParams { field_manager: Some(manager), ..Default::default() }, &Patch::Apply(&taking))
+        .await;
+    assert!(
+        matches!(&outcome, Err(kube::Error::Api(e)) if e.code == 409),
+        "a second replica's apply must conflict, got {outcome:?}"
+    );
+    assert_eq!(holder(&client, name).await.as_deref(), Some("held-a"));
+    drop((leading, watch));
+    let _ = task.await;
+}

@@ -28,10 +28,25 @@ pub async fn elect(
         .with_identity(identity)
         .with_duration(seconds)
         .with_grace(grace)
-        .with_field_manager(format!("{}-lease", super::FIELD_MANAGER))
+        .with_field_manager(lease_field_manager(identity))
         .build()
         .await?;
     Ok(manager.watch().await)
+}
+
+/// Each replica applies the Lease as its own field manager: an orphaned Lease is taken by a
+/// server-side apply without resourceVersion, and only a second manager's apply of
+/// `holderIdentity` conflicts. Under one shared manager two replicas starting together both
+/// "took" it and both led until the loser's first renewal, writing status and events twice.
+pub fn lease_field_manager(identity: &str) -> String {
+    // The API server refuses a field manager longer than 128 bytes.
+    let mut name = format!("{}-lease-{identity}", super::FIELD_MANAGER);
+    let mut end = name.len().min(128);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name.truncate(end);
+    name
 }
 
 /// Runs `term` for every term this replica leads (`leading` true), until `stop` flips; `term`
