@@ -244,7 +244,14 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let clock = Arc::new(SystemClock);
     let (engine, memory) = role::engine(&args.store, clock, metrics).await.context("cannot set up the store")?;
-    tracing::info!(store = ?sluice::store::Store::status(engine.store()), "store ready");
+    let store = sluice::store::Store::status(engine.store());
+    tracing::info!(
+        kind = store.kind,
+        endpoint = store.endpoint.as_deref().unwrap_or("this process"),
+        breaker = store.breaker.unwrap_or("none"),
+        timeout_ms = store.timeout_ms,
+        "store ready"
+    );
     tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
     engine.install(Arc::new(snapshot));
 
