@@ -250,7 +250,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         endpoint = store.endpoint.as_deref().unwrap_or("this process"),
         breaker = store.breaker.unwrap_or("none"),
         timeout_ms = store.timeout_ms,
-        "store ready"
+        "store set up"
     );
     tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
     engine.install(Arc::new(snapshot));

@@ -11,8 +11,9 @@
 //! - `cargo run --release --` is the `sluice` binary under test.
 //!
 //! An HTML comment `<!-- check: $ COMMAND -->` is a step the reader does not need to see (the
-//! quickstart's server, started in the reader's other terminal): it must succeed, and its output
-//! is not compared.
+//! quickstart's server, started in the reader's other terminal; `cmp` of a file a command wrote
+//! with the committed one, under `$SLUICE_REPO`): it must succeed, and its output is not
+//! compared.
 //!
 //! Each page runs in one bash session, top to bottom, in a scratch copy of `examples/` with the
 //! binary under test first on `PATH`. As root each page gets a network namespace of its own, so
@@ -211,6 +212,8 @@ impl Session {
                 ),
             )
             .env_remove("RUST_LOG")
+            // For hidden steps that compare what a page's command wrote with a committed file.
+            .env("SLUICE_REPO", repo)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_process::SluiceProcess;
-use support::redis_server::{RedisCluster, RedisServer};
+use support::redis_server::{RedisCluster, RedisServer, free_port};
 
 const POLICIES: &str = r#"
 apiVersion: sluice.dev/v1alpha1
@@ -238,4 +238,39 @@ async fn three_replicas_on_a_redis_cluster_admit_exactly_the_bound() {
     ));
     assert_eq!(hammer(&servers, "/window", 48, 200).await, 50);
     assert_eq!(hammer(&servers, "/log", 48, 120).await, 30);
+}
+
+/// A Redis that does not answer at start keeps `/readyz` at 503 naming why (a rollout stops
+/// there instead of running every decision on `onStoreFailure` unnoticed); once it has answered,
+/// a later outage is the breaker's business and readiness stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readiness_waits_for_redis_to_answer_once() {
+    let port = free_port(false);
+    let dir = policy_dir();
+    let url = format!("redis://127.0.0.1:{port}");
+    let servers = replicas(dir.path(), &["--redis".into(), url, "--redis-timeout".into(), "200ms".into()], 1);
+    let s = &servers[0];
+    let c = client();
+    let ready = c.get(s.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let why = ready.text().await.unwrap();
+    assert!(why.contains("the store has not answered since start") && why.contains("refused"), "{why}");
+    let snapshot: Value = c.get(s.url("/v1/snapshot")).send().await.unwrap().json().await.unwrap();
+    assert!(snapshot["store"]["notAnsweredYet"].is_string(), "{}", snapshot["store"]);
+    // Decisions meanwhile follow each rule's onStoreFailure, and never 5xx.
+    assert_eq!(check(&c, s, "/open").await["rules"][0]["storeFailure"], "allow");
+
+    let mut redis = RedisServer::start_with(port, &[]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while c.get(s.url("/readyz")).send().await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "not ready after Redis came up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logs = s.logs.lock().unwrap().join("\n");
+    assert!(logs.contains("Redis does not answer: /readyz stays 503"), "{logs}");
+    assert!(logs.contains("Redis answers: decisions are shared from now on"), "{logs}");
+
+    redis.kill();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(c.get(s.url("/readyz")).send().await.unwrap().status(), 200, "a later outage keeps readiness");
 }

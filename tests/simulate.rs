@@ -153,6 +153,37 @@ fn leaky_bucket_shaping_reports_its_delays() {
     assert_eq!((rule.admitted, rule.shaped), (4, 3));
     assert_eq!(rule.max_shaping_delay_ms, 300.0);
     assert_eq!(rule.mean_shaping_delay_ms, 200.0);
+    // The picture's delay strip: the burst's bucket holds the longest wait.
+    assert_eq!(rule.timeline.max_delay_ms.first(), Some(&300));
+    assert!(rule.timeline.max_delay_ms[1..].iter().all(|&d| d == 0));
+}
+
+/// A trace at one instant is bucketed on the rule's window (a hundredth of `per`), not on its own
+/// zero length; a longer trace on its own.
+#[test]
+fn an_instant_trace_is_bucketed_on_the_window() {
+    let burst = simulate(&policy("tokenBucket", "{requests: 10, per: 2s, burst: 5}"), "burst 20", None);
+    assert_eq!(burst.bucket_ms, 20.0);
+    let long = simulate(&policy("tokenBucket", "{requests: 10, per: 2s, burst: 5}"), "steady 1/s for 50s", None);
+    assert_eq!(long.bucket_ms, 500.0);
+}
+
+/// A shaping leaky bucket's panel has the delay strip and names maxDelay; others have neither.
+#[test]
+fn the_picture_draws_shaping_delays_for_a_shaping_bucket_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let picture = |limit: &str| {
+        let file = dir.path().join("policy.yaml");
+        std::fs::write(&file, policy("leakyBucket", limit)).unwrap();
+        let svg = dir.path().join("timeline.svg");
+        let file = file.to_str().unwrap();
+        sluice(&["simulate", "--policies", file, "--pattern", "steady 20/s for 2s", "--svg", svg.to_str().unwrap()]);
+        std::fs::read_to_string(&svg).unwrap()
+    };
+    let shaping = picture("{requests: 10, per: 1s, burst: 5, maxDelay: 300ms}");
+    assert!(shaping.contains("shaping delay (ms)") && shaping.contains("maxDelay 300 ms"));
+    let policing = picture("{requests: 10, per: 1s, burst: 5}");
+    assert!(!policing.contains("shaping delay") && policing.contains("remaining quota"));
 }
 
 #[test]
@@ -218,6 +249,10 @@ fn the_picture_and_the_json_match_the_table() {
     let picture = std::fs::read_to_string(&svg).unwrap();
     assert!(picture.len() > 5_000 && picture.starts_with("<svg"), "{} bytes", picture.len());
     assert!(picture.contains("<text") && picture.contains("simulated time (s)") && picture.contains("admitted"));
+    // Both panels, each with its own quota strip and the legend above it.
+    let axis_titles = picture.lines().filter(|l| l.trim() == "remaining quota").count();
+    assert_eq!(axis_titles, 2, "one quota strip per rule");
+    assert_eq!(picture.matches("denied (bar height = offered)").count(), 2);
 
     let rules = json["rules"].as_array().unwrap();
     assert_eq!(rules.len(), 2);

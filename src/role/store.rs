@@ -130,11 +130,12 @@ impl StoreArgs {
         }
         let redis = RedisStore::connect_with_clock(config, clock).await?;
         if let Some(reason) = redis.probe(Duration::from_secs(2)).await? {
-            tracing::warn!(
+            tracing::error!(
                 endpoint = %redis.endpoint(),
                 %reason,
-                "Redis does not answer yet: each rule's onStoreFailure decides until it does"
+                "Redis does not answer: /readyz stays 503 and each rule's onStoreFailure decides until it does"
             );
+            redis.await_first_answer(reason, Duration::from_secs(1));
         } else {
             for concern in redis.memory_settings(Duration::from_secs(2)).await {
                 tracing::warn!(endpoint = %redis.endpoint(), "{concern}");

@@ -532,10 +532,17 @@ fn json_response(
 }
 
 async fn readyz<S: Store>(State(state): Shared<S>) -> Response {
-    if state.engine.is_loaded() {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no policy snapshot loaded yet\n").into_response()
+    if !state.engine.is_loaded() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "no policy snapshot loaded yet\n").into_response();
+    }
+    // Only until the store first answers: later outages are the breaker's and onStoreFailure's,
+    // never a reason to take every replica out of its Service at once.
+    match state.engine.store_status().not_answered_yet {
+        Some(reason) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("the store has not answered since start: {reason}\n"))
+                .into_response()
+        }
+        None => (StatusCode::OK, "ready\n").into_response(),
     }
 }
 

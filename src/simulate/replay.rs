@@ -108,6 +108,9 @@ pub struct Timeline {
     /// The lowest remaining quota any decision of the rule reported in the bucket (`null`:
     /// no traffic).
     pub remaining: Vec<Option<u64>>,
+    /// The longest shaping delay of the bucket's admissions, whole milliseconds rounded up
+    /// (leakyBucket with maxDelay; 0 otherwise).
+    pub max_delay_ms: Vec<u64>,
 }
 
 /// The template's headers with the keyed headers replaced by the arrival's key value.
@@ -233,6 +236,8 @@ impl RuleTally<'_> {
             self.admitted_cost += cost;
             self.timeline.admitted[bucket] += 1;
             if decision.delay > 0 {
+                let slot = &mut self.timeline.max_delay_ms[bucket];
+                *slot = (*slot).max(decision.delay.div_ceil(MICROS_PER_MS));
                 self.shaped += 1;
                 self.delay_total += decision.delay;
                 self.delay_max = self.delay_max.max(decision.delay);
@@ -317,13 +322,18 @@ pub fn replay(
     let keys_on_client_ip = rules.iter().any(|r| r.keys_on_client_ip());
 
     let duration = arrivals.last().map_or(0, |a| a.at);
-    let bucket = options.bucket.filter(|&b| b > 0).unwrap_or_else(|| nice_bucket(duration.div_ceil(100)));
+    // A trace shorter than a rule's window (a burst at one instant) still gets buckets a window
+    // can be read in: about a hundredth of the shortest `per`.
+    let shortest_per = rules.iter().map(|r| r.limit().per()).min().unwrap_or(0);
+    let bucket =
+        options.bucket.filter(|&b| b > 0).unwrap_or_else(|| nice_bucket(duration.max(shortest_per).div_ceil(100)));
     let buckets = (duration / bucket) as usize + 1;
     let empty_timeline = || Timeline {
         offered: vec![0; buckets],
         admitted: vec![0; buckets],
         denied: vec![0; buckets],
         remaining: vec![None; buckets],
+        max_delay_ms: vec![0; buckets],
     };
     let index: HashMap<&str, usize> = rules.iter().enumerate().map(|(i, r)| (r.identity(), i)).collect();
     let mut tallies: Vec<RuleTally<'_>> = rules

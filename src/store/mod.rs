@@ -147,6 +147,10 @@ pub struct StoreStatus {
     pub breakers_by_namespace: std::collections::BTreeMap<String, &'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Why the shared store has not answered since this process started (auth refused, no such
+    /// host, TLS, no answer); absent once it has. While present, `/readyz` answers 503 with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_answered_yet: Option<String>,
     /// Keys held in this process's memory (the store itself, or the local fallback).
     pub live_keys: u64,
     /// Units of the memory cap (`--max-keys`) they hold: one per counter key, more for a sliding

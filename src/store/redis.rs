@@ -175,6 +175,8 @@ pub struct RedisStore {
     clock: Arc<dyn Clock>,
     timeout: Duration,
     endpoint: String,
+    /// Why Redis has not answered since start; `None` once it has ([`Self::not_answered_yet`]).
+    first_answer: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -266,6 +268,7 @@ impl RedisStore {
             clock,
             timeout: config.timeout,
             endpoint,
+            first_answer: Arc::default(),
         })
     }
 
@@ -483,15 +486,66 @@ impl RedisStore {
     }
 
     async fn cluster(&self, cluster: &ClusterState) -> Result<ClusterConnection, RedisError> {
-        Ok(cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await?.clone())
+        cluster.connect().await
     }
 
     /// Sends `command`: on a cluster to the node of its keys (FUNCTION LOAD: to every master).
     async fn query(&self, command: &::redis::Cmd) -> Result<Value, RedisError> {
-        match &self.connection {
+        self.connection.query(command).await
+    }
+
+    /// Why Redis has not answered since start (`None` once it has): `/readyz` stays 503 with it,
+    /// so a misconfigured Redis stops a rollout instead of passing every decision to
+    /// `onStoreFailure` unnoticed.
+    pub fn not_answered_yet(&self) -> Option<String> {
+        self.first_answer.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records that Redis did not answer at start (`reason`), and asks again every `every` until
+    /// it does: then the reason is cleared and the log says so, once. A refusal of the
+    /// credentials or a permission is logged as the error it is.
+    pub fn await_first_answer(&self, reason: String, every: Duration) {
+        *self.first_answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+        let (connection, first_answer, endpoint) =
+            (self.connection.clone(), self.first_answer.clone(), self.endpoint.clone());
+        tokio::spawn(async move {
+            let mut logged_refusal = false;
+            loop {
+                tokio::time::sleep(every).await;
+                let reason = match tokio::time::timeout(every, connection.query(&::redis::cmd("PING"))).await {
+                    Ok(Ok(_)) => {
+                        *first_answer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                        tracing::info!(%endpoint, "Redis answers: decisions are shared from now on");
+                        return;
+                    }
+                    Ok(Err(error)) => {
+                        if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) && !logged_refusal {
+                            logged_refusal = true;
+                            tracing::error!(%endpoint, %error, "Redis refuses Sluice's credentials or permissions");
+                        }
+                        error.to_string()
+                    }
+                    Err(_) => format!("no answer within {every:?}"),
+                };
+                *first_answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+            }
+        });
+    }
+}
+
+impl Connection {
+    /// Sends `command`: on a cluster to the node of its keys (FUNCTION LOAD: to every master).
+    async fn query(&self, command: &::redis::Cmd) -> Result<Value, RedisError> {
+        match self {
             Connection::Single(manager) => command.query_async(&mut manager.clone()).await,
-            Connection::Cluster(cluster) => command.query_async(&mut self.cluster(cluster).await?).await,
+            Connection::Cluster(cluster) => command.query_async(&mut cluster.connect().await?).await,
         }
+    }
+}
+
+impl ClusterState {
+    async fn connect(&self) -> Result<ClusterConnection, RedisError> {
+        Ok(self.connection.get_or_try_init(|| self.client.get_async_connection()).await?.clone())
     }
 }
 
@@ -565,6 +619,7 @@ impl Store for RedisStore {
             breakers_by_namespace,
             redis_keys_by_namespace: self.usage.keys_by_tag(),
             timeout_ms: Some(self.timeout.as_millis() as u64),
+            not_answered_yet: self.not_answered_yet(),
             denial_cache: Some(super::DenialCacheStatus {
                 entries: self.denials.len() as u64,
                 hits: self.denials.hits(),
