@@ -14,6 +14,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::SimulateError;
@@ -74,6 +75,27 @@ fn time_axis(report: &SimulationReport) -> Range<f64> {
     let end = if duration > 0.0 { duration + bucket } else { 100.0 * bucket };
     let pad = (end * 0.02).max(bucket * 0.5);
     -pad..end + pad
+}
+
+type Strip<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// One strip's chart: the shared time axis, `0..top` upwards, the same label areas as every
+/// other strip (so their axes line up), room under it for the time axis' title when
+/// `time_title`.
+fn strip<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    time: Range<f64>,
+    top: f64,
+    time_title: bool,
+) -> Result<Strip<'a, DB>, String> {
+    ChartBuilder::on(area)
+        .margin_left(LEFT_MARGIN)
+        .margin_right(RIGHT_MARGIN)
+        .margin_top(5)
+        .x_label_area_size(if time_title { 44 } else { 28 })
+        .y_label_area_size(Y_LABEL_AREA)
+        .build_cartesian_2d(time, 0f64..top)
+        .map_err(error)
 }
 
 /// A dashed line across the strip at `y` (the legend names it; text here would cover bars).
@@ -174,14 +196,7 @@ fn draw_requests<DB: DrawingBackend>(
 ) -> Result<(), String> {
     let timeline = &rule.timeline;
     let tallest = timeline.offered.iter().copied().max().unwrap_or(0).max(1) as f64;
-    let mut chart = ChartBuilder::on(area)
-        .margin_left(LEFT_MARGIN)
-        .margin_right(RIGHT_MARGIN)
-        .margin_top(6)
-        .x_label_area_size(28)
-        .y_label_area_size(Y_LABEL_AREA)
-        .build_cartesian_2d(time, 0f64..tallest * 1.15)
-        .map_err(error)?;
+    let mut chart = strip(area, time, tallest * 1.15, false)?;
     chart
         .configure_mesh()
         .light_line_style(WHITE.mix(0.0))
@@ -217,14 +232,7 @@ fn draw_remaining<DB: DrawingBackend>(
     let timeline = &rule.timeline;
     let capacity =
         rule.burst.unwrap_or(rule.requests).max(timeline.remaining.iter().flatten().copied().max().unwrap_or(0));
-    let mut chart = ChartBuilder::on(area)
-        .margin_left(LEFT_MARGIN)
-        .margin_right(RIGHT_MARGIN)
-        .margin_top(4)
-        .x_label_area_size(if time_label { 44 } else { 28 })
-        .y_label_area_size(Y_LABEL_AREA)
-        .build_cartesian_2d(time, 0f64..(capacity.max(1) as f64) * 1.1)
-        .map_err(error)?;
+    let mut chart = strip(area, time, (capacity.max(1) as f64) * 1.1, time_label)?;
     let mut mesh = chart.configure_mesh();
     mesh.light_line_style(WHITE.mix(0.0))
         .y_desc("remaining quota")
@@ -272,14 +280,7 @@ fn draw_delays<DB: DrawingBackend>(
 ) -> Result<(), String> {
     let delays = &rule.timeline.max_delay_ms;
     let max_delay = rule.max_delay_ms.unwrap_or(0).max(delays.iter().copied().max().unwrap_or(0)).max(1) as f64;
-    let mut chart = ChartBuilder::on(area)
-        .margin_left(LEFT_MARGIN)
-        .margin_right(RIGHT_MARGIN)
-        .margin_top(4)
-        .x_label_area_size(44)
-        .y_label_area_size(Y_LABEL_AREA)
-        .build_cartesian_2d(time, 0f64..max_delay * 1.15)
-        .map_err(error)?;
+    let mut chart = strip(area, time, max_delay * 1.15, true)?;
     chart
         .configure_mesh()
         .light_line_style(WHITE.mix(0.0))
