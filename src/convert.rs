@@ -125,7 +125,10 @@ pub fn envoy_ratelimit(yaml: &str, namespace: Option<&str>, algorithm: Algorithm
         let several = chunks.len() > 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
             let name = if several { format!("{base}-{}", i + 1) } else { base.clone() };
-            let mut policy = RateLimitPolicy::new(&name, RateLimitPolicySpec { selector: None, rules: chunk });
+            let mut policy = RateLimitPolicy::new(
+                &name,
+                RateLimitPolicySpec { selector: None, rules: chunk, priorities: Vec::new(), overload: None },
+            );
             policy.metadata.namespace = Some(namespace.to_string());
             if let Err(errors) = crate::policy::validate(&policy) {
                 return Err(ConvertError(format!(

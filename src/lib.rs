@@ -13,6 +13,7 @@ pub mod clock;
 pub mod convert;
 pub mod duration;
 pub mod operator;
+pub mod overload;
 pub mod policy;
 pub mod redirect;
 pub mod request;

@@ -132,8 +132,35 @@ fn cel_enforces_the_budgets_it_can_count() {
     let errors = cel_errors(&over);
     assert!(
         errors.contains(
-            "at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together)"
+            "at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules and priorities together)"
         ) && errors.contains("spec.rules"),
         "{errors}"
+    );
+}
+
+/// A policy with `overload` may have no rules; one with neither is refused. The overload fields'
+/// own rules, and priorities' regexes count against the budget.
+#[test]
+fn overload_policies_pass_cel_and_its_mistakes_are_caught() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/overload");
+    for loaded in sluice::policy::load_paths(&[dir]).expect("examples load") {
+        if let Err(e) = validate_cel(&loaded.policy) {
+            panic!("{}: {e:?}", loaded.file.display());
+        }
+    }
+    assert_eq!(cel_errors("  overload: {}\n  rules: []\n"), "");
+    assert!(cel_errors("  rules: []\n").contains("at least one rule is required (or spec.overload)"));
+    assert!(
+        cel_errors("  overload: {minLimit: 10, maxLimit: 5, initialLimit: 7}\n  rules: []\n")
+            .contains("overload.minLimit must not exceed overload.maxLimit")
+    );
+    assert!(
+        cel_errors("  overload: {defaultShare: 40, sheddableShare: 60}\n  rules: []\n")
+            .contains("overload.sheddableShare must not exceed overload.defaultShare")
+    );
+    let many: String =
+        (0..65).map(|i| format!("    - {{class: critical, match: {{paths: [{{regex: '/a{i}'}}]}}}}\n")).collect();
+    assert!(
+        cel_errors(&format!("  overload: {{}}\n  priorities:\n{many}  rules: []\n")).contains("at most 64 regexes")
     );
 }

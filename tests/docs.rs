@@ -30,8 +30,13 @@ use std::time::Duration;
 
 /// Pages with checked examples, and how many each has at least: turning an example back into
 /// prose is a visible edit here, not a silent loss of coverage.
-const PAGES: &[(&str, usize)] =
-    &[("README.md", 7), ("docs/simulate.md", 5), ("docs/sidecar.md", 4), ("docs/policy.md", 2)];
+const PAGES: &[(&str, usize)] = &[
+    ("README.md", 7),
+    ("docs/simulate.md", 5),
+    ("docs/sidecar.md", 4),
+    ("docs/policy.md", 2),
+    ("docs/overload.md", 2),
+];
 
 /// The longest any one documented command may take (the debug binary, a loaded machine).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(90);
@@ -328,6 +333,11 @@ fn sidecar_page() {
 #[test]
 fn policy_page() {
     check("docs/policy.md");
+}
+
+#[test]
+fn overload_page() {
+    check("docs/overload.md");
 }
 
 #[test]

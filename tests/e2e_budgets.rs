@@ -20,8 +20,7 @@ use sluice::policy::RateLimitPolicy;
 
 const LOG_CAP: &str =
     "slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits";
-const REGEX_COUNT: &str =
-    "at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together)";
+const REGEX_COUNT: &str = "at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules and priorities together)";
 const REGEX_SIZE: &str = "over the budget of 1 MiB (1048576 bytes) per policy";
 
 fn rule(name: &str) -> Value {

@@ -194,18 +194,7 @@ fn start_sidecar_with_timeout(upstream: SocketAddr, endpoint: &str, timeout: &st
     }
     args.extend_from_slice(extra);
     let process = SluiceProcess::start(&args);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let admin = loop {
-        let found = process.logs.lock().unwrap().iter().find_map(|line| {
-            let at = line.find("admin=")?;
-            line[at + 6..].split_whitespace().next()?.parse::<SocketAddr>().ok()
-        });
-        if let Some(admin) = found {
-            break admin;
-        }
-        assert!(Instant::now() < deadline, "no admin line in {:?}", process.logs.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let admin = process.logged_address("admin");
     Sidecar { process, admin }
 }
 
@@ -508,6 +497,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
     let timeout = Duration::from_secs(1);
     let config = Config {
         listen: "127.0.0.1:0".parse().unwrap(),
+        cgroup_root: "/sys/fs/cgroup".into(),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         upstream: "127.0.0.1:1".parse().unwrap(),
         check_uri: endpoint("/v1/check"),

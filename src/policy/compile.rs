@@ -8,10 +8,11 @@ use super::pattern::PolicyRegex as Regex;
 use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;
-use super::crd::{KeyPart, Missing, Mode, PolicyRule, RateLimitPolicy};
+use super::crd::{KeyPart, Match, Missing, Mode, OverloadSpec, PolicyRule, RateLimitPolicy};
 use super::matching::canonical_header_name;
 use super::validate::{CompiledRegexes, ValidationErrors, build_limit, compile_regex, validate_keeping_regexes};
 use crate::algorithm::{Algorithm, Limit};
+use crate::overload::Class;
 use crate::rule::{RuleCheck, RuleId};
 
 /// The result of compiling a set of policies: the valid ones, and why the others were left out.
@@ -57,6 +58,9 @@ pub struct CompiledPolicy {
     pub(super) qualified: String,
     pub(super) selector: Selector,
     pub(super) rules: Vec<CompiledRule>,
+    /// `spec.priorities`: the first entry matching a request gives its class.
+    pub(super) priorities: Vec<(Class, RuleMatch)>,
+    pub(super) overload: Option<OverloadSpec>,
     /// The spec as JSON: what the version hashes.
     pub(super) canonical: String,
 }
@@ -259,6 +263,10 @@ impl CompiledPolicy {
     pub fn rules(&self) -> &[CompiledRule] {
         &self.rules
     }
+    /// `spec.overload`, when the policy protects its workloads from overload.
+    pub fn overload(&self) -> Option<&OverloadSpec> {
+        self.overload.as_ref()
+    }
 }
 
 /// `RuleId` of `namespace/policy/rule`: the first 8 bytes of its SHA-256, big-endian.
@@ -327,18 +335,22 @@ fn version_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> Str
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Canonical names of every header the policies' rules match or key on, sorted, once each.
+/// Canonical names of every header the policies' rules and priorities match or key on, sorted,
+/// once each.
 fn header_names_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -> Vec<String> {
     let mut names: Vec<String> = policies
         .into_iter()
-        .flat_map(|p| &p.rules)
-        .flat_map(|r| {
-            let matched = r.matcher.headers.iter().map(|h| h.name.clone());
-            let keyed = r.key.iter().filter_map(|k| match k {
-                KeySource::Header(name, _) => Some(name.clone()),
-                _ => None,
+        .flat_map(|p| {
+            let rules = p.rules.iter().flat_map(|r| {
+                let matched = r.matcher.headers.iter().map(|h| h.name.clone());
+                let keyed = r.key.iter().filter_map(|k| match k {
+                    KeySource::Header(name, _) => Some(name.clone()),
+                    _ => None,
+                });
+                matched.chain(keyed).collect::<Vec<_>>()
             });
-            matched.chain(keyed).collect::<Vec<_>>()
+            let classified = p.priorities.iter().flat_map(|(_, m)| m.headers.iter().map(|h| h.name.clone()));
+            rules.chain(classified).collect::<Vec<_>>()
         })
         .collect();
     names.sort();
@@ -391,11 +403,21 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     for (i, rule) in policy.spec.rules.iter().enumerate() {
         rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"), &mut regexes)?);
     }
+    let mut priorities = Vec::with_capacity(policy.spec.priorities.len());
+    let mut errs = ValidationErrors::default();
+    for (i, entry) in policy.spec.priorities.iter().enumerate() {
+        let matcher = compile_match(&entry.matches, &format!("spec.priorities[{i}].match"), &mut regexes, &mut errs);
+        priorities.push((entry.class, matcher));
+    }
+    if !errs.is_empty() {
+        return Err(errs);
+    }
     // The hash covers what the policy says, not bookkeeping such as resourceVersion, so a re-list
     // of unchanged objects yields the same version.
     let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
     debug_assert!(regexes.is_empty(), "validation and compile name regexes differently: {:?}", regexes.keys());
-    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, canonical })
+    let overload = policy.spec.overload.clone();
+    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, canonical })
 }
 
 fn compile_rule(
@@ -409,6 +431,35 @@ fn compile_rule(
     // Validation already passed, so these only fail if validate and compile disagree; report
     // rather than panic.
     let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
+    let matcher = match &rule.matches {
+        Some(m) => compile_match(m, &format!("{path}.match"), validated, &mut errs),
+        None => RuleMatch::default(),
+    };
+    let paths_ignore_case =
+        rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
+    let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
+    let (Some(limit), true) = (limit, errs.is_empty()) else {
+        return Err(errs);
+    };
+    let identity = format!("{namespace}/{policy}/{}", rule.name);
+    Ok(CompiledRule {
+        id: rule_id(&identity),
+        identity,
+        policy: format!("{namespace}/{policy}").into(),
+        name: rule.name.as_str().into(),
+        limit,
+        per_text: rule.limit.per.clone(),
+        max_delay_text: rule.limit.max_delay.clone(),
+        mode: rule.mode,
+        on_store_failure: rule.on_store_failure,
+        cost: rule.cost,
+        matcher,
+        key,
+    })
+}
+
+/// A `match` (of a rule at `path`, or of a priority entry), with the regexes validation compiled.
+fn compile_match(m: &Match, path: &str, validated: &mut CompiledRegexes, errs: &mut ValidationErrors) -> RuleMatch {
     // Each regex was compiled once by validation; take it from there.
     let mut regex = |pattern: &str, ignore_case: bool, field: String, errs: &mut ValidationErrors| {
         let compiled = match validated.remove(&field) {
@@ -424,7 +475,7 @@ fn compile_rule(
         }
     };
     let mut matcher = RuleMatch::default();
-    if let Some(m) = &rule.matches {
+    {
         matcher.methods = m.methods.iter().map(|s| s.to_ascii_uppercase()).collect();
         for (j, p) in m.paths.iter().enumerate() {
             let ignore_case = p.ignore_case.unwrap_or(false);
@@ -435,7 +486,7 @@ fn compile_rule(
                 let prefix = if trimmed.is_empty() { "/".into() } else { trimmed.into() };
                 matcher.paths.push(PathMatcher::Prefix { prefix, ignore_case });
             } else if let Some(re) = &p.regex
-                && let Some(re) = regex(re, ignore_case, format!("{path}.match.paths[{j}].regex"), &mut errs)
+                && let Some(re) = regex(re, ignore_case, format!("{path}.paths[{j}].regex"), errs)
             {
                 matcher.paths.push(PathMatcher::Regex(re));
             }
@@ -464,15 +515,15 @@ fn compile_rule(
             }
         };
         for (j, h) in m.headers.iter().enumerate() {
-            let field = format!("{path}.match.headers[{j}].regex");
+            let field = format!("{path}.headers[{j}].regex");
             let present = HeaderTest::Present(h.present.unwrap_or(true));
-            let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, field, present, &mut errs) else { continue };
+            let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, field, present, errs) else { continue };
             matcher.headers.push(HeaderMatcher { name: canonical_header_name(&h.name), test });
         }
         for (j, entry) in m.descriptor.iter().enumerate() {
-            let field = format!("{path}.match.descriptor[{j}].regex");
+            let field = format!("{path}.descriptor[{j}].regex");
             let any = HeaderTest::Present(true);
-            let Some(test) = value_test(&entry.exact, &entry.prefix, &entry.regex, field, any, &mut errs) else {
+            let Some(test) = value_test(&entry.exact, &entry.prefix, &entry.regex, field, any, errs) else {
                 continue;
             };
             matcher.descriptor.push(DescriptorEntryMatcher {
@@ -483,27 +534,7 @@ fn compile_rule(
             });
         }
     }
-    let paths_ignore_case =
-        rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
-    let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
-    let (Some(limit), true) = (limit, errs.is_empty()) else {
-        return Err(errs);
-    };
-    let identity = format!("{namespace}/{policy}/{}", rule.name);
-    Ok(CompiledRule {
-        id: rule_id(&identity),
-        identity,
-        policy: format!("{namespace}/{policy}").into(),
-        name: rule.name.as_str().into(),
-        limit,
-        per_text: rule.limit.per.clone(),
-        max_delay_text: rule.limit.max_delay.clone(),
-        mode: rule.mode,
-        on_store_failure: rule.on_store_failure,
-        cost: rule.cost,
-        matcher,
-        key,
-    })
+    matcher
 }
 
 fn key_source(k: &KeyPart, paths_ignore_case: bool) -> KeySource {

@@ -10,6 +10,7 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, LimitError, MAX_LOG_REQUESTS, MAX_REQUESTS};
+use crate::overload::Class;
 
 /// Bounds that keep every CEL rule's estimated cost within the API server's budget, and a
 /// policy small enough to read. The schema attributes below use these constants, so the CRD
@@ -64,7 +65,7 @@ fn log_cap_rule() -> CelRule {
 /// The message of the regex count budget, shared by CEL and `validate`.
 pub(crate) fn regex_count_message() -> String {
     format!(
-        "at most {MAX_REGEXES_PER_POLICY} regexes per policy (match.paths, match.headers and match.descriptor of all rules together)"
+        "at most {MAX_REGEXES_PER_POLICY} regexes per policy (match.paths, match.headers and match.descriptor of all rules and priorities together)"
     )
 }
 
@@ -73,11 +74,16 @@ fn regex_count_rule() -> CelRule {
     let count = |list: &str, var: &str| {
         format!("(has(r.match.{list}) ? r.match.{list}.filter({var}, has({var}.regex)).size() : 0)")
     };
+    let in_priorities = |list: &str, var: &str| {
+        format!("(has(e.match.{list}) ? e.match.{list}.filter({var}, has({var}.regex)).size() : 0)")
+    };
     CelRule::new(format!(
-        "self.rules.map(r, has(r.match) ? {} + {} + {} : 0).sum() <= {MAX_REGEXES_PER_POLICY}",
+        "(has(self.rules) ? self.rules.map(r, has(r.match) ? {} + {} + {} : 0).sum() : 0) + (has(self.priorities) ? self.priorities.map(e, {} + {}).sum() : 0) <= {MAX_REGEXES_PER_POLICY}",
         count("paths", "p"),
         count("headers", "h"),
-        count("descriptor", "d")
+        count("descriptor", "d"),
+        in_priorities("paths", "p"),
+        in_priorities("headers", "h"),
     ))
     .message(kube::core::Message::Message(regex_count_message()))
     .field_path(".rules")
@@ -122,8 +128,9 @@ fn regex_count_rule() -> CelRule {
     ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
-#[x_kube(validation = CelRule::new("self.rules.all(r, self.rules.exists_one(s, s.name == r.name))").message("rule names must be unique within a policy"))]
+#[x_kube(validation = CelRule::new("!has(self.rules) || self.rules.all(r, self.rules.exists_one(s, s.name == r.name))").message("rule names must be unique within a policy"))]
 #[x_kube(validation = regex_count_rule())]
+#[x_kube(validation = CelRule::new("(has(self.rules) && size(self.rules) > 0) || has(self.overload)").message("at least one rule is required (or spec.overload)").field_path(".rules"))]
 #[serde(rename_all = "camelCase")]
 pub struct RateLimitPolicySpec {
     /// Which workloads (pods, by their labels) of this namespace the policy applies to, as a
@@ -135,7 +142,8 @@ pub struct RateLimitPolicySpec {
     pub selector: Option<LabelSelector>,
 
     /// The limits. Each rule counts the requests it matches, separately for each distinct key
-    /// (for example per API key or per client IP). At least one rule, at most 64; names unique.
+    /// (for example per API key or per client IP). At least one rule (none only in a policy
+    /// with `overload`), at most 64; names unique.
     ///
     /// Budget per policy, so that one policy cannot burden the shared system: at most 64 rules;
     /// at most 64 regexes (match.paths, match.headers and match.descriptor of all rules
@@ -143,9 +151,141 @@ pub struct RateLimitPolicySpec {
     /// 1000 requests per window.
     /// The regex sizes are measured by the admission webhook (and `sluice serve`), not by the
     /// schema.
-    #[schemars(length(min = 1, max = MAX_RULES))]
+    #[serde(default)]
+    #[schemars(length(max = MAX_RULES))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub rules: Vec<PolicyRule>,
+
+    /// How much each request matters when the workload is overloaded (see `overload`): a list
+    /// of classes with the requests they take, the first matching entry wins, and a request no
+    /// entry matches is `default`. Classes, from the first refused to the last: `sheddable`,
+    /// `default`, `critical`. `sluice explain` shows each request's class. At most 16 entries;
+    /// their regexes count against the policy's regex budget (see `spec.rules`).
+    ///
+    /// Example: `priorities: [{class: critical, match: {paths: [{prefix: /checkout}]}},
+    /// {class: sheddable, match: {paths: [{prefix: /reports}]}}]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_PRIORITIES))]
+    pub priorities: Vec<PriorityEntry>,
+
+    /// Protection of the selected workloads from overload, by their sidecar: it limits the
+    /// requests in flight to the application with a limit it adapts to the application's own
+    /// latency (and the container's CPU and memory pressure), and past it refuses the lowest
+    /// class first (see `priorities`) with 503 and `Retry-After`. Absent: no such protection.
+    /// When several policies select a workload, the first by namespace/name with `overload`
+    /// decides. docs/overload.md explains the model and every field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overload: Option<OverloadSpec>,
+}
+
+/// Bound on `spec.priorities`: each entry's match runs on every request of the workload.
+pub const MAX_PRIORITIES: usize = 16;
+
+/// One entry of `spec.priorities`: requests it matches get its class.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PriorityEntry {
+    /// `critical`, `default` or `sheddable`.
+    pub class: Class,
+    /// Which requests: methods, paths, hosts and headers as in a rule's `match` (no
+    /// `descriptor`). Empty: every request.
+    #[serde(default, rename = "match")]
+    pub matches: Match,
+}
+
+/// The sidecar's adaptive protection of its application.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = CelRule::new("self.minLimit <= self.maxLimit").message("overload.minLimit must not exceed overload.maxLimit"))]
+#[x_kube(validation = CelRule::new("self.sheddableShare <= self.defaultShare").message("overload.sheddableShare must not exceed overload.defaultShare: sheddable requests are refused first"))]
+#[serde(rename_all = "camelCase")]
+pub struct OverloadSpec {
+    /// `enforce` (default): refuse over the limit. `shadow`: compute the limit and count what
+    /// would be refused (`sluice_sidecar_overload_would_shed_total`), refuse nothing.
+    #[serde(default)]
+    pub mode: Mode,
+    /// The limit on requests in flight to the application at start, before any latency is
+    /// measured. Default 20.
+    #[serde(default = "default_initial_limit")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub initial_limit: u32,
+    /// The limit never goes below this. Default 4.
+    #[serde(default = "default_min_limit")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub min_limit: u32,
+    /// The limit never goes above this. Default 1000.
+    #[serde(default = "default_max_limit")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_limit: u32,
+    /// How much latency growth is tolerated before the limit comes down, in percent of the
+    /// application's long-term latency: 150 (default) lets the recent latency reach 1.5 times
+    /// it. Lower protects latency harder; higher keeps more throughput.
+    #[serde(default = "default_tolerance")]
+    #[schemars(range(min = 100, max = 1000))]
+    pub tolerance_percent: u32,
+    /// The share of the limit, in percent, that `default` requests may fill; the rest is kept
+    /// for `critical` ones. Default 80.
+    #[serde(default = "default_default_share")]
+    #[schemars(range(min = 0, max = 100))]
+    pub default_share: u32,
+    /// The share of the limit, in percent, that `sheddable` requests may fill. Default 50.
+    #[serde(default = "default_sheddable_share")]
+    #[schemars(range(min = 0, max = 100))]
+    pub sheddable_share: u32,
+    /// Critical requests over the limit may wait this long for a slot (a duration such as
+    /// `100ms`), at most `criticalQueue` of them at once; absent or `0`: they are refused at
+    /// once.
+    #[x_kube(validation = duration_rule("criticalWait"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub critical_wait: Option<String>,
+    /// How many critical requests may wait at once (with `criticalWait`). Default 32.
+    #[serde(default = "default_critical_queue")]
+    #[schemars(range(min = 0, max = 10000))]
+    pub critical_queue: u32,
+    /// The container's CPU pressure, in percent, past which the limit comes down whatever the
+    /// latency: cgroup v2 `cpu.pressure` (some avg10), or the share of CPU periods throttled
+    /// by the container's CPU limit (v1 and v2). Absent: CPU is not watched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub cpu_pressure_percent: Option<u32>,
+    /// The container's memory use, in percent of its limit, past which the limit comes down.
+    /// Absent: memory is not watched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub memory_percent: Option<u32>,
+    /// `Retry-After` of a refused request, a duration (default `1s`), rounded up to seconds.
+    #[x_kube(validation = duration_rule("retryAfter"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub retry_after: Option<String>,
+    /// A spread added to `Retry-After`, uniformly at random per refusal, so refused clients do
+    /// not all come back in the same second (e.g. `4s`). Absent: none.
+    #[x_kube(validation = duration_rule("retryAfterJitter"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub retry_after_jitter: Option<String>,
+}
+
+fn default_initial_limit() -> u32 {
+    20
+}
+fn default_min_limit() -> u32 {
+    4
+}
+fn default_max_limit() -> u32 {
+    1000
+}
+fn default_tolerance() -> u32 {
+    150
+}
+fn default_default_share() -> u32 {
+    80
+}
+fn default_sheddable_share() -> u32 {
+    50
+}
+fn default_critical_queue() -> u32 {
+    32
 }
 
 /// One rate limit: which requests it counts, how they are grouped into counters, and how many

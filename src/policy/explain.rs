@@ -16,6 +16,7 @@ use super::matching::{
 };
 use crate::algorithm::{Decision, Micros};
 use crate::duration::MICROS_PER_MS;
+use crate::overload::Class;
 use crate::store::{RuleCheck, Verdict};
 
 /// How a snapshot treats one request, policy by policy and rule by rule.
@@ -28,6 +29,13 @@ pub struct Explanation<'s> {
     pub host: Option<String>,
     pub snapshot: String,
     pub policies: Vec<PolicyExplanation<'s>>,
+    /// The request's class under overload ([`Snapshot::classify`]), and the policy whose
+    /// `priorities` gave it (`None`: no entry matched, so `default`).
+    pub class: Class,
+    pub classified_by: Option<String>,
+    /// Whether any policy selecting the workload has `priorities` or `overload` (the text
+    /// report names the class only then).
+    pub protected: bool,
 }
 
 #[derive(Debug)]
@@ -49,7 +57,7 @@ impl Snapshot {
     /// Explains every policy of the request's namespace (the only ones a check considers).
     pub fn explain<'s>(&'s self, req: &RequestView<'_>) -> Explanation<'s> {
         let (path, host) = matching_inputs(req);
-        let policies = self
+        let policies: Vec<PolicyExplanation<'_>> = self
             .namespace_policies(req.namespace)
             .iter()
             .map(|policy| {
@@ -71,12 +79,19 @@ impl Snapshot {
                 PolicyExplanation { policy, selector_failure, rules }
             })
             .collect();
+        let (class, classified_by) = self.classify(req);
+        let protected = policies
+            .iter()
+            .any(|p| p.selector_failure.is_none() && (!p.policy.priorities.is_empty() || p.policy.overload.is_some()));
         Explanation {
             namespace: req.namespace.to_string(),
             path: path.into_owned(),
             host: host.map(str::to_string),
             snapshot: self.version().to_string(),
             policies,
+            class,
+            classified_by: classified_by.map(str::to_string),
+            protected,
         }
     }
 
@@ -332,6 +347,9 @@ impl<'s> Explanation<'s> {
                 })
                 .collect(),
             rules,
+            class: self.class,
+            classified_by: self.classified_by.clone(),
+            protected: self.protected,
             decision,
             consumed: false,
         }
@@ -351,6 +369,12 @@ impl ExplainReport {
         );
         if self.policies.is_empty() {
             let _ = writeln!(out, "no policy in namespace {}", self.namespace);
+        }
+        if self.classified_by.is_some() || self.class != Class::Default {
+            let by = self.classified_by.as_deref().unwrap_or("");
+            let _ = writeln!(out, "class {} under overload (spec.priorities of {by})", self.class);
+        } else if self.protected {
+            let _ = writeln!(out, "class default under overload (no spec.priorities entry matches)");
         }
         for policy in &self.policies {
             match &policy.reason {
@@ -417,6 +441,15 @@ pub struct ExplainReport {
     /// Every policy of the namespace: the ones a check considers.
     pub policies: Vec<PolicyReport>,
     pub rules: Vec<RuleReport>,
+    /// The request's class when the workload is overloaded: `critical`, `default` or
+    /// `sheddable`.
+    pub class: Class,
+    /// The policy whose `spec.priorities` gave the class; `null` when none matched.
+    pub classified_by: Option<String>,
+    /// Whether a policy selecting the workload classifies or protects it (the text names the
+    /// class only then).
+    #[serde(skip)]
+    pub protected: bool,
     /// What a check would answer now; `null` when the store cannot tell without consuming.
     pub decision: Option<RequestDecision>,
     /// Always false: explaining consumes nothing.

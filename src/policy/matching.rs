@@ -17,7 +17,8 @@ use super::compile::{
     CompiledPolicy, CompiledRule, DescriptorEntryMatcher, HeaderTest, HostMatcher, KeySource, PathMatcher, RuleMatch,
     Selector, SelectorOp, Snapshot,
 };
-use super::crd::Missing;
+use super::crd::{Missing, OverloadSpec};
+use crate::overload::Class;
 
 /// Read-only string map: request headers (looked up by [canonical name](canonical_header_name))
 /// and workload labels.
@@ -197,6 +198,34 @@ impl Snapshot {
             }
             resolve_policy(policy, req, path, host, out);
         }
+    }
+}
+
+impl Snapshot {
+    /// The class of `req` when its workload is overloaded: the first `spec.priorities` entry it
+    /// matches, over the policies selecting its workload in their order (by name); `default`
+    /// when none does. With the policy that classified it.
+    pub fn classify(&self, req: &RequestView<'_>) -> (Class, Option<&str>) {
+        let (path, host) = matching_inputs(req);
+        let path = path.as_ref();
+        for policy in self.namespace_policies(req.namespace) {
+            if policy.priorities.is_empty() || !selector_matches(&policy.selector, req.labels) {
+                continue;
+            }
+            if let Some((class, _)) = policy.priorities.iter().find(|(_, m)| rule_matches(m, req, path, host)) {
+                return (*class, Some(policy.qualified_name()));
+            }
+        }
+        (Class::Default, None)
+    }
+
+    /// The overload protection of a workload of `namespace` with `labels`: the first policy (by
+    /// name) selecting it that has `spec.overload`, and that spec.
+    pub fn overload_for(&self, namespace: &str, labels: &dyn StrMap) -> Option<(&str, &OverloadSpec)> {
+        self.namespace_policies(namespace)
+            .iter()
+            .filter(|p| selector_matches(&p.selector, labels))
+            .find_map(|p| Some((p.qualified_name(), p.overload()?)))
     }
 }
 

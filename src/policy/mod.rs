@@ -15,8 +15,8 @@ pub mod validate;
 
 pub use compile::{Compiled, CompiledPolicy, CompiledRule, Rejected, Snapshot, SnapshotPart, compile, rule_id};
 pub use crd::{
-    FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, PathMatch, PolicyRule,
-    RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
+    FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
+    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
 };
 pub use explain::{ExplainReport, Explanation};
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files};

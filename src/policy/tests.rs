@@ -219,7 +219,7 @@ fn regexes_are_capped_at_max_regexes_per_policy() {
     assert_eq!(
         messages(&policy(2)),
         [
-            "spec.rules: at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules together), got 66 (the first over the budget: spec.rules[2].match.paths[1].regex)"
+            "spec.rules: at most 64 regexes per policy (match.paths, match.headers and match.descriptor of all rules and priorities together), got 66 (the first over the budget: spec.rules[2].match.paths[1].regex)"
         ]
     );
 }
@@ -895,4 +895,74 @@ fn concurrency_rules_refuse_cost_and_descriptors() {
         "  - name: r\n    algorithm: concurrency\n    limit: {requests: 10001, per: 5m}\n",
     ));
     assert!(many.contains("spec.rules[0].limit.requests") && many.contains("10000"), "{many}");
+}
+
+mod overload {
+    use super::super::*;
+    use crate::overload::Class;
+
+    fn compiled(spec: &str) -> Result<Snapshot, String> {
+        let yaml = format!(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: protect, namespace: shop}}\nspec:\n{spec}"
+        );
+        let loaded = load_str(&yaml, std::path::Path::new("p.yaml")).map_err(|e| e.to_string())?;
+        let compiled = compile(loaded.into_iter().map(|l| l.policy).collect());
+        match compiled.rejected.first() {
+            Some(rejected) => Err(rejected.errors.to_string()),
+            None => Ok(compiled.snapshot),
+        }
+    }
+
+    fn class_of(snapshot: &Snapshot, method: &str, path: &str, headers: &[(&str, &str)]) -> Class {
+        let labels: std::collections::BTreeMap<String, String> = [("app".to_string(), "shop".to_string())].into();
+        let headers: std::collections::BTreeMap<String, String> =
+            headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let view = RequestView {
+            namespace: "shop",
+            labels: &labels,
+            method,
+            path,
+            host: None,
+            client_ip: None,
+            headers: &headers,
+            cost: 1,
+            descriptor: None,
+        };
+        snapshot.classify(&view).0
+    }
+
+    const PRIORITIES: &str = "  selector: {matchLabels: {app: shop}}\n  priorities:\n    - {class: critical, match: {methods: [POST], paths: [{prefix: /checkout}]}}\n    - {class: sheddable, match: {paths: [{prefix: /reports}]}}\n    - {class: critical, match: {headers: [{name: X-Tier, exact: gold}]}}\n  overload: {}\n  rules: []\n";
+
+    #[test]
+    fn the_first_matching_entry_gives_the_class() {
+        let snapshot = compiled(PRIORITIES).unwrap();
+        assert_eq!(class_of(&snapshot, "POST", "/checkout/1", &[]), Class::Critical);
+        assert_eq!(class_of(&snapshot, "GET", "/checkout/1", &[]), Class::Default, "methods: POST only");
+        assert_eq!(class_of(&snapshot, "GET", "//reports/./x", &[]), Class::Sheddable, "normalized path");
+        assert_eq!(class_of(&snapshot, "GET", "/reports", &[("x-tier", "gold")]), Class::Sheddable, "first wins");
+        assert_eq!(class_of(&snapshot, "GET", "/search", &[("x-tier", "gold")]), Class::Critical);
+        assert!(snapshot.header_names().iter().any(|h| h == "x-tier"), "the sidecar must send X-Tier");
+        let labels: std::collections::BTreeMap<String, String> = [("app".to_string(), "other".to_string())].into();
+        assert!(snapshot.overload_for("shop", &labels).is_none(), "the selector applies");
+    }
+
+    #[test]
+    fn overload_fields_are_validated_by_name() {
+        let err = compiled("  overload: {minLimit: 10, maxLimit: 5, initialLimit: 7}\n  rules: []\n").unwrap_err();
+        assert!(err.contains("spec.overload.minLimit") && err.contains("spec.overload.initialLimit"), "{err}");
+        let err = compiled("  overload: {criticalWait: soon}\n  rules: []\n").unwrap_err();
+        assert!(err.contains("spec.overload.criticalWait"), "{err}");
+        let err = compiled("  rules: []\n").unwrap_err();
+        assert!(err.contains("at least one rule is required (or spec.overload)"), "{err}");
+        let err = compiled(
+            "  priorities: [{class: critical, match: {descriptor: [{key: k}]}}]\n  overload: {}\n  rules: []\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("spec.priorities[0].match.descriptor"), "{err}");
+        let err = compiled(
+            "  priorities: [{class: critical, match: {paths: [{regex: '('}]}}]\n  overload: {}\n  rules: []\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("spec.priorities[0].match.paths[0]"), "{err}");
+    }
 }

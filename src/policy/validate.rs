@@ -10,8 +10,8 @@ use super::pattern::PolicyRegex as Regex;
 use super::crd::{
     DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN,
     MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN, MAX_MATCH_ITEMS, MAX_NAME_LEN,
-    MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing,
-    PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
+    MAX_PATTERN_LEN, MAX_PRIORITIES, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES,
+    Match, Missing, OverloadSpec, PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
 };
 use super::matching::same_header_name;
 use super::path::normalize;
@@ -85,8 +85,8 @@ pub(super) fn validate_keeping_regexes(policy: &RateLimitPolicy) -> Result<Compi
     if let Some(selector) = &spec.selector {
         validate_selector(selector, &mut errs);
     }
-    if spec.rules.is_empty() {
-        errs.push("spec.rules", "at least one rule is required");
+    if spec.rules.is_empty() && spec.overload.is_none() {
+        errs.push("spec.rules", "at least one rule is required (or spec.overload)");
     }
     if spec.rules.len() > MAX_RULES {
         errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
@@ -101,6 +101,19 @@ pub(super) fn validate_keeping_regexes(policy: &RateLimitPolicy) -> Result<Compi
                 format!("duplicate rule name {:?} (also spec.rules[{first}])", rule.name),
             );
         }
+    }
+    if spec.priorities.len() > MAX_PRIORITIES {
+        errs.push("spec.priorities", format!("at most {MAX_PRIORITIES} entries, got {}", spec.priorities.len()));
+    }
+    for (i, entry) in spec.priorities.iter().enumerate() {
+        let path = format!("spec.priorities[{i}].match");
+        if !entry.matches.descriptor.is_empty() {
+            errs.push(format!("{path}.descriptor"), "a priority matches HTTP requests: descriptor has no place here");
+        }
+        validate_match(&entry.matches, &path, &mut regexes, &mut errs);
+    }
+    if let Some(overload) = &spec.overload {
+        validate_overload(overload, &mut errs);
     }
     check_regex_budget(&regexes, &mut errs);
     if !errs.is_empty() {
@@ -251,6 +264,47 @@ pub(crate) fn build_limit(
         }
     }
     None
+}
+
+fn validate_overload(o: &OverloadSpec, errs: &mut ValidationErrors) {
+    let path = "spec.overload";
+    if o.min_limit > o.max_limit {
+        errs.push(format!("{path}.minLimit"), format!("{} exceeds maxLimit {}", o.min_limit, o.max_limit));
+    }
+    if o.initial_limit < o.min_limit || o.initial_limit > o.max_limit {
+        errs.push(
+            format!("{path}.initialLimit"),
+            format!("{} is outside [minLimit, maxLimit] = [{}, {}]", o.initial_limit, o.min_limit, o.max_limit),
+        );
+    }
+    if o.default_share > 100 || o.sheddable_share > 100 {
+        errs.push(format!("{path}.defaultShare"), "shares are percentages, at most 100");
+    }
+    if o.sheddable_share > o.default_share {
+        errs.push(
+            format!("{path}.sheddableShare"),
+            "must not exceed defaultShare: sheddable requests are refused first",
+        );
+    }
+    if !(100..=1000).contains(&o.tolerance_percent) {
+        errs.push(format!("{path}.tolerancePercent"), "between 100 and 1000");
+    }
+    for (field, value) in [("cpuPressurePercent", o.cpu_pressure_percent), ("memoryPercent", o.memory_percent)] {
+        if value.is_some_and(|v| v == 0 || v > 100) {
+            errs.push(format!("{path}.{field}"), "a percentage between 1 and 100");
+        }
+    }
+    for (field, value) in [
+        ("criticalWait", &o.critical_wait),
+        ("retryAfter", &o.retry_after),
+        ("retryAfterJitter", &o.retry_after_jitter),
+    ] {
+        if let Some(text) = value
+            && let Err(e) = parse_duration(text)
+        {
+            errs.push(format!("{path}.{field}"), e.to_string());
+        }
+    }
 }
 
 fn validate_match(m: &Match, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {

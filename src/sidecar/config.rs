@@ -91,6 +91,10 @@ pub struct SidecarArgs {
     /// the upstream host instead of the --upstream port.
     #[arg(long, env = "SLUICE_INBOUND_PORTS", value_delimiter = ',')]
     pub inbound_ports: Vec<u16>,
+    /// Where the container's cgroup is mounted, read for CPU and memory pressure when a policy's
+    /// `overload` watches them (cgroup v2, or v1's per-controller directories under it).
+    #[arg(long, env = "SLUICE_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     /// Header-read timeout and connection cap of the proxy and admin listeners.
     #[command(flatten)]
     pub listen_limits: crate::server::listen::ListenArgs,
@@ -99,6 +103,7 @@ pub struct SidecarArgs {
 /// The checked configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
+    pub cgroup_root: PathBuf,
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub upstream: Authority,
@@ -178,6 +183,7 @@ impl Config {
         Ok(Config {
             listen: args.listen,
             admin_listen: args.admin_listen,
+            cgroup_root: args.cgroup_root.clone(),
             upstream,
             check_uri: endpoint_uri("/v1/check")?,
             checks_uri: endpoint_uri("/v1/checks")?,
@@ -289,6 +295,7 @@ mod tests {
             endpoint_batches: 4,
             app_probes: None,
             inbound_ports: Vec::new(),
+            cgroup_root: "/sys/fs/cgroup".into(),
             listen_limits: crate::server::listen::ListenArgs {
                 header_read_timeout: Duration::from_secs(10),
                 max_connections: None,

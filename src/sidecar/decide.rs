@@ -136,6 +136,8 @@ pub struct Decider {
     /// The breaker's and the local fallback's time, and the check timings.
     clock: Arc<dyn Clock>,
     metrics: Arc<SidecarMetrics>,
+    /// The application's protection from overload, configured by each snapshot installed.
+    pub protection: Arc<super::overload::Protection>,
 }
 
 impl Decider {
@@ -177,6 +179,7 @@ impl Decider {
             snapshot_is_pushed: AtomicBool::new(false),
             installed: parking_lot::Mutex::new(None),
             clock,
+            protection: super::overload::Protection::new(metrics.clone(), config.cgroup_root.clone()),
             metrics,
         })
     }
@@ -213,6 +216,12 @@ impl Decider {
                 tracing::warn!(%reason, "could not release a request's concurrency slots; they come back when the lease runs out");
             }
         }
+    }
+
+    /// The class of a request when the application is overloaded (the cached snapshot's
+    /// `priorities`; `default` before the first snapshot).
+    pub fn classify(&self, input: &CheckInput<'_>) -> crate::overload::Class {
+        self.local.live().snapshot.classify(&view_of(input)).0
     }
 
     /// The local fallback's store, for the sweeper that drops idle keys.
@@ -514,6 +523,7 @@ impl Decider {
         // Not exact while the new snapshot goes in: no request may skip the endpoint on a
         // snapshot whose exactness is not yet known.
         self.local_is_exact.store(false, Ordering::Release);
+        self.protection.configure(compiled.snapshot.overload_for(&self.namespace, &self.labels));
         self.local.install(Arc::new(compiled.snapshot));
         self.local_is_exact.store(exact, Ordering::Release);
         self.header_filter.store(Arc::new(HeaderFilter::Only(names)));

@@ -50,6 +50,14 @@ pub struct SidecarMetrics {
     /// Checks sent in batches; ÷ batch exchanges = the mean batch size.
     pub batched_checks: Counter,
     pub releases: Family<ResultLabels, Counter>,
+    /// Overload protection: the adaptive limit, the requests in flight to the application, the
+    /// long-term latency estimate (microseconds), and requests shed (or, in shadow mode, that
+    /// would have been) by class.
+    pub overload_limit: Gauge<i64, AtomicI64>,
+    pub overload_in_flight: Gauge<i64, AtomicI64>,
+    pub overload_latency_ms: Gauge<i64, AtomicI64>,
+    pub overload_shed: Family<super::overload::ClassLabels, Counter>,
+    pub overload_would_shed: Family<super::overload::ClassLabels, Counter>,
 }
 
 impl Default for SidecarMetrics {
@@ -112,7 +120,42 @@ impl SidecarMetrics {
             "Concurrency slots given back when a request's response ended, by result (a failed one runs out with its lease)",
             releases.clone(),
         );
+        let overload_limit = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "overload_limit",
+            "Overload protection: the adaptive limit on requests in flight to the application",
+            overload_limit.clone(),
+        );
+        let overload_in_flight = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "overload_in_flight",
+            "Overload protection: requests in flight to the application",
+            overload_in_flight.clone(),
+        );
+        let overload_latency_ms = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "overload_latency_microseconds",
+            "Overload protection: the application's long-term latency estimate",
+            overload_latency_ms.clone(),
+        );
+        let overload_shed = Family::<super::overload::ClassLabels, Counter>::default();
+        registry.register(
+            "overload_shed",
+            "Overload protection: requests refused with 503 because the application is at its limit, by class",
+            overload_shed.clone(),
+        );
+        let overload_would_shed = Family::<super::overload::ClassLabels, Counter>::default();
+        registry.register(
+            "overload_would_shed",
+            "Overload protection in shadow mode: requests that would have been refused, by class",
+            overload_would_shed.clone(),
+        );
         SidecarMetrics {
+            overload_limit,
+            overload_in_flight,
+            overload_latency_ms,
+            overload_shed,
+            overload_would_shed,
             registry,
             requests,
             decisions,

@@ -11,6 +11,7 @@ pub mod connect;
 pub mod decide;
 mod endpoint;
 pub mod metrics;
+pub mod overload;
 pub mod probes;
 pub mod proxy;
 pub mod verdict;
@@ -44,11 +45,16 @@ pub enum SidecarError {
 /// failure modes exist to prevent. The admin server starts after the proxy's listener is bound,
 /// so answering `/readyz` means the proxy accepts connections. The application's own probes, when
 /// the webhook moved them here, are under `/app-health/` ([`probes`]).
-pub fn admin_router(metrics: Arc<SidecarMetrics>, app_health: Arc<probes::AppHealth>) -> Router {
+pub fn admin_router(
+    metrics: Arc<SidecarMetrics>,
+    app_health: Arc<probes::AppHealth>,
+    protection: Arc<overload::Protection>,
+) -> Router {
     let app_probes = Router::new().route("/app-health/{container}/{kind}", get(probes::handler)).with_state(app_health);
     Router::new()
         .merge(app_probes)
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/overload", get(move || std::future::ready(axum::Json(protection.state()))))
         .route("/readyz", get(|| async { "ready\n" }))
         .route(
             "/metrics",
@@ -96,9 +102,10 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
+    let pressure = tokio::spawn(decider.protection.clone().watch_pressure(stopped.clone()));
     let admin_server = tokio::spawn(crate::server::listen::serve(
         admin,
-        admin_router(metrics, app_health),
+        admin_router(metrics, app_health, decider.protection.clone()),
         None,
         config.listen_limits,
         stopped.clone(),
@@ -109,7 +116,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     let _ = proxy_server.await;
-    let _ = tokio::join!(poller, sweeper);
+    let _ = tokio::join!(poller, sweeper, pressure);
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),
         _ => Ok(()),
@@ -127,8 +134,14 @@ mod tests {
         for path in ["/healthz", "/readyz", "/metrics"] {
             let request = axum::http::Request::get(path).body(axum::body::Body::empty()).expect("request");
             let health = Arc::new(probes::AppHealth::new(Default::default()));
-            let response =
-                admin_router(Arc::new(SidecarMetrics::new()), health).oneshot(request).await.expect("response");
+            let response = admin_router(
+                Arc::new(SidecarMetrics::new()),
+                health,
+                overload::Protection::new(Arc::new(SidecarMetrics::new()), "/sys/fs/cgroup".into()),
+            )
+            .oneshot(request)
+            .await
+            .expect("response");
             assert_eq!(response.status(), 200, "{path}");
         }
     }

@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider};
 use super::metrics::SidecarMetrics;
+use super::overload::{Shed, Slot};
 use super::verdict::{Decision, HeaderList, Held, Refusal, error_chain};
 use crate::request::{forwarded, headers, host};
 use crate::server::request::MAX_PATH_LEN;
@@ -150,6 +151,9 @@ impl Proxy {
             Ok(host) => host.map(str::to_string),
             Err(problem) => return self.refuse(Refusal::new(StatusCode::BAD_REQUEST, problem.to_string())),
         };
+        // Taken before the rate-limit check, so a request shed for overload consumes no quota;
+        // given back when the application's response head arrives (or the request ends).
+        let mut slot: Option<Slot> = None;
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
@@ -162,6 +166,10 @@ impl Proxy {
                     client_ip,
                     headers,
                 };
+                match self.decider.protection.admit(self.decider.classify(&input)).await {
+                    Ok(taken) => slot = taken,
+                    Err(shed) => return self.shed(shed),
+                }
                 self.decider.decide(&input).await
             }
             Ok(None) => self.decider.undecidable(),
@@ -198,7 +206,11 @@ impl Proxy {
                 return problem(StatusCode::BAD_GATEWAY, "Bad Gateway", "the application did not answer", Vec::new());
             }
         };
-        self.metrics.upstream_seconds.observe(started.elapsed().as_secs_f64());
+        let latency = started.elapsed();
+        self.metrics.upstream_seconds.observe(latency.as_secs_f64());
+        if let Some(slot) = slot {
+            slot.finish(latency_sample(&response, latency));
+        }
 
         if let (Some(client_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (client_upgrade, response.status()) {
             let upstream_upgrade = hyper::upgrade::on(&mut response);
@@ -237,6 +249,23 @@ impl Proxy {
         problem(refusal.status, title, &refusal.detail, Vec::new())
     }
 
+    /// Answers a request refused because the application is at its overload limit: 503 with
+    /// `Retry-After`, never forwarded and never counted against a rate limit.
+    fn shed(&self, shed: Shed) -> Response<ProxyBody> {
+        self.metrics.outcome("shed");
+        let retry_after = shed.retry_after_secs.to_string();
+        let mut response = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Service Unavailable",
+            &format!("the application is at its load limit; {} requests are refused first", shed.class),
+            Vec::new(),
+        );
+        if let Ok(value) = HeaderValue::from_str(&retry_after) {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        response
+    }
+
     /// Rewrites the client's request into the one the application gets.
     fn prepare(
         &self,
@@ -265,6 +294,20 @@ impl Proxy {
         forwarded::set_forwarded(headers, peer.ip(), self.trusted_hops);
         Ok(())
     }
+}
+
+/// The application's latency for the overload limit: the time to its response head, except for
+/// answers whose time is not the application's work (a WebSocket upgrade or an event stream,
+/// whose length the client decides) or a failure (5xx: a fast failure would look like spare
+/// capacity).
+fn latency_sample<B>(response: &Response<B>, latency: Duration) -> Option<Duration> {
+    let streaming = response.status() == StatusCode::SWITCHING_PROTOCOLS
+        || response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
+    (!streaming && !response.status().is_server_error()).then_some(latency)
 }
 
 fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {

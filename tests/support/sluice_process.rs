@@ -53,6 +53,24 @@ impl SluiceProcess {
         }
     }
 
+    /// The address a log line names as `field=ADDRESS` (the sidecar's `admin=`), waiting up to
+    /// 10 s for it.
+    pub fn logged_address(&self, field: &str) -> SocketAddr {
+        let needle = format!("{field}=");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let found = self.logs.lock().unwrap().iter().find_map(|line| {
+                let at = line.find(&needle)?;
+                line[at + needle.len()..].split_whitespace().next()?.parse::<SocketAddr>().ok()
+            });
+            if let Some(address) = found {
+                return address;
+            }
+            assert!(std::time::Instant::now() < deadline, "no {needle} line in {:?}", self.logs.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }

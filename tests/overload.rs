@@ -1,0 +1,224 @@
+//! The sidecar's overload protection end to end: `sluice serve` with a policy that has
+//! `priorities` and `overload`, the real sidecar binary in front of an application that holds
+//! each request, and requests of each class at once.
+
+#[path = "support/sluice_process.rs"]
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::any;
+use serde_json::Value;
+use support::SluiceProcess;
+
+/// An application that holds every request for `hold` and remembers the most it held at once.
+struct App {
+    address: SocketAddr,
+    in_flight: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+}
+
+async fn start_app(hold: Duration) -> App {
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let (now, peak) = (in_flight.clone(), most.clone());
+    let app = Router::new().fallback(any(move || {
+        let (now, peak) = (now.clone(), peak.clone());
+        async move {
+            let current = now.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(current, Ordering::SeqCst);
+            tokio::time::sleep(hold).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            "ok\n"
+        }
+    }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    App { address, in_flight, most }
+}
+
+const PRIORITIES: &str = r#"
+  priorities:
+    - {class: critical, match: {paths: [{prefix: /checkout}]}}
+    - {class: sheddable, match: {paths: [{prefix: /reports}]}}
+"#;
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    _serve: SluiceProcess,
+    sidecar: SluiceProcess,
+    admin: SocketAddr,
+}
+
+/// `sluice serve` on a policy with `overload` (the YAML of its fields) and the sidecar in front
+/// of `app`; returns once the sidecar has the policy's protection on.
+async fn start(app: &App, overload: &str, sidecar_args: &[&str]) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: protect, namespace: shop}}\nspec:{PRIORITIES}  overload: {overload}\n  rules: []\n"
+    );
+    std::fs::write(dir.path().join("p.yaml"), policy).unwrap();
+    let serve = SluiceProcess::start(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"]);
+    let endpoint = format!("http://{}", serve.addr);
+    let upstream = app.address.to_string();
+    let mut args = vec![
+        "sidecar",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+        "--endpoint",
+        &endpoint,
+        "--namespace",
+        "shop",
+        "--snapshot-interval",
+        "100ms",
+    ];
+    args.extend_from_slice(sidecar_args);
+    let sidecar = SluiceProcess::start(&args);
+    let admin = sidecar.logged_address("admin");
+    let setup = Setup { _dir: dir, _serve: serve, sidecar, admin };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while setup.overload().await["protection"].is_null() {
+        assert!(Instant::now() < deadline, "protection never on: {:?}", setup.sidecar.logs.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    setup
+}
+
+impl Setup {
+    async fn overload(&self) -> Value {
+        client().get(format!("http://{}/overload", self.admin)).send().await.unwrap().json().await.unwrap()
+    }
+
+    async fn metrics(&self) -> String {
+        client().get(format!("http://{}/metrics", self.admin)).send().await.unwrap().text().await.unwrap()
+    }
+
+    /// `n` requests to `path` at once; their statuses, in order.
+    async fn burst(&self, path: &str, n: usize) -> Vec<(u16, Option<String>)> {
+        let c = client();
+        let requests = (0..n).map(|_| {
+            let request = c.get(self.sidecar.url(path)).send();
+            async move {
+                let response = request.await.unwrap();
+                let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+                (response.status().as_u16(), retry_after)
+            }
+        });
+        futures::future::join_all(requests).await
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap()
+}
+
+fn count(statuses: &[(u16, Option<String>)], status: u16) -> usize {
+    statuses.iter().filter(|(s, _)| *s == status).count()
+}
+
+/// A fixed limit of 4: sheddable requests may fill half of it, default 80%, critical all; past
+/// their share they get 503 with Retry-After and never reach the application.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lowest_class_is_shed_first_and_critical_requests_keep_the_rest() {
+    let app = start_app(Duration::from_millis(400)).await;
+    let setup = start(&app, "{initialLimit: 4, minLimit: 4, maxLimit: 4, retryAfter: 2s}", &[]).await;
+
+    let reports = tokio::spawn({
+        let url = setup.sidecar.url("/reports");
+        async move {
+            let c = client();
+            let all = (0..6).map(|_| c.get(&url).send());
+            futures::future::join_all(all).await
+        }
+    });
+    // While the reports hold their two slots, critical requests take the other two.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let checkout = setup.burst("/checkout", 2).await;
+    let reports: Vec<u16> = reports.await.unwrap().into_iter().map(|r| r.unwrap().status().as_u16()).collect();
+    assert_eq!(reports.iter().filter(|s| **s == 200).count(), 2, "sheddable: 50% of 4 {reports:?}");
+    assert_eq!(reports.iter().filter(|s| **s == 503).count(), 4, "{reports:?}");
+    assert_eq!(count(&checkout, 200), 2, "critical: the rest of the limit {checkout:?}");
+    assert!(app.most.load(Ordering::SeqCst) <= 4, "the application never held more than the limit");
+
+    let shed = setup.burst("/reports", 3).await;
+    assert!(shed.iter().any(|(s, r)| *s == 200 || r.as_deref() == Some("2")), "503s carry Retry-After: 2 {shed:?}");
+    let state = setup.overload().await;
+    assert_eq!(state["protection"]["policy"], "shop/protect");
+    assert_eq!(state["protection"]["state"]["limit"], 4);
+    assert!(state["protection"]["state"]["shed"]["sheddable"].as_u64().unwrap() >= 4, "{state}");
+    assert_eq!(state["protection"]["state"]["shed"]["critical"], 0);
+    let metrics = setup.metrics().await;
+    assert!(metrics.contains(r#"sluice_sidecar_overload_shed_total{class="sheddable"}"#), "{metrics}");
+    assert!(metrics.contains("sluice_sidecar_overload_limit 4"), "{metrics}");
+    assert_eq!(app.in_flight.load(Ordering::SeqCst), 0);
+}
+
+/// Shadow mode: the same traffic, nothing refused, what would have been counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shadow_mode_refuses_nothing_and_counts_what_it_would_shed() {
+    let app = start_app(Duration::from_millis(300)).await;
+    let setup = start(&app, "{mode: shadow, initialLimit: 4, minLimit: 4, maxLimit: 4}", &[]).await;
+    let reports = setup.burst("/reports", 6).await;
+    assert_eq!(count(&reports, 200), 6, "{reports:?}");
+    let state = setup.overload().await;
+    assert_eq!(state["protection"]["state"]["wouldShed"]["sheddable"], 4, "{state}");
+    assert_eq!(state["protection"]["state"]["shed"]["sheddable"], 0);
+}
+
+/// A critical request over the limit waits (criticalWait) for a slot instead of being refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_critical_request_waits_for_a_slot_within_its_wait() {
+    let app = start_app(Duration::from_millis(300)).await;
+    let setup =
+        start(&app, "{initialLimit: 2, minLimit: 2, maxLimit: 2, criticalWait: 2s, criticalQueue: 4}", &[]).await;
+    let started = Instant::now();
+    let checkout = setup.burst("/checkout", 4).await;
+    assert_eq!(count(&checkout, 200), 4, "two at once, two after waiting {checkout:?}");
+    assert!(started.elapsed() >= Duration::from_millis(550), "the last two waited for the first two");
+    assert!(app.most.load(Ordering::SeqCst) <= 2);
+}
+
+/// The container's cgroup (here a directory laid out like cgroup v2) reports memory past the
+/// policy's threshold: the protection sees the pressure and the limit comes down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_pressure_in_the_cgroup_lowers_the_limit() {
+    let cgroup = tempfile::tempdir().unwrap();
+    std::fs::write(cgroup.path().join("cgroup.controllers"), "cpu memory\n").unwrap();
+    std::fs::write(cgroup.path().join("memory.current"), "95\n").unwrap();
+    std::fs::write(cgroup.path().join("memory.max"), "100\n").unwrap();
+    let app = start_app(Duration::from_millis(5)).await;
+    let root = cgroup.path().to_str().unwrap().to_string();
+    let setup = start(&app, "{initialLimit: 20, memoryPercent: 90}", &["--cgroup-root", &root]).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while setup.overload().await["protection"]["pressure"] != true {
+        assert!(Instant::now() < deadline, "pressure never seen");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A window (500 ms, 10 responses) under pressure lowers the limit by a tenth.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        setup.burst("/", 12).await;
+        let limit = setup.overload().await["protection"]["state"]["limit"].as_u64().unwrap();
+        if limit < 20 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the limit stayed at {limit}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Memory back under the threshold: the pressure ends.
+    std::fs::write(cgroup.path().join("memory.current"), "10\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while setup.overload().await["protection"]["pressure"] != false {
+        assert!(Instant::now() < deadline, "pressure never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
