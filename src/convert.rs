@@ -287,6 +287,8 @@ fn rule_for(
         cost: 1,
         mode: if node.shadow_mode { Mode::Shadow } else { Mode::Enforce },
         on_store_failure: Default::default(),
+        refusal: None,
+        retry_after_jitter: None,
     })
 }
 

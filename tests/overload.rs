@@ -50,7 +50,7 @@ const PRIORITIES: &str = r#"
 
 struct Setup {
     _dir: tempfile::TempDir,
-    _serve: SluiceProcess,
+    serve: SluiceProcess,
     sidecar: SluiceProcess,
     admin: SocketAddr,
 }
@@ -58,9 +58,14 @@ struct Setup {
 /// `sluice serve` on a policy with `overload` (the YAML of its fields) and the sidecar in front
 /// of `app`; returns once the sidecar has the policy's protection on.
 async fn start(app: &App, overload: &str, sidecar_args: &[&str]) -> Setup {
+    start_with_spec(app, &format!("{PRIORITIES}  overload: {overload}\n  rules: []\n"), sidecar_args).await
+}
+
+/// [`start`] with the whole spec of the policy (YAML under `spec:`).
+async fn start_with_spec(app: &App, spec: &str, sidecar_args: &[&str]) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let policy = format!(
-        "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: protect, namespace: shop}}\nspec:{PRIORITIES}  overload: {overload}\n  rules: []\n"
+        "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: protect, namespace: shop}}\nspec:{spec}"
     );
     std::fs::write(dir.path().join("p.yaml"), policy).unwrap();
     let serve = SluiceProcess::start(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"]);
@@ -84,7 +89,7 @@ async fn start(app: &App, overload: &str, sidecar_args: &[&str]) -> Setup {
     args.extend_from_slice(sidecar_args);
     let sidecar = SluiceProcess::start(&args);
     let admin = sidecar.logged_address("admin");
-    let setup = Setup { _dir: dir, _serve: serve, sidecar, admin };
+    let setup = Setup { _dir: dir, serve, sidecar, admin };
     let deadline = Instant::now() + Duration::from_secs(15);
     while setup.overload().await["protection"].is_null() {
         assert!(Instant::now() < deadline, "protection never on: {:?}", setup.sidecar.logs.lock().unwrap());
@@ -221,4 +226,86 @@ async fn memory_pressure_in_the_cgroup_lowers_the_limit() {
         assert!(Instant::now() < deadline, "pressure never ended");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A rule's declared refusal (graceful degradation): a refused read gets a 200 with a reduced
+/// answer from the sidecar and in `/v1/check`'s answer, and `/v1/authz` (where 2xx would mean
+/// "allow") sends it as 429 with the same headers and body; Retry-After carries the jitter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_declared_refusal_replaces_the_429_everywhere() {
+    let app = start_app(Duration::from_millis(1)).await;
+    // overload is on so that `start_with_spec` can tell when the sidecar has the policy.
+    let spec = r#"
+  overload: {initialLimit: 100}
+  rules:
+    - name: catalog
+      algorithm: tokenBucket
+      limit: {requests: 1, per: 1h}
+      retryAfterJitter: 30s
+      refusal:
+        status: 200
+        headers: {content-type: application/json, x-degraded: "true"}
+        body: '{"items": [], "degraded": true}'
+"#;
+    let setup = start_with_spec(&app, spec, &[]).await;
+    let c = client();
+    assert_eq!(c.get(setup.sidecar.url("/catalog")).send().await.unwrap().text().await.unwrap(), "ok\n");
+    let before = app.most.load(Ordering::SeqCst);
+    let refused = c.get(setup.sidecar.url("/catalog")).send().await.unwrap();
+    assert_eq!(refused.status(), 200);
+    assert_eq!(refused.headers()["x-degraded"], "true");
+    assert_eq!(refused.headers()["content-type"], "application/json");
+    let retry: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((3599..=3631).contains(&retry), "an hour to refill plus up to 30 s: {retry}");
+    let mut spread = std::collections::BTreeSet::new();
+    for _ in 0..8 {
+        let again = c.get(setup.sidecar.url("/catalog")).send().await.unwrap();
+        spread.insert(again.headers()["retry-after"].to_str().unwrap().to_string());
+    }
+    assert!(spread.len() >= 2, "the jitter spreads Retry-After: {spread:?}");
+    assert!(refused.headers().contains_key("ratelimit"), "the rate-limit headers stay");
+    assert_eq!(refused.text().await.unwrap(), r#"{"items": [], "degraded": true}"#);
+    assert_eq!(app.most.load(Ordering::SeqCst), before, "the application never saw it");
+
+    let endpoint = setup.serve.url("");
+    let check: Value = c
+        .post(format!("{endpoint}/v1/check"))
+        .json(&serde_json::json!({"namespace": "shop", "path": "/catalog"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!((check["allowed"].as_bool(), check["status"].as_u64()), (Some(false), Some(200)), "{check}");
+    assert_eq!(check["body"], r#"{"items": [], "degraded": true}"#);
+    assert_eq!(check["headers"]["x-degraded"], "true");
+    let authz =
+        c.get(format!("{endpoint}/v1/authz/catalog")).header("x-sluice-namespace", "shop").send().await.unwrap();
+    assert_eq!(authz.status(), 429, "a 2xx through ext_authz would admit the request");
+    assert_eq!(authz.headers()["x-degraded"], "true");
+    assert_eq!(authz.text().await.unwrap(), r#"{"items": [], "degraded": true}"#);
+}
+
+/// `overload.refusal` replaces the default 503 of a shed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shed_request_gets_the_declared_refusal() {
+    let app = start_app(Duration::from_millis(300)).await;
+    let setup = start(
+        &app,
+        "{initialLimit: 2, minLimit: 2, maxLimit: 2, refusal: {status: 503, headers: {content-type: text/plain}, body: busy}}",
+        &[],
+    )
+    .await;
+    let c = client();
+    let all = (0..3).map(|_| c.get(setup.sidecar.url("/reports")).send());
+    let responses = futures::future::join_all(all).await;
+    let mut bodies = Vec::new();
+    for response in responses {
+        let response = response.unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response.headers().contains_key("retry-after");
+        bodies.push((status, retry_after, response.text().await.unwrap()));
+    }
+    assert_eq!(bodies.iter().filter(|(s, r, b)| *s == 503 && *r && b == "busy").count(), 2, "{bodies:?}");
 }

@@ -8,10 +8,11 @@ use super::pattern::PolicyRegex as Regex;
 use sha2::{Digest, Sha256};
 
 use super::crd::FailureMode;
-use super::crd::{KeyPart, Match, Missing, Mode, OverloadSpec, PolicyRule, RateLimitPolicy};
+use super::crd::{KeyPart, Match, Missing, Mode, OverloadSpec, PolicyRule, RateLimitPolicy, RefusalSpec};
 use super::matching::canonical_header_name;
 use super::validate::{CompiledRegexes, ValidationErrors, build_limit, compile_regex, validate_keeping_regexes};
 use crate::algorithm::{Algorithm, Limit};
+use crate::duration::{Micros, parse_duration};
 use crate::overload::Class;
 use crate::rule::{RuleCheck, RuleId};
 
@@ -86,6 +87,10 @@ pub struct CompiledRule {
     pub(super) cost: u64,
     pub(super) matcher: RuleMatch,
     pub(super) key: Vec<KeySource>,
+    /// `refusal`: what a request this rule refuses gets instead of the default 429.
+    pub(super) refusal: Option<std::sync::Arc<DeclaredRefusal>>,
+    /// `retryAfterJitter`: the most added at random to `Retry-After` when this rule refuses.
+    pub(super) retry_after_jitter: Micros,
 }
 
 #[derive(Debug, Default)]
@@ -111,6 +116,25 @@ pub(super) struct RuleMatch {
     /// Non-empty: the rule applies to rate limit descriptors with exactly these entries, and to
     /// nothing else.
     pub(super) descriptor: Vec<DescriptorEntryMatcher>,
+}
+
+/// A rule's or the overload protection's declared refusal, ready to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeclaredRefusal {
+    pub status: u16,
+    /// Lowercase names, as declared.
+    pub headers: Vec<(String, String)>,
+    pub body: Option<std::sync::Arc<str>>,
+}
+
+impl From<&RefusalSpec> for DeclaredRefusal {
+    fn from(spec: &RefusalSpec) -> Self {
+        DeclaredRefusal {
+            status: spec.status,
+            headers: spec.headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())).collect(),
+            body: spec.body.as_deref().map(std::sync::Arc::from),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -204,6 +228,14 @@ impl CompiledRule {
     }
     pub fn on_store_failure(&self) -> FailureMode {
         self.on_store_failure
+    }
+    /// What a request this rule refuses gets instead of the default 429 (`refusal`).
+    pub fn refusal(&self) -> Option<&std::sync::Arc<DeclaredRefusal>> {
+        self.refusal.as_ref()
+    }
+    /// The most added at random to `Retry-After` when this rule refuses (`retryAfterJitter`).
+    pub fn retry_after_jitter(&self) -> Micros {
+        self.retry_after_jitter
     }
     /// The rule's own weight; a request's effective cost is this times the request's cost.
     pub fn cost(&self) -> u64 {
@@ -455,6 +487,8 @@ fn compile_rule(
         cost: rule.cost,
         matcher,
         key,
+        refusal: rule.refusal.as_ref().map(|r| std::sync::Arc::new(DeclaredRefusal::from(r))),
+        retry_after_jitter: rule.retry_after_jitter.as_deref().and_then(|j| parse_duration(j).ok()).unwrap_or(0),
     })
 }
 

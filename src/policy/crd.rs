@@ -264,6 +264,10 @@ pub struct OverloadSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
     pub retry_after_jitter: Option<String>,
+    /// What a shed request gets instead of `503 Service Unavailable` with a problem+json body
+    /// (e.g. a `200` with a reduced answer); `Retry-After` is added unless its headers set it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<RefusalSpec>,
 }
 
 fn default_initial_limit() -> u32 {
@@ -357,6 +361,52 @@ pub struct PolicyRule {
     /// each replica's memory until the store is back).
     #[serde(default)]
     pub on_store_failure: FailureMode,
+
+    /// What a request this rule refuses gets, instead of `429 Too Many Requests` with a
+    /// problem+json body: graceful degradation, such as a `200` with a cached or reduced answer
+    /// for a read, or a `503` that names a status page. The rate-limit headers are added as
+    /// usual. Served by the sidecar and by `/v1/authz`, and given by `/v1/check` as the answer's
+    /// `status`, `headers` and `body`; Envoy's rate limit service can carry no body (it uses
+    /// the status only through its own configuration). When several enforcing rules refuse a
+    /// request, the first one's refusal is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<RefusalSpec>,
+
+    /// A spread added at random to the `Retry-After` header of each request this rule refuses
+    /// (a duration such as `2s`), so clients refused together do not all retry in the same
+    /// second. `retryAfterMs` in the check API's answer stays exact.
+    #[x_kube(validation = duration_rule("retryAfterJitter"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub retry_after_jitter: Option<String>,
+}
+
+/// Bounds on a declared refusal: what every replica and sidecar holds per rule.
+pub const MAX_REFUSAL_HEADERS: usize = 16;
+pub const MAX_REFUSAL_HEADER_VALUE_LEN: usize = 1024;
+pub const MAX_REFUSAL_BODY_LEN: usize = 4096;
+
+/// The response a refused request gets.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RefusalSpec {
+    /// The status, 200 to 599. Default 429.
+    #[serde(default = "default_refusal_status")]
+    #[schemars(range(min = 200, max = 599))]
+    pub status: u16,
+    /// Headers to send (e.g. `content-type: application/json`), at most 16, values at most 1024
+    /// bytes; not hop-by-hop ones, `content-length` or the rate-limit headers Sluice sets.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    #[schemars(length(max = MAX_REFUSAL_HEADERS))]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The body, at most 4096 bytes of text. Absent: an empty body.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_REFUSAL_BODY_LEN))]
+    pub body: Option<String>,
+}
+
+fn default_refusal_status() -> u16 {
+    429
 }
 
 fn default_cost() -> u64 {

@@ -26,6 +26,19 @@ pub trait StrMap: Sync {
     fn get_str(&self, key: &str) -> Option<&str>;
 }
 
+/// Connection-level headers, whatever `Connection` says.
+pub const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "http2-settings",
+    "proxy-authenticate",
+];
+
 /// How rules name a header: lowercase, `_` written `-`. CGI and WSGI servers (and what runs
 /// behind them: PHP, Django, Flask, Rack) read `X-API-Key`, `x_api_key` and `X_API-KEY` all as
 /// `HTTP_X_API_KEY`, so in front of them these are one header; reading them as one is the

@@ -13,15 +13,18 @@ pub mod path;
 pub mod pattern;
 pub mod validate;
 
-pub use compile::{Compiled, CompiledPolicy, CompiledRule, Rejected, Snapshot, SnapshotPart, compile, rule_id};
+pub use compile::{
+    Compiled, CompiledPolicy, CompiledRule, DeclaredRefusal, Rejected, Snapshot, SnapshotPart, compile, rule_id,
+};
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
-    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, crd_yaml,
+    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec, crd_yaml,
 };
 pub use explain::{ExplainReport, Explanation};
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files};
 pub use matching::{
-    Descriptor, Matched, NoEntries, Pairs, RequestView, StrMap, canonical_header_name, encode_key, same_header_name,
+    Descriptor, HOP_BY_HOP, Matched, NoEntries, Pairs, RequestView, StrMap, canonical_header_name, encode_key,
+    same_header_name,
 };
 pub use validate::{FieldError, ValidationErrors, validate, warnings};
 

@@ -965,4 +965,28 @@ mod overload {
         .unwrap_err();
         assert!(err.contains("spec.priorities[0].match.paths[0]"), "{err}");
     }
+
+    #[test]
+    fn a_refusal_is_bounded_and_may_not_set_what_sluice_sets() {
+        let rule = |refusal: &str| {
+            format!(
+                "  rules:\n    - {{name: r, algorithm: gcra, limit: {{requests: 1, per: 1s}}, refusal: {refusal}}}\n"
+            )
+        };
+        assert!(compiled(&rule("{status: 200, headers: {content-type: text/plain}, body: cached}")).is_ok());
+        let err = compiled(&rule("{status: 100}")).unwrap_err();
+        assert!(err.contains("spec.rules[0].refusal.status"), "{err}");
+        let err = compiled(&rule("{headers: {retry-after: '5'}}")).unwrap_err();
+        assert!(err.contains("spec.rules[0].refusal.headers") && err.contains("retry-after"), "{err}");
+        let err = compiled(&rule("{headers: {Connection: close}}")).unwrap_err();
+        assert!(err.contains("Connection"), "{err}");
+        let long = "x".repeat(5000);
+        let err = compiled(&rule(&format!("{{body: {long}}}"))).unwrap_err();
+        assert!(err.contains("spec.rules[0].refusal.body"), "{err}");
+        let err = compiled(
+            "  rules:\n    - {name: r, algorithm: gcra, limit: {requests: 1, per: 1s}, retryAfterJitter: lots}\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("spec.rules[0].retryAfterJitter"), "{err}");
+    }
 }

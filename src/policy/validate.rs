@@ -10,10 +10,11 @@ use super::pattern::PolicyRegex as Regex;
 use super::crd::{
     DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN,
     MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN, MAX_MATCH_ITEMS, MAX_NAME_LEN,
-    MAX_PATTERN_LEN, MAX_PRIORITIES, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES,
-    Match, Missing, OverloadSpec, PathMatch, PolicyRule, RateLimitPolicy, regex_count_message,
+    MAX_PATTERN_LEN, MAX_PRIORITIES, MAX_REFUSAL_BODY_LEN, MAX_REFUSAL_HEADER_VALUE_LEN, MAX_REFUSAL_HEADERS,
+    MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, OverloadSpec,
+    PathMatch, PolicyRule, RateLimitPolicy, RefusalSpec, regex_count_message,
 };
-use super::matching::same_header_name;
+use super::matching::{HOP_BY_HOP, same_header_name};
 use super::path::normalize;
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{Micros, parse_duration};
@@ -186,6 +187,14 @@ fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: 
     if rule.cost > MAX_REQUESTS {
         errs.push(format!("{path}.cost"), format!("must be at most {MAX_REQUESTS}"));
     }
+    if let Some(refusal) = &rule.refusal {
+        validate_refusal(refusal, &format!("{path}.refusal"), errs);
+    }
+    if let Some(jitter) = &rule.retry_after_jitter
+        && let Err(e) = parse_duration(jitter)
+    {
+        errs.push(format!("{path}.retryAfterJitter"), e.to_string());
+    }
     if rule.algorithm.holds() {
         if rule.cost != 1 {
             errs.push(
@@ -266,8 +275,49 @@ pub(crate) fn build_limit(
     None
 }
 
+/// Headers a declared refusal may not set: connection-level ones, the body's length (Sluice
+/// frames the body), and the rate-limit headers Sluice writes itself.
+const RESERVED_REFUSAL_HEADERS: [&str; 7] = [
+    "content-length",
+    "ratelimit",
+    "ratelimit-policy",
+    "x-ratelimit-limit",
+    "x-ratelimit-remaining",
+    "x-ratelimit-reset",
+    "retry-after",
+];
+
+fn validate_refusal(r: &RefusalSpec, path: &str, errs: &mut ValidationErrors) {
+    if !(200..=599).contains(&r.status) {
+        errs.push(format!("{path}.status"), format!("{} is not a status between 200 and 599", r.status));
+    }
+    if r.headers.len() > MAX_REFUSAL_HEADERS {
+        errs.push(format!("{path}.headers"), format!("at most {MAX_REFUSAL_HEADERS}, got {}", r.headers.len()));
+    }
+    for (name, value) in &r.headers {
+        let lower = name.to_ascii_lowercase();
+        if !is_token(name) {
+            errs.push(format!("{path}.headers"), format!("{name:?} is not a header name"));
+        } else if HOP_BY_HOP.contains(&lower.as_str()) || RESERVED_REFUSAL_HEADERS.contains(&lower.as_str()) {
+            errs.push(format!("{path}.headers"), format!("{name} is set by Sluice or the connection, not by a policy"));
+        }
+        if value.len() > MAX_REFUSAL_HEADER_VALUE_LEN || value.bytes().any(|b| b < 0x20 && b != b'\t' || b == 0x7f) {
+            errs.push(
+                format!("{path}.headers.{name}"),
+                format!("a header value of at most {MAX_REFUSAL_HEADER_VALUE_LEN} bytes without control characters"),
+            );
+        }
+    }
+    if r.body.as_ref().is_some_and(|b| b.len() > MAX_REFUSAL_BODY_LEN) {
+        errs.push(format!("{path}.body"), format!("at most {MAX_REFUSAL_BODY_LEN} bytes"));
+    }
+}
+
 fn validate_overload(o: &OverloadSpec, errs: &mut ValidationErrors) {
     let path = "spec.overload";
+    if let Some(refusal) = &o.refusal {
+        validate_refusal(refusal, &format!("{path}.refusal"), errs);
+    }
     if o.min_limit > o.max_limit {
         errs.push(format!("{path}.minLimit"), format!("{} exceeds maxLimit {}", o.min_limit, o.max_limit));
     }

@@ -22,24 +22,11 @@
 use http::HeaderMap;
 use http::header::{self, HeaderName, HeaderValue};
 
-use crate::policy::{StrMap, same_header_name};
+use crate::policy::{HOP_BY_HOP, StrMap, same_header_name};
 
 /// The header carrying the caller's credential to the endpoint (see `server::auth`): never part
 /// of what rules see.
 pub const CREDENTIAL_HEADER: &str = "x-sluice-authorization";
-
-/// Connection-level headers, whatever `Connection` says.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "http2-settings",
-    "proxy-authenticate",
-];
 
 /// Whether `name` (lowercase) is hop-by-hop in a request with these headers.
 pub fn is_hop_by_hop(headers: &HeaderMap, name: &str) -> bool {

@@ -21,6 +21,9 @@ use crate::store::memory::MemoryStore;
 use crate::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
+/// Headers to add to the response, in order: Sluice's own (static names) and declared ones.
+pub type ResponseHeaders = Vec<(std::borrow::Cow<'static, str>, String)>;
+
 /// What the check API answers.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -29,8 +32,12 @@ pub struct CheckResponse {
     pub status: u16,
     pub retry_after_ms: Option<u64>,
     pub delay_ms: u64,
+    /// The rate-limit headers, and a refusing rule's declared `refusal` headers.
     #[serde(serialize_with = "ordered_map")]
-    pub headers: Vec<(&'static str, String)>,
+    pub headers: ResponseHeaders,
+    /// A refusing rule's declared `refusal` body: what to answer instead of the default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<Arc<str>>,
     pub rules: Vec<RuleResult>,
     /// The snapshot version that decided (empty before the first load).
     pub snapshot: Arc<str>,
@@ -76,7 +83,10 @@ pub struct RuleResult {
     pub not_decided: bool,
 }
 
-pub(super) fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)], s: S) -> Result<S::Ok, S::Error> {
+pub(super) fn ordered_map<S: serde::Serializer>(
+    pairs: &[(std::borrow::Cow<'static, str>, String)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
     use serde::ser::SerializeMap;
     let mut map = s.serialize_map(Some(pairs.len()))?;
     for (k, v) in pairs {
@@ -87,6 +97,17 @@ pub(super) fn ordered_map<S: serde::Serializer>(pairs: &[(&'static str, String)]
 
 fn ceil_ms(micros: Micros) -> u64 {
     micros.div_ceil(MICROS_PER_MS)
+}
+
+/// `Retry-After` (whole seconds, rounded up) of a wait of `retry_after_ms` plus up to `jitter`
+/// at random, so clients refused together spread their retries; `retryAfterMs` stays exact.
+fn jitter_retry_after(headers: &mut ResponseHeaders, retry_after_ms: u64, jitter: Micros) {
+    let spread = rand::random_range(0..=jitter.div_ceil(MICROS_PER_MS));
+    let seconds = (retry_after_ms + spread).div_ceil(1000).max(1).to_string();
+    match headers.iter_mut().find(|(name, _)| name.eq_ignore_ascii_case("retry-after")) {
+        Some((_, value)) => *value = seconds,
+        None => headers.push((std::borrow::Cow::Borrowed("Retry-After"), seconds)),
+    }
 }
 
 /// A decision on several rate limit descriptors at once (Envoy's `ShouldRateLimit`).
@@ -410,6 +431,7 @@ impl<S: Store> Engine<S> {
                 retry_after_ms: None,
                 delay_ms: 0,
                 headers: Vec::new(),
+                body: None,
                 rules: Vec::new(),
                 snapshot: live.version.clone(),
                 lease: None,
@@ -490,12 +512,32 @@ impl<S: Store> Engine<S> {
             (!held.is_empty())
                 .then(|| super::lease::Lease { namespace: namespace.to_string(), hold, held, local }.token())
         });
+        let mut headers: ResponseHeaders = rate_limit_headers(&header_inputs, allowed, now)
+            .into_iter()
+            .map(|(name, value)| (std::borrow::Cow::Borrowed(name), value))
+            .collect();
+        // The first enforcing rule that refused says what the refused request gets.
+        let refusing = (!allowed)
+            .then(|| matched.iter().zip(&checks).zip(&verdict.decisions).find(|((_, c), d)| c.enforce && !d.allowed))
+            .flatten()
+            .map(|((m, _), _)| m.rule);
+        let retry_after_ms = if allowed { None } else { retry_after(&header_inputs).map(ceil_ms) };
+        let refusal = refusing.and_then(|rule| rule.refusal());
+        if let (Some(rule), Some(ms)) = (refusing, retry_after_ms)
+            && rule.retry_after_jitter() > 0
+        {
+            jitter_retry_after(&mut headers, ms, rule.retry_after_jitter());
+        }
+        if let Some(refusal) = refusal {
+            headers.extend(refusal.headers.iter().map(|(k, v)| (std::borrow::Cow::Owned(k.clone()), v.clone())));
+        }
         CheckResponse {
             allowed,
-            status: if allowed { 200 } else { 429 },
-            retry_after_ms: if allowed { None } else { retry_after(&header_inputs).map(ceil_ms) },
+            status: if allowed { 200 } else { refusal.map_or(429, |r| r.status) },
+            retry_after_ms,
             delay_ms: if allowed { ceil_ms(delay) } else { 0 },
-            headers: rate_limit_headers(&header_inputs, allowed, now),
+            headers,
+            body: refusal.and_then(|r| r.body.clone()),
             rules,
             snapshot: live.version.clone(),
             lease: lease.flatten(),
@@ -708,7 +750,7 @@ mod tests {
         let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }, Holds::Leased).await;
         assert!(!response.allowed);
         assert_eq!((response.rules[0].not_decided, response.rules[1].not_decided), (false, true));
-        let policy_header = response.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").map(|(_, v)| v.as_str());
+        let policy_header = response.headers.iter().find(|(k, _)| k == "RateLimit-Policy").map(|(_, v)| v.as_str());
         assert_eq!(policy_header, Some("\"p/hot\";q=5;w=1"), "only the rule that decided");
         let json = serde_json::to_value(&response).unwrap();
         assert_eq!(json["rules"][1]["notDecided"], true);

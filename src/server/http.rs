@@ -14,7 +14,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use serde::{Deserialize, Serialize};
@@ -255,7 +255,9 @@ struct LeanDecision<'a> {
     retry_after_ms: Option<u64>,
     delay_ms: u64,
     #[serde(serialize_with = "super::engine::ordered_map")]
-    headers: &'a [(&'static str, String)],
+    headers: &'a [(std::borrow::Cow<'static, str>, String)],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body: Option<&'a str>,
     snapshot: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     lease: Option<&'a str>,
@@ -332,6 +334,7 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                         retry_after_ms: decision.retry_after_ms,
                         delay_ms: decision.delay_ms,
                         headers: &decision.headers,
+                        body: decision.body.as_deref(),
                         snapshot: &decision.snapshot,
                         lease: decision.lease.as_deref(),
                     })
@@ -430,9 +433,43 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         descriptor: None,
     };
     let decision = engine.check(&view, Holds::Skipped("authz")).await;
-    let status = if decision.allowed { StatusCode::OK } else { deny_status };
+    // A refusing rule's declared refusal replaces the default 429, unless the caller asked for
+    // its own denial status (nginx passes on only 401 and 403, and no body).
+    let declared = !decision.allowed
+        && deny_status == StatusCode::TOO_MANY_REQUESTS
+        && (decision.status != 429 || decision.body.is_some());
+    let status = match (decision.allowed, declared) {
+        (true, _) => StatusCode::OK,
+        // To ext_authz any 2xx means "allow": a declared 2xx goes out as the denial status, with
+        // the declared headers and body.
+        (false, true) => StatusCode::from_u16(decision.status).ok().filter(|s| !s.is_success()).unwrap_or(deny_status),
+        (false, false) => deny_status,
+    };
     metrics.responses.get_or_create(&StatusLabels { status: status.as_u16() }).inc();
+    if declared && !decision.allowed {
+        return declared_refusal(status, &decision);
+    }
     json_response(status, &decision, Some(&decision.headers))
+}
+
+/// A refused request's declared refusal: its status, the rate-limit and declared headers, its
+/// body (Envoy's ext_authz passes all three to the client).
+fn declared_refusal(status: StatusCode, decision: &CheckResponse) -> Response {
+    let body = decision.body.as_deref().unwrap_or("").to_string();
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    let map = response.headers_mut();
+    map.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    add_response_headers(map, &decision.headers);
+    response
+}
+
+fn add_response_headers(map: &mut HeaderMap, headers: &[(std::borrow::Cow<'static, str>, String)]) {
+    for (name, value) in headers {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+            map.insert(name, value);
+        }
+    }
 }
 
 /// 429 unless the caller asked for 401 or 403 (the only denials nginx `auth_request` passes on).
@@ -512,7 +549,7 @@ impl AuthzParts {
 fn json_response(
     status: StatusCode,
     decision: &CheckResponse,
-    headers: Option<&Vec<(&'static str, String)>>,
+    headers: Option<&[(std::borrow::Cow<'static, str>, String)]>,
 ) -> Response {
     // Sized for a few rules up front, instead of growing from serde_json's 128 bytes.
     let mut body = Vec::with_capacity(512 + 384 * decision.rules.len());
@@ -523,10 +560,8 @@ fn json_response(
     *response.status_mut() = status;
     let map = response.headers_mut();
     map.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    for (name, value) in headers.into_iter().flatten() {
-        if let Ok(value) = HeaderValue::from_str(value) {
-            map.insert(*name, value);
-        }
+    if let Some(headers) = headers {
+        add_response_headers(map, headers);
     }
     response
 }

@@ -295,7 +295,9 @@ impl Decider {
     fn failure_mode(&self) -> Decision {
         match self.on_failure {
             OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None },
-            OnFailure::Deny => Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new() },
+            OnFailure::Deny => {
+                Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new(), declared: None }
+            }
         }
     }
 
@@ -552,13 +554,15 @@ fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
 }
 
 fn from_engine(response: CheckResponse) -> Decision {
-    let headers = response.headers.iter().map(|(k, v)| (*k, v.as_str()));
+    let headers = response.headers.iter().map(|(k, v)| (k.as_ref(), v.as_str()));
     decision_of(
         response.allowed,
         response.retry_after_ms,
         response.delay_ms,
         headers,
         response.lease.clone().map(Held::Local),
+        response.status,
+        response.body.as_deref(),
     )
 }
 

@@ -92,6 +92,9 @@ pub(super) struct Answer {
     /// What an admitted request holds, to release when it ends.
     #[serde(default)]
     lease: Option<String>,
+    /// A refusing rule's declared body.
+    #[serde(default)]
+    body: Option<String>,
 }
 
 impl Answer {
@@ -105,7 +108,16 @@ impl Answer {
         }
         let allowed = self.allowed.ok_or_else(|| EndpointError::Decode("an answer without `allowed`".into()))?;
         let headers = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        Ok(decision_of(allowed, self.retry_after_ms, self.delay_ms, headers, self.lease.map(Held::Endpoint)))
+        let status = self.status.unwrap_or(if allowed { 200 } else { 429 });
+        Ok(decision_of(
+            allowed,
+            self.retry_after_ms,
+            self.delay_ms,
+            headers,
+            self.lease.map(Held::Endpoint),
+            status,
+            self.body.as_deref(),
+        ))
     }
 }
 

@@ -19,7 +19,7 @@ use crate::overload::Class;
 use crate::overload::cgroup::{self, Reading, Thresholds};
 use crate::overload::gradient::GradientConfig;
 use crate::overload::shedder::{Admission, Shedder, ShedderConfig, ShedderState};
-use crate::policy::{Mode, OverloadSpec};
+use crate::policy::{DeclaredRefusal, Mode, OverloadSpec};
 
 /// What protects the application now: the policy that asked for it and its shedder.
 struct Active {
@@ -30,6 +30,8 @@ struct Active {
     retry_after: Duration,
     jitter: Duration,
     thresholds: Option<Thresholds>,
+    /// `overload.refusal`: what a shed request gets instead of the default 503.
+    refusal: Option<Arc<DeclaredRefusal>>,
 }
 
 pub struct Protection {
@@ -56,6 +58,7 @@ pub struct Slot {
 pub struct Shed {
     pub class: Class,
     pub retry_after_secs: u64,
+    pub refusal: Option<Arc<DeclaredRefusal>>,
 }
 
 impl Protection {
@@ -113,7 +116,7 @@ impl Protection {
             Admission::Admit => Ok(Some(Slot { protection: self.clone(), active, done: false })),
             Admission::Wait | Admission::Shed => {
                 self.metrics.overload_shed.get_or_create(&ClassLabels { class: class.name() }).inc();
-                Err(Shed { class, retry_after_secs: retry_after_secs(&active) })
+                Err(Shed { class, retry_after_secs: retry_after_secs(&active), refusal: active.refusal.clone() })
             }
         }
     }
@@ -262,6 +265,7 @@ fn active_of(policy: &str, spec: &OverloadSpec) -> Active {
         retry_after: duration(&spec.retry_after, Duration::from_secs(1)),
         jitter: duration(&spec.retry_after_jitter, Duration::ZERO),
         thresholds,
+        refusal: spec.refusal.as_ref().map(|r| Arc::new(DeclaredRefusal::from(r))),
     }
 }
 

@@ -24,7 +24,7 @@ use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider};
 use super::metrics::SidecarMetrics;
 use super::overload::{Shed, Slot};
-use super::verdict::{Decision, HeaderList, Held, Refusal, error_chain};
+use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
 use crate::request::{forwarded, headers, host};
 use crate::server::request::MAX_PATH_LEN;
 
@@ -177,9 +177,12 @@ impl Proxy {
         // Dropped wherever this request ends from here on, which gives its slots back.
         let held: Option<Release>;
         let (delay, rate_headers) = match decision {
-            Decision::Deny { retry_after_secs, headers } => {
+            Decision::Deny { retry_after_secs, headers, declared } => {
                 self.metrics.outcome("limited");
-                return too_many_requests(retry_after_secs, headers);
+                return match declared {
+                    Some(declared) => declared_refusal(declared, retry_after_secs, headers),
+                    None => too_many_requests(retry_after_secs, headers),
+                };
             }
             Decision::Refuse(refusal) => return self.refuse(refusal),
             Decision::Allow { delay, headers, lease } => {
@@ -253,6 +256,18 @@ impl Proxy {
     /// `Retry-After`, never forwarded and never counted against a rate limit.
     fn shed(&self, shed: Shed) -> Response<ProxyBody> {
         self.metrics.outcome("shed");
+        if let Some(refusal) = &shed.refusal {
+            let declared = Declared {
+                status: StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                body: Bytes::from(refusal.body.as_deref().unwrap_or("").to_string()),
+            };
+            let headers = refusal
+                .headers
+                .iter()
+                .filter_map(|(k, v)| Some((HeaderName::from_bytes(k.as_bytes()).ok()?, HeaderValue::from_str(v).ok()?)))
+                .collect();
+            return declared_refusal(declared, Some(shed.retry_after_secs), headers);
+        }
         let retry_after = shed.retry_after_secs.to_string();
         let mut response = problem(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -361,6 +376,21 @@ fn too_many_requests(retry_after_secs: Option<u64>, headers: HeaderList) -> Resp
     };
     let mut response = problem(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests", &detail, headers);
     let map = response.headers_mut();
+    if let Some(s) = retry_after_secs
+        && !map.contains_key(header::RETRY_AFTER)
+    {
+        map.insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    map.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+/// A refusal the policy declared: its status and body, the rate-limit and declared headers.
+fn declared_refusal(declared: Declared, retry_after_secs: Option<u64>, headers: HeaderList) -> Response<ProxyBody> {
+    let mut response = Response::new(Either::Right(Full::new(declared.body)));
+    *response.status_mut() = declared.status;
+    let map = response.headers_mut();
+    add_headers(map, headers);
     if let Some(s) = retry_after_secs
         && !map.contains_key(header::RETRY_AFTER)
     {

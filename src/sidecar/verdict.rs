@@ -20,6 +20,8 @@ pub enum Decision {
     Deny {
         retry_after_secs: Option<u64>,
         headers: HeaderList,
+        /// The refusing rule's declared `refusal` (status and body) instead of the default 429.
+        declared: Option<Declared>,
     },
     /// The request cannot be decided as sent: answered with a 4xx, never forwarded.
     Refuse(Refusal),
@@ -74,19 +76,33 @@ impl EndpointError {
 
 /// A check answer (the endpoint's, or the local engine's) as what the proxy does; headers that
 /// are not valid HTTP are dropped rather than failing the request.
+/// A refusal declared by the policy: what the refused request gets instead of the default 429.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    pub status: http::StatusCode,
+    pub body: bytes::Bytes,
+}
+
+/// What an engine or endpoint answer says about a request, as the sidecar acts on it: `status`
+/// and `body` are the answer's (a status other than 429, or a body, is a declared refusal).
 pub fn decision_of<'a>(
     allowed: bool,
     retry_after_ms: Option<u64>,
     delay_ms: u64,
     headers: impl Iterator<Item = (&'a str, &'a str)>,
     lease: Option<Held>,
+    status: u16,
+    body: Option<&str>,
 ) -> Decision {
     let headers = headers.filter_map(|(k, v)| Some((header_name(k)?, HeaderValue::from_str(v).ok()?))).collect();
     if allowed {
-        Decision::Allow { delay: Duration::from_millis(delay_ms), headers, lease }
-    } else {
-        Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers }
+        return Decision::Allow { delay: Duration::from_millis(delay_ms), headers, lease };
     }
+    let declared = (status != 429 || body.is_some())
+        .then(|| http::StatusCode::from_u16(status).ok())
+        .flatten()
+        .map(|status| Declared { status, body: bytes::Bytes::from(body.unwrap_or("").to_string()) });
+    Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers, declared }
 }
 
 /// The names the engine answers with, parsed once (a name outside the standard set is otherwise
