@@ -4,14 +4,19 @@
 #   none      the sidecar in front of the application, no protection;
 #   static    a hand-tuned static concurrency limit: a `concurrency` rule of WORKERS requests in
 #             progress (the application's exact worker count), 429 past it;
-#   adaptive  `spec.overload` (Gradient2) with `priorities`: /checkout critical, /reports sheddable.
+#   adaptive  `spec.overload` (Gradient2, its defaults) with `priorities`: /checkout critical,
+#             /reports sheddable;
+#   adaptive-120  the same with tolerancePercent 120 (latency held closer to the unloaded one).
 #
 # The application (examples/overload_bench.rs `app`) serves WORKERS requests at once, SERVICE_MS
 # each, the rest wait in a FIFO queue: capacity WORKERS × 1000 / SERVICE_MS requests per second.
 # An open-loop generator sends 20% critical, 80% sheddable at 0.7×, 1×, 2× and 4× of capacity,
 # DURATION seconds each; a response slower than TIMEOUT_MS counts as failed (the client gave up).
-# Then the convergence run: adaptive at 2× for 30 s, the capacity halved from 10 s to 20 s,
-# /overload sampled every 250 ms into $OUT/convergence.csv (drawn by examples/overload_plot.rs).
+# Then the sidecar's CPU per request with protection on and off (none vs adaptive, neither asks
+# the endpoint), on an application that never queues, CPU_RATE requests/s, interleaved ROUNDS
+# times. Last the convergence run: adaptive at 2× for 30 s, the capacity halved from 10 s to
+# 20 s, /overload sampled every 200 ms into $OUT/convergence.csv (drawn by
+# examples/overload_plot.rs into $OUT/convergence.svg).
 #
 #   scripts/bench/overload.sh                       # prints JSON lines and a Markdown table
 #   WORKERS=8 SERVICE_MS=20 DURATION=20 OUT=/tmp/overload scripts/bench/overload.sh
@@ -63,7 +68,7 @@ spec:
     - {name: in-progress, algorithm: concurrency, limit: {requests: $WORKERS, per: 1m}}
 EOF
     ;;
-    adaptive) cat >"$dir/p.yaml" <<'EOF'
+    adaptive | adaptive-120) cat >"$dir/p.yaml" <<EOF
 apiVersion: sluice.dev/v1alpha1
 kind: RateLimitPolicy
 metadata: {name: protect, namespace: bench}
@@ -71,7 +76,7 @@ spec:
   priorities:
     - {class: critical, match: {paths: [{prefix: /checkout}]}}
     - {class: sheddable, match: {paths: [{prefix: /reports}]}}
-  overload: {initialLimit: 8, minLimit: 2, maxLimit: 400}
+  overload: {tolerancePercent: $([ "$setup" = adaptive ] && echo 150 || echo 120)}
   rules: []
 EOF
     ;;
@@ -79,39 +84,59 @@ EOF
     echo "$dir"
 }
 
-# start SETUP: the application, the endpoint and the sidecar; sets SIDECAR and ADMIN.
+# start SETUP [WORKERS SERVICE_MS]: the application, the endpoint and the sidecar; sets SIDECAR,
+# ADMIN and SIDECAR_PID.
 start() {
-    local policies app endpoint
+    local policies app endpoint workers="${2:-$WORKERS}" service="${3:-$SERVICE_MS}"
     policies=$(write_policies "$1")
     app=$(free_port); endpoint=$(free_port); SIDECAR=$(free_port); ADMIN=$(free_port)
-    echo "$WORKERS" >"$work/capacity"
-    "$bench" app --port "$app" --workers "$WORKERS" --service-ms "$SERVICE_MS" --capacity-file "$work/capacity" 2>/dev/null &
+    echo "$workers" >"$work/capacity"
+    "$bench" app --port "$app" --workers "$workers" --service-ms "$service" --capacity-file "$work/capacity" 2>/dev/null &
     pids+=($!)
     "$sluice" serve --policies "$policies" --listen "127.0.0.1:$endpoint" 2>/dev/null &
     pids+=($!)
     until curl -sf -o /dev/null "127.0.0.1:$endpoint/readyz"; do sleep 0.1; done
     "$sluice" sidecar --listen "127.0.0.1:$SIDECAR" --admin-listen "127.0.0.1:$ADMIN" --upstream "127.0.0.1:$app" \
         --endpoint "http://127.0.0.1:$endpoint" --namespace bench 2>"$work/sidecar-$1.log" &
-    pids+=($!)
+    SIDECAR_PID=$!
+    pids+=("$SIDECAR_PID")
     until curl -sf -o /dev/null "127.0.0.1:$ADMIN/readyz" && curl -s -o /dev/null "127.0.0.1:$SIDECAR/"; do sleep 0.1; done
 }
 
 log "capacity $capacity requests/s ($WORKERS workers x $SERVICE_MS ms); $DURATION s per step; results in $OUT"
 results="$OUT/results.jsonl"
 : >"$results"
-for setup in none static adaptive; do
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+for setup in none static adaptive adaptive-120; do
     start "$setup"
     for factor in 0.7 1 2 4; do
-        rate=$(python3 -c "print($capacity * $factor)")
-        cpu0=$(awk '{print $14 + $15}' "/proc/${pids[2]}/stat")
+        rate=$(awk -v c="$capacity" -v f="$factor" 'BEGIN {print c * f}')
         line=$("$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$rate" --duration "$DURATION" --timeout-ms "$TIMEOUT_MS")
-        cpu1=$(awk '{print $14 + $15}' "/proc/${pids[2]}/stat")
         echo "$line" | jq -c --arg setup "$setup" --argjson factor "$factor" --argjson capacity "$capacity" \
-            --argjson ticks "$((cpu1 - cpu0))" --argjson hz "$(getconf CLK_TCK)" \
-            '. + {setup: $setup, factor: $factor, capacity: $capacity, sidecarCpuSeconds: ($ticks / $hz)}' | tee -a "$results"
+            '. + {setup: $setup, factor: $factor, capacity: $capacity}' | tee -a "$results"
         sleep 3
     done
     stop_all
+done
+
+CPU_RATE=${CPU_RATE:-3000}
+ROUNDS=${ROUNDS:-2}
+log "sidecar CPU per request, protection off and on: $CPU_RATE requests/s for 10 s, $ROUNDS rounds"
+cpu="$OUT/cpu.jsonl"
+: >"$cpu"
+for _ in $(seq "$ROUNDS"); do
+    for setup in none adaptive; do
+        # 4096 workers of 1 ms: the application never queues, so nothing is shed.
+        start "$setup" 4096 1
+        "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration 2 >/dev/null
+        before=$(ticks "$SIDECAR_PID")
+        line=$("$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration 10)
+        after=$(ticks "$SIDECAR_PID")
+        echo "$line" | jq -c --arg setup "$setup" --argjson t "$((after - before))" --argjson hz "$(getconf CLK_TCK)" \
+            '{setup: $setup, sent: (.critical.sent + .sheddable.sent), ok: (.critical.ok + .sheddable.ok),
+              usPerRequest: ($t / $hz * 1e6 / (.critical.sent + .sheddable.sent) | floor)}' | tee -a "$cpu"
+        stop_all
+    done
 done
 
 log "convergence: adaptive at 2x for 30 s, capacity halved from 10 s to 20 s"
@@ -120,24 +145,24 @@ csv="$OUT/convergence.csv"
 echo "seconds,limit,in_flight,latency_ms,capacity" >"$csv"
 "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * 2))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
 load=$!
-begin=$(date +%s.%N)
-for i in $(seq 120); do
-    now=$(python3 -c "print(round($(date +%s.%N) - $begin, 2))")
-    [ "$i" = 40 ] && echo "$((WORKERS / 2))" >"$work/capacity"
-    [ "$i" = 80 ] && echo "$WORKERS" >"$work/capacity"
-    workers=$(cat "$work/capacity")
-    curl -s "127.0.0.1:$ADMIN/overload" | jq -r --arg t "$now" --arg c "$((workers * 1000 / SERVICE_MS))" \
+begin=$(date +%s%N)
+while kill -0 "$load" 2>/dev/null; do
+    elapsed=$(( ($(date +%s%N) - begin) / 1000000 ))
+    if [ "$elapsed" -ge 10000 ] && [ "$elapsed" -lt 20000 ]; then workers=$((WORKERS / 2)); else workers=$WORKERS; fi
+    echo "$workers" >"$work/capacity"
+    curl -s "127.0.0.1:$ADMIN/overload" | jq -r --arg t "$(awk -v ms="$elapsed" 'BEGIN {print ms / 1000}')" \
+        --arg c "$((workers * 1000 / SERVICE_MS))" \
         '[$t, .protection.state.limit, .protection.state.inFlight, .protection.state.estimate.shortLatencyMs, $c] | @csv' >>"$csv"
-    sleep 0.25
+    sleep 0.2
 done
-wait "$load"
 stop_all
 "$target/examples/overload_plot" "$csv" "$OUT/convergence.svg"
 
 log "table"
 jq -rs '
-  "| setup | load | goodput (of capacity) | admitted p50 / p99 ms | critical success | sheddable success | sidecar CPU µs/request |",
+  "| setup | load | goodput (of capacity) | admitted p50 / p99 ms, critical | admitted p50 / p99 ms, sheddable | critical success | sheddable success |",
   "|---|---|---|---|---|---|---|",
-  (.[] | "| \(.setup) | \(.factor)x | \((.goodput / .capacity * 100 | floor))% | \(.sheddable.p50Ms // "-") / \(.sheddable.p99Ms // "-") (critical \(.critical.p50Ms // "-") / \(.critical.p99Ms // "-")) | \((.critical.successRate * 1000 | floor) / 10)% | \((.sheddable.successRate * 1000 | floor) / 10)% | \((.sidecarCpuSeconds / (.critical.sent + .sheddable.sent) * 1e6 | floor)) |")
+  (.[] | "| \(.setup) | \(.factor)x | \((.goodput / .capacity * 1000 | floor) / 10)% | \(.critical.p50Ms // "-") / \(.critical.p99Ms // "-") | \(.sheddable.p50Ms // "-") / \(.sheddable.p99Ms // "-") | \((.critical.successRate * 1000 | floor) / 10)% | \((.sheddable.successRate * 1000 | floor) / 10)% |")
 ' "$results"
+jq -rs 'group_by(.setup)[] | "sidecar CPU, \(.[0].setup): \([.[].usPerRequest] | sort | .[length / 2 | floor]) µs per request (rounds: \([.[].usPerRequest] | map(tostring) | join(", ")))"' "$cpu"
 log "convergence: $csv, $OUT/convergence.svg"
