@@ -33,7 +33,7 @@ fn snapshot(yaml: &str) -> Snapshot {
 fn simulate(yaml: &str, pattern: &str, bucket: Option<u64>) -> SimulationReport {
     let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
     let arrivals = parse_pattern(pattern).expect("pattern parses");
-    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket }).expect("replays")
+    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket, hold: None }).expect("replays")
 }
 
 fn only(report: &SimulationReport) -> &RuleReport {
@@ -75,7 +75,7 @@ fn fixed_window_admits_two_n_across_a_boundary() {
         &snapshot(&policy("fixedWindow", "{requests: 100, per: 1m}")),
         &template,
         &parse_pattern("boundary 150 at 1m").unwrap(),
-        &ReplayOptions { start_offset: 30_000_000, bucket: None },
+        &ReplayOptions { start_offset: 30_000_000, bucket: None, hold: None },
     )
     .unwrap();
     assert_eq!(only(&shifted).admitted, 100);
@@ -103,7 +103,7 @@ fn sliding_counter_book_example_is_admitted() {
         &snapshot(&policy("slidingWindowCounter", "{requests: 7, per: 1m}")),
         &template,
         &parse_trace(trace).unwrap(),
-        &ReplayOptions { start_offset: 0, bucket: Some(1_000_000) },
+        &ReplayOptions { start_offset: 0, bucket: Some(1_000_000), hold: None },
     )
     .unwrap();
     let rule = only(&report);
@@ -351,4 +351,33 @@ fn the_cli_says_what_it_needs_and_warns_on_stderr() {
     let refused = run(&["simulate", "--policies", path.to_str().unwrap(), "--pattern", "burst 4"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains("concurrency rule"), "{stderr}");
+}
+
+/// A concurrency rule replays with each request's time in progress: slots come back when the
+/// requests end, and the report's maximum is the most in progress at once.
+#[test]
+fn concurrency_rules_replay_with_service_times() {
+    let yaml = policy("concurrency", "{requests: 2, per: 1m}");
+    let report = simulate(&yaml, "burst 10 hold 1s; burst 10 at 1s hold 500ms; burst 3 at 1200ms hold 1s", None);
+    let rule = only(&report);
+    // 0 s: two of ten; 1 s: the first two ended at that instant, two more; 1.2 s: those still run.
+    assert_eq!((rule.offered, rule.admitted), (23, 4));
+    assert_eq!(rule.max_admitted_in_any_window, 2, "never more than 2 in progress for the key");
+    assert_eq!(rule.bound, Some(2));
+    // A trace says it per line (4th field, seconds); --hold for the rest.
+    let trace = parse_trace("0 k 1 0.5\n0 k\n0 k\n0.6 k\n").unwrap();
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let options = ReplayOptions { start_offset: 0, bucket: None, hold: Some(2_000_000) };
+    let report = replay(&snapshot(&yaml), &template, &trace, &options).unwrap();
+    // 0 s: the first (0.5 s) and the second (2 s) start, the third is refused; 0.6 s: one slot free.
+    assert_eq!(only(&report).admitted, 3);
+}
+
+#[test]
+fn a_concurrency_rule_without_service_times_says_how_to_give_them() {
+    let yaml = policy("concurrency", "{requests: 2, per: 1m}");
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let arrivals = parse_pattern("burst 10").unwrap();
+    let error = replay(&snapshot(&yaml), &template, &arrivals, &ReplayOptions::default()).unwrap_err().to_string();
+    assert!(error.contains("--hold") && error.contains("hold DURATION"), "{error}");
 }

@@ -4,9 +4,9 @@
 #   none      the sidecar in front of the application, no protection;
 #   static    a hand-tuned static concurrency limit: a `concurrency` rule of WORKERS requests in
 #             progress (the application's exact worker count), 429 past it;
-#   adaptive  `spec.overload` (Gradient2, its defaults) with `priorities`: /checkout critical,
-#             /reports sheddable;
-#   adaptive-120  the same with tolerancePercent 120 (latency held closer to the unloaded one).
+#   adaptive-150  `spec.overload` (Gradient2) with `priorities`: /checkout critical, /reports
+#             sheddable; tolerancePercent 150 (Netflix's default);
+#   adaptive-120  the same with tolerancePercent 120 (Sluice's default).
 #
 # The application (examples/overload_bench.rs `app`) serves WORKERS requests at once, SERVICE_MS
 # each, the rest wait in a FIFO queue: capacity WORKERS × 1000 / SERVICE_MS requests per second.
@@ -19,6 +19,7 @@
 # examples/overload_plot.rs into $OUT/convergence.svg).
 #
 #   scripts/bench/overload.sh                       # prints JSON lines and a Markdown table
+#   PHASES=cpu scripts/bench/overload.sh            # only some of: load cpu convergence
 #   WORKERS=8 SERVICE_MS=20 DURATION=20 OUT=/tmp/overload scripts/bench/overload.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -68,7 +69,7 @@ spec:
     - {name: in-progress, algorithm: concurrency, limit: {requests: $WORKERS, per: 1m}}
 EOF
     ;;
-    adaptive | adaptive-120) cat >"$dir/p.yaml" <<EOF
+    adaptive-150 | adaptive-120) cat >"$dir/p.yaml" <<EOF
 apiVersion: sluice.dev/v1alpha1
 kind: RateLimitPolicy
 metadata: {name: protect, namespace: bench}
@@ -76,7 +77,7 @@ spec:
   priorities:
     - {class: critical, match: {paths: [{prefix: /checkout}]}}
     - {class: sheddable, match: {paths: [{prefix: /reports}]}}
-  overload: {tolerancePercent: $([ "$setup" = adaptive ] && echo 150 || echo 120)}
+  overload: {tolerancePercent: ${setup#adaptive-}}
   rules: []
 EOF
     ;;
@@ -105,9 +106,11 @@ start() {
 
 log "capacity $capacity requests/s ($WORKERS workers x $SERVICE_MS ms); $DURATION s per step; results in $OUT"
 results="$OUT/results.jsonl"
-: >"$results"
+PHASES=${PHASES:-load cpu convergence}
+phase() { [[ " $PHASES " == *" $1 "* ]]; }
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-for setup in none static adaptive adaptive-120; do
+: >"$results"
+phase load && for setup in none static adaptive-150 adaptive-120; do
     start "$setup"
     for factor in 0.7 1 2 4; do
         rate=$(awk -v c="$capacity" -v f="$factor" 'BEGIN {print c * f}')
@@ -121,11 +124,11 @@ done
 
 CPU_RATE=${CPU_RATE:-3000}
 ROUNDS=${ROUNDS:-2}
-log "sidecar CPU per request, protection off and on: $CPU_RATE requests/s for 10 s, $ROUNDS rounds"
+phase cpu && log "sidecar CPU per request, protection off and on: $CPU_RATE requests/s for 10 s, $ROUNDS rounds"
 cpu="$OUT/cpu.jsonl"
 : >"$cpu"
-for _ in $(seq "$ROUNDS"); do
-    for setup in none adaptive; do
+phase cpu && for _ in $(seq "$ROUNDS"); do
+    for setup in none adaptive-120; do
         # 4096 workers of 1 ms: the application never queues, so nothing is shed.
         start "$setup" 4096 1
         "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration 2 >/dev/null
@@ -139,24 +142,26 @@ for _ in $(seq "$ROUNDS"); do
     done
 done
 
-log "convergence: adaptive at 2x for 30 s, capacity halved from 10 s to 20 s"
-start adaptive
-csv="$OUT/convergence.csv"
-echo "seconds,limit,in_flight,latency_ms,capacity" >"$csv"
-"$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * 2))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
-load=$!
-begin=$(date +%s%N)
-while kill -0 "$load" 2>/dev/null; do
-    elapsed=$(( ($(date +%s%N) - begin) / 1000000 ))
-    if [ "$elapsed" -ge 10000 ] && [ "$elapsed" -lt 20000 ]; then workers=$((WORKERS / 2)); else workers=$WORKERS; fi
-    echo "$workers" >"$work/capacity"
-    curl -s "127.0.0.1:$ADMIN/overload" | jq -r --arg t "$(awk -v ms="$elapsed" 'BEGIN {print ms / 1000}')" \
-        --arg c "$((workers * 1000 / SERVICE_MS))" \
-        '[$t, .protection.state.limit, .protection.state.inFlight, .protection.state.estimate.shortLatencyMs, $c] | @csv' >>"$csv"
-    sleep 0.2
-done
-stop_all
-"$target/examples/overload_plot" "$csv" "$OUT/convergence.svg"
+if phase convergence; then
+    log "convergence: adaptive at 2x for 30 s, capacity halved from 10 s to 20 s"
+    start adaptive-120
+    csv="$OUT/convergence.csv"
+    echo "seconds,limit,in_flight,latency_ms,capacity" >"$csv"
+    "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * 2))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
+    load=$!
+    begin=$(date +%s%N)
+    while kill -0 "$load" 2>/dev/null; do
+        elapsed=$(( ($(date +%s%N) - begin) / 1000000 ))
+        if [ "$elapsed" -ge 10000 ] && [ "$elapsed" -lt 20000 ]; then workers=$((WORKERS / 2)); else workers=$WORKERS; fi
+        echo "$workers" >"$work/capacity"
+        curl -s "127.0.0.1:$ADMIN/overload" | jq -r --arg t "$(awk -v ms="$elapsed" 'BEGIN {print ms / 1000}')" \
+            --arg c "$((workers * 1000 / SERVICE_MS))" \
+            '[$t, .protection.state.limit, .protection.state.inFlight, .protection.state.estimate.shortLatencyMs, $c] | @csv' >>"$csv"
+        sleep 0.2
+    done
+    stop_all
+    "$target/examples/overload_plot" "$csv" "$OUT/convergence.svg"
+fi
 
 log "table"
 jq -rs '

@@ -39,6 +39,8 @@ impl Default for ShedderConfig {
 pub enum Admission {
     /// Go ahead: a slot is taken, give it back with [`Shedder::done`].
     Admit,
+    /// Shadow mode: admitted (a slot is taken) though over its class's share; counted.
+    WouldShed,
     /// Wait (critical, queue not full), then ask [`Shedder::retry`]; [`Shedder::give_up`] at the
     /// deadline.
     Wait,
@@ -136,7 +138,8 @@ impl Shedder {
         }
         if self.config.shadow {
             self.would_shed.add(class);
-            return self.take();
+            self.take();
+            return Admission::WouldShed;
         }
         self.shed.add(class);
         Admission::Shed
@@ -170,6 +173,19 @@ impl Shedder {
     pub fn done(&mut self, now: Micros, latency: Option<Micros>, pressure: bool) -> Option<Estimate> {
         self.in_flight = self.in_flight.saturating_sub(1);
         latency.and_then(|latency| self.gradient.sample(now, latency, pressure))
+    }
+
+    pub fn limit(&self) -> u32 {
+        self.gradient.limit()
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// Critical requests waiting for a slot.
+    pub fn waiting(&self) -> u32 {
+        self.waiting
     }
 
     pub fn state(&self) -> ShedderState {
@@ -241,9 +257,8 @@ mod tests {
     #[test]
     fn shadow_mode_counts_and_admits() {
         let mut s = shedder(2.0, 4, true);
-        for _ in 0..4 {
-            assert_eq!(s.try_admit(Class::Sheddable), Admission::Admit);
-        }
+        let admitted: Vec<Admission> = (0..4).map(|_| s.try_admit(Class::Sheddable)).collect();
+        assert_eq!(admitted, [Admission::Admit, Admission::WouldShed, Admission::WouldShed, Admission::WouldShed]);
         let state = s.state();
         assert_eq!((state.in_flight, state.would_shed.sheddable, state.shed.sheddable), (4, 3, 0));
     }

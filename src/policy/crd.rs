@@ -217,8 +217,9 @@ pub struct OverloadSpec {
     #[schemars(range(min = 1, max = 100000))]
     pub max_limit: u32,
     /// How much latency growth is tolerated before the limit comes down, in percent of the
-    /// application's long-term latency: 150 (default) lets the recent latency reach 1.5 times
-    /// it. Lower protects latency harder; higher keeps more throughput.
+    /// application's long-term latency: 120 (default) lets the recent latency reach 1.2 times
+    /// it. Lower protects latency harder; higher lets more requests queue in the application
+    /// (Netflix's Gradient2 uses 150).
     #[serde(default = "default_tolerance")]
     #[schemars(range(min = 100, max = 1000))]
     pub tolerance_percent: u32,
@@ -280,7 +281,7 @@ fn default_max_limit() -> u32 {
     1000
 }
 fn default_tolerance() -> u32 {
-    150
+    120
 }
 fn default_default_share() -> u32 {
     80

@@ -106,14 +106,22 @@ impl Protection {
     /// limit is reached; `Ok(None)` when nothing protects the application.
     pub async fn admit(self: &Arc<Self>, class: Class) -> Result<Option<Slot>, Shed> {
         let Some(active) = self.active.load_full() else { return Ok(None) };
-        let first = active.shedder.lock().try_admit(class);
+        let first = {
+            let mut shedder = active.shedder.lock();
+            let admission = shedder.try_admit(class);
+            self.gauges(&shedder);
+            admission
+        };
         let admission = match first {
             Admission::Wait => self.wait(&active).await,
             other => other,
         };
-        self.publish(&active);
         match admission {
             Admission::Admit => Ok(Some(Slot { protection: self.clone(), active, done: false })),
+            Admission::WouldShed => {
+                self.metrics.overload_would_shed.get_or_create(&ClassLabels { class: class.name() }).inc();
+                Ok(Some(Slot { protection: self.clone(), active, done: false }))
+            }
             Admission::Wait | Admission::Shed => {
                 self.metrics.overload_shed.get_or_create(&ClassLabels { class: class.name() }).inc();
                 Err(Shed { class, retry_after_secs: retry_after_secs(&active), refusal: active.refusal.clone() })
@@ -143,20 +151,10 @@ impl Protection {
         }
     }
 
-    fn publish(&self, active: &Active) {
-        let state = active.shedder.lock().state();
-        self.metrics.overload_limit.set(i64::from(state.limit));
-        self.metrics.overload_in_flight.set(i64::from(state.in_flight));
-        self.metrics.overload_latency_ms.set((state.estimate.long_latency_ms * 1000.0) as i64);
-        for class in Class::ALL {
-            let labels = ClassLabels { class: class.name() };
-            let would = state.would_shed.get(class);
-            let counter = self.metrics.overload_would_shed.get_or_create(&labels);
-            let seen = counter.get();
-            if would > seen {
-                counter.inc_by(would - seen);
-            }
-        }
+    /// The limit and the requests in flight, set while the shedder is locked anyway.
+    fn gauges(&self, shedder: &Shedder) {
+        self.metrics.overload_limit.set(i64::from(shedder.limit()));
+        self.metrics.overload_in_flight.set(i64::from(shedder.in_flight()));
     }
 
     /// What `/overload` on the admin port shows.
@@ -214,12 +212,19 @@ impl Slot {
         self.done = true;
         let pressure = self.protection.pressure.load(Ordering::Relaxed);
         let now = self.protection.now();
-        let estimate = self.active.shedder.lock().done(now, latency.map(|l| l.as_micros().max(1) as Micros), pressure);
+        let (estimate, waiting) = {
+            let mut shedder = self.active.shedder.lock();
+            let estimate = shedder.done(now, latency.map(|l| l.as_micros().max(1) as Micros), pressure);
+            self.protection.gauges(&shedder);
+            (estimate, shedder.waiting())
+        };
         if let Some(estimate) = estimate {
+            self.protection.metrics.overload_latency_ms.set((estimate.long_latency_ms * 1000.0) as i64);
             tracing::debug!(?estimate, "overload limit updated");
         }
-        self.protection.publish(&self.active);
-        self.protection.freed.notify_waiters();
+        if waiting > 0 {
+            self.protection.freed.notify_waiters();
+        }
     }
 }
 

@@ -39,6 +39,9 @@ pub struct Arrival {
     pub key: Option<String>,
     /// Replaces the request's cost.
     pub cost: Option<u64>,
+    /// How long the request is in progress (its service time): what a `concurrency` rule's slot
+    /// is held for. `None`: the run's `--hold`.
+    pub hold: Option<Micros>,
 }
 
 /// Seconds as written in a trace (`12`, `0.25`, `1.000001`) to microseconds, exactly.
@@ -73,16 +76,20 @@ pub fn parse_trace(text: &str) -> Result<Vec<Arrival>, SimulateError> {
         let at = parse_seconds(time).map_err(bad)?;
         let key = fields.next().filter(|k| *k != "-").map(str::to_string);
         let cost = match fields.next() {
-            None => None,
+            None | Some("-") => None,
             Some(c) => Some(c.parse::<u64>().map_err(|_| bad(format!("cost {c:?} is not a whole number")))?),
         };
+        let hold = match fields.next() {
+            None => None,
+            Some(h) => Some(parse_seconds(h).map_err(|e| bad(format!("in-progress seconds {h:?}: {e}")))?),
+        };
         if let Some(extra) = fields.next() {
-            return Err(bad(format!("unexpected {extra:?}: a line is `seconds [key [cost]]`")));
+            return Err(bad(format!("unexpected {extra:?}: a line is `seconds [key [cost [in-progress seconds]]]`")));
         }
         if arrivals.len() == MAX_ARRIVALS {
             return Err(bad(format!("more than {MAX_ARRIVALS} arrivals")));
         }
-        arrivals.push(Arrival { at, key, cost });
+        arrivals.push(Arrival { at, key, cost, hold });
     }
     arrivals.sort_by_key(|a| a.at);
     Ok(arrivals)
@@ -192,7 +199,7 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
         match kind {
             "burst" => {
                 let n = item.count("N")?;
-                item.only_options(&["at", "key", "cost"])?;
+                item.only_options(&["at", "key", "cost", "hold"])?;
                 let at = item.time_option("at")?.unwrap_or(0);
                 for _ in 0..n {
                     push(at)?;
@@ -200,12 +207,12 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
             }
             "steady" => {
                 let rate = rate_value(item.positional("R/s")?).map_err(|e| item.error(e))?;
-                item.only_options(&["for", "from", "key", "cost"])?;
+                item.only_options(&["for", "from", "key", "cost", "hold"])?;
                 steady(item.time_option("from")?.unwrap_or(0), rate, item.required_time("for")?, &mut push)?;
             }
             "onoff" => {
                 let rate = rate_value(item.positional("R/s")?).map_err(|e| item.error(e))?;
-                item.only_options(&["on", "off", "for", "from", "key", "cost"])?;
+                item.only_options(&["on", "off", "for", "from", "key", "cost", "hold"])?;
                 let (on, off, length) =
                     (item.required_time("on")?, item.required_time("off")?, item.required_time("for")?);
                 if on == 0 {
@@ -220,7 +227,7 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
             }
             "boundary" => {
                 let n = item.count("N")?;
-                item.only_options(&["at", "key", "cost"])?;
+                item.only_options(&["at", "key", "cost", "hold"])?;
                 let at = item.required_time("at")?;
                 let before = at.checked_sub(1_000).ok_or_else(|| item.error("at must be at least 1ms"))?;
                 for _ in 0..n {
@@ -233,7 +240,7 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
             "clients" => {
                 let clients = item.count("K")?;
                 let rate = rate_value(item.positional("R/s")?).map_err(|e| item.error(e))?;
-                item.only_options(&["for", "from", "alpha", "seed", "key", "cost"])?;
+                item.only_options(&["for", "from", "alpha", "seed", "key", "cost", "hold"])?;
                 let length = item.required_time("for")?;
                 let from = item.time_option("from")?.unwrap_or(0);
                 let alpha: f64 = match item.option("alpha")? {
@@ -281,10 +288,12 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
             None => None,
             Some(c) => Some(c.parse::<u64>().map_err(|_| item.error(format!("cost {c:?} is not a whole number")))?),
         };
+        let hold = item.time_option("hold")?;
         arrivals.extend(generated.into_iter().map(|(at, client)| Arrival {
             at,
             key: client.or_else(|| key.clone()),
             cost,
+            hold,
         }));
     }
     if arrivals.is_empty() {
@@ -316,9 +325,9 @@ mod tests {
         assert_eq!(
             arrivals,
             vec![
-                Arrival { at: 250_000, key: None, cost: None },
-                Arrival { at: 500_000, key: Some("k1".into()), cost: Some(2) },
-                Arrival { at: 1_000_000, key: None, cost: Some(3) },
+                Arrival { at: 250_000, key: None, cost: None, hold: None },
+                Arrival { at: 500_000, key: Some("k1".into()), cost: Some(2), hold: None },
+                Arrival { at: 1_000_000, key: None, cost: Some(3), hold: None },
             ]
         );
         let error = parse_trace("0\nx\n").unwrap_err().to_string();

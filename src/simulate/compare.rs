@@ -66,7 +66,8 @@ pub fn compare(
             if template.namespace.as_deref().unwrap_or("default") != namespace {
                 continue;
             }
-            for rule in &source.spec.rules {
+            // A concurrency limit bounds requests in progress, not a rate: nothing to compare with.
+            for rule in source.spec.rules.iter().filter(|r| !r.algorithm.holds()) {
                 let measured =
                     report.as_ref().and_then(|r| r.rules.iter().find(|x| x.policy == policy && x.rule == rule.name));
                 let row = match measured {

@@ -37,7 +37,7 @@ pub enum SimulateError {
     #[error("no policy in namespace {0:?} (the request template's namespace)")]
     NoRules(String),
     #[error(
-        "rule {0} is a concurrency rule: simulate does not replay those yet (their slots depend on how long each request takes, which a trace does not say)"
+        "rule {0} is a concurrency rule: its slots depend on how long each request is in progress; give --hold DURATION (every request), `hold DURATION` in a pattern item, or a trace's 4th column (seconds)"
     )]
     Concurrency(String),
     #[error("the rules' windows have no common boundary below 2^51 µs; use windows that divide each other")]
@@ -70,6 +70,10 @@ pub struct SimulateArgs {
     /// Width of a timeline bucket (default: about a hundredth of the trace).
     #[arg(long, value_parser = parse_bucket)]
     pub bucket: Option<u64>,
+    /// How long each request is in progress (its service time), for `concurrency` rules: an
+    /// arrival's own (`hold D` in a pattern item, a trace line's 4th field) takes precedence.
+    #[arg(long, value_parser = parse_bucket)]
+    pub hold: Option<u64>,
     /// Also run the traffic through all six algorithms with the same parameters.
     #[arg(long)]
     pub compare: bool,
@@ -122,7 +126,7 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
         (None, Some(pattern)) => parse_pattern(pattern)?,
         (None, None) => unreachable!("checked above"),
     };
-    let options = ReplayOptions { start_offset: args.start, bucket: args.bucket };
+    let options = ReplayOptions { start_offset: args.start, bucket: args.bucket, hold: args.hold };
     let mut report = replay(&snapshot, &template, &arrivals, &options)?;
     if args.compare {
         report.compare = Some(compare::compare(snapshot.sources(), &template, &arrivals, &options)?);

@@ -1,7 +1,8 @@
 //! Replaying arrivals through a compiled snapshot and the real memory store, on a simulated
 //! clock: each arrival is decided at its own `now`, nothing sleeps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::hash::Hasher;
 use std::net::{IpAddr, Ipv6Addr};
 
@@ -10,11 +11,11 @@ use serde::Serialize;
 use super::SimulateError;
 use super::arrivals::Arrival;
 use super::stats::{Bound, max_admitted_in_any_window, theoretical_bound};
-use crate::algorithm::{Decision, Micros};
+use crate::algorithm::{Decision, HoldId, Micros};
 use crate::duration::MICROS_PER_MS;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
 use crate::server::request::CheckRequest;
-use crate::store::RuleCheck;
+use crate::store::{RuleCheck, RuleId};
 use crate::store::memory::MemoryStore;
 
 /// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
@@ -29,6 +30,9 @@ pub struct ReplayOptions {
     pub start_offset: Micros,
     /// Width of a timeline bucket; `None`: about a hundredth of the trace, rounded to 1-2-5.
     pub bucket: Option<Micros>,
+    /// How long each request is in progress when its arrival does not say (`--hold`): what a
+    /// `concurrency` rule's slot is held for.
+    pub hold: Option<Micros>,
 }
 
 /// What one simulation measured.
@@ -214,9 +218,24 @@ struct RuleTally<'s> {
     longest_run: (u64, Micros),
     recovery: Option<Micros>,
     timeline: Timeline,
+    /// A `concurrency` rule's requests in progress per key, and the most seen for one key.
+    in_flight: HashMap<String, u64>,
+    max_in_flight: u64,
 }
 
 impl RuleTally<'_> {
+    fn started(&mut self, key: &str) {
+        let count = self.in_flight.entry(key.to_string()).or_insert(0);
+        *count += 1;
+        self.max_in_flight = self.max_in_flight.max(*count);
+    }
+
+    fn ended(&mut self, key: &str) {
+        if let Some(count) = self.in_flight.get_mut(key) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
     /// One decision of this rule at trace time `at` (denial runs and recovery are measured on
     /// trace time, the same durations as on the simulated clock).
     fn record(&mut self, key: &str, at: Micros, cost: u64, decision: &Decision, consumed: bool, bucket: usize) {
@@ -259,8 +278,12 @@ impl RuleTally<'_> {
 
     fn report(self) -> RuleReport {
         let limit = self.rule.limit();
-        let max_in_window =
-            self.keys.values().map(|track| max_admitted_in_any_window(&track.admitted, limit.per())).max().unwrap_or(0);
+        // For a concurrency rule the column is the most in progress at once for one key.
+        let max_in_window = if limit.algorithm().holds() {
+            self.max_in_flight
+        } else {
+            self.keys.values().map(|track| max_admitted_in_any_window(&track.admitted, limit.per())).max().unwrap_or(0)
+        };
         let unrecovered: Vec<&KeyTrack> = self.keys.values().filter(|t| t.run_start.is_some()).collect();
         let Bound { value, formula } = theoretical_bound(limit);
         let ms = |micros: Micros| micros as f64 / MICROS_PER_MS as f64;
@@ -312,7 +335,10 @@ pub fn replay(
     if rules.is_empty() {
         return Err(SimulateError::NoRules(namespace.to_string()));
     }
-    if let Some(holding) = rules.iter().find(|r| r.algorithm().holds()) {
+    if let Some(holding) = rules.iter().find(|r| r.algorithm().holds())
+        && options.hold.is_none()
+        && arrivals.iter().any(|a| a.hold.is_none())
+    {
         return Err(SimulateError::Concurrency(holding.identity().to_string()));
     }
     let start = start_time(&rules, options.start_offset)?;
@@ -351,6 +377,8 @@ pub fn replay(
             longest_run: (0, 0),
             recovery: None,
             timeline: empty_timeline(),
+            in_flight: HashMap::new(),
+            max_in_flight: 0,
         })
         .collect();
 
@@ -358,8 +386,20 @@ pub fn replay(
     let store = MemoryStore::new(1 << 40);
     let mut matched: Vec<Matched<'_>> = Vec::new();
     let mut decisions: Vec<Decision> = Vec::new();
-    for arrival in arrivals {
+    // Requests in progress that hold a concurrency slot: when each ends, and what it holds.
+    let mut ending: BinaryHeap<Reverse<(Micros, HoldId)>> = BinaryHeap::new();
+    let mut holding: HashMap<HoldId, Vec<(usize, RuleId, String)>> = HashMap::new();
+    for (n, arrival) in arrivals.iter().enumerate() {
         let now = start + arrival.at;
+        while let Some(&Reverse((end, hold))) = ending.peek()
+            && end <= now
+        {
+            ending.pop();
+            for (i, rule, key) in holding.remove(&hold).unwrap_or_default() {
+                store.release_at(end, &[(rule, key.as_bytes())], hold);
+                tallies[i].ended(&key);
+            }
+        }
         let headers = KeyedHeaders { base: &template.headers, keyed: &keyed, value: arrival.key.as_deref() };
         let client_ip = match (&arrival.key, keys_on_client_ip) {
             (Some(key), true) => Some(synthetic_client_ip(key)),
@@ -380,15 +420,27 @@ pub fn replay(
         if matched.is_empty() {
             continue;
         }
-        let checks: Vec<RuleCheck<'_>> = matched.iter().map(Matched::check).collect();
+        // A request's hold id (odd, never 0), as the engine gives one to a request that holds.
+        let hold = ((n as u64) << 1) | 1;
+        let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| RuleCheck { hold, ..m.check() }).collect();
         let allowed = store.check_into(now, &checks, &mut decisions);
         let slot = (arrival.at / bucket) as usize;
+        let mut held = Vec::new();
         for (m, decision) in matched.iter().zip(&decisions) {
             let Some(&i) = index.get(m.rule.identity()) else { continue };
             // The store consumes for a rule only when the request is admitted and the rule
             // itself admits (a shadow rule that would refuse consumes nothing).
             let consumed = allowed && decision.allowed;
             tallies[i].record(&m.key, arrival.at, m.cost, decision, consumed, slot);
+            if consumed && m.rule.algorithm().holds() && m.cost > 0 {
+                tallies[i].started(&m.key);
+                held.push((i, m.rule.id(), m.key.clone()));
+            }
+        }
+        if !held.is_empty() {
+            let length = arrival.hold.or(options.hold).unwrap_or(0);
+            ending.push(Reverse((now + length, hold)));
+            holding.insert(hold, held);
         }
     }
     Ok(SimulationReport {

@@ -58,10 +58,11 @@ pub fn theoretical_bound(limit: &Limit) -> Bound {
             value: Some(2 * limit.requests()),
             formula: "approaches 2 x requests when the previous window's traffic came at its end",
         },
-        // Admissions in a window are not bounded by a concurrency limit, only those in progress.
-        (Algorithm::Concurrency, _) => {
-            Bound { value: None, formula: "none: concurrency bounds requests in progress, not per window" }
-        }
+        // The report's maximum for a concurrency rule is the most in progress at once.
+        (Algorithm::Concurrency, _) => Bound {
+            value: Some(limit.requests()),
+            formula: "requests in progress at once (maxInWindow: the most in progress for one key)",
+        },
     }
 }
 
