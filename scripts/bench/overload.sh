@@ -170,4 +170,4 @@ jq -rs '
   (.[] | "| \(.setup) | \(.factor)x | \((.goodput / .capacity * 1000 | floor) / 10)% | \(.critical.p50Ms // "-") / \(.critical.p99Ms // "-") | \(.sheddable.p50Ms // "-") / \(.sheddable.p99Ms // "-") | \((.critical.successRate * 1000 | floor) / 10)% | \((.sheddable.successRate * 1000 | floor) / 10)% |")
 ' "$results"
 jq -rs 'group_by(.setup)[] | "sidecar CPU, \(.[0].setup): \([.[].usPerRequest] | sort | .[length / 2 | floor]) µs per request (rounds: \([.[].usPerRequest] | map(tostring) | join(", ")))"' "$cpu"
-log "convergence: $csv, $OUT/convergence.svg"
+phase convergence && log "convergence: $OUT/convergence.csv, $OUT/convergence.svg"
