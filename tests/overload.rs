@@ -309,3 +309,18 @@ async fn a_shed_request_gets_the_declared_refusal() {
     }
     assert_eq!(bodies.iter().filter(|(s, r, b)| *s == 503 && *r && b == "busy").count(), 2, "{bodies:?}");
 }
+
+/// `overload.exempt` (a long-poll path): never refused, never in flight, whatever the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exempt_requests_pass_untouched() {
+    let app = start_app(Duration::from_millis(300)).await;
+    let setup =
+        start(&app, "{initialLimit: 2, minLimit: 2, maxLimit: 2, exempt: [{paths: [{prefix: /events}]}]}", &[]).await;
+    let events = setup.burst("/events/stream", 6).await;
+    assert_eq!(count(&events, 200), 6, "{events:?}");
+    let state = setup.overload().await;
+    assert_eq!(state["protection"]["state"]["shed"]["default"], 0, "{state}");
+    // The same burst on another path is limited.
+    let other = setup.burst("/search", 6).await;
+    assert!(count(&other, 503) >= 3, "{other:?}");
+}

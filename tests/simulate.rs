@@ -33,7 +33,8 @@ fn snapshot(yaml: &str) -> Snapshot {
 fn simulate(yaml: &str, pattern: &str, bucket: Option<u64>) -> SimulationReport {
     let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
     let arrivals = parse_pattern(pattern).expect("pattern parses");
-    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket, hold: None }).expect("replays")
+    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket, hold: None })
+        .expect("replays")
 }
 
 fn only(report: &SimulationReport) -> &RuleReport {

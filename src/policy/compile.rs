@@ -62,6 +62,8 @@ pub struct CompiledPolicy {
     /// `spec.priorities`: the first entry matching a request gives its class.
     pub(super) priorities: Vec<(Class, RuleMatch)>,
     pub(super) overload: Option<OverloadSpec>,
+    /// `spec.overload.exempt`: requests the overload protection leaves alone.
+    pub(super) exempt: Vec<RuleMatch>,
     /// The spec as JSON: what the version hashes.
     pub(super) canonical: String,
 }
@@ -381,7 +383,8 @@ fn header_names_of<'a>(policies: impl IntoIterator<Item = &'a CompiledPolicy>) -
                 });
                 matched.chain(keyed).collect::<Vec<_>>()
             });
-            let classified = p.priorities.iter().flat_map(|(_, m)| m.headers.iter().map(|h| h.name.clone()));
+            let classified = p.priorities.iter().map(|(_, m)| m).chain(&p.exempt);
+            let classified = classified.flat_map(|m| m.headers.iter().map(|h| h.name.clone()));
             rules.chain(classified).collect::<Vec<_>>()
         })
         .collect();
@@ -441,6 +444,10 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
         let matcher = compile_match(&entry.matches, &format!("spec.priorities[{i}].match"), &mut regexes, &mut errs);
         priorities.push((entry.class, matcher));
     }
+    let mut exempt = Vec::new();
+    for (i, m) in policy.spec.overload.iter().flat_map(|o| o.exempt.iter()).enumerate() {
+        exempt.push(compile_match(m, &format!("spec.overload.exempt[{i}]"), &mut regexes, &mut errs));
+    }
     if !errs.is_empty() {
         return Err(errs);
     }
@@ -449,7 +456,7 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
     debug_assert!(regexes.is_empty(), "validation and compile name regexes differently: {:?}", regexes.keys());
     let overload = policy.spec.overload.clone();
-    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, canonical })
+    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, exempt, canonical })
 }
 
 fn compile_rule(

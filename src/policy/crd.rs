@@ -269,6 +269,14 @@ pub struct OverloadSpec {
     /// (e.g. a `200` with a reduced answer); `Retry-After` is added unless its headers set it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refusal: Option<RefusalSpec>,
+    /// Requests the protection leaves alone: never refused, never counted in flight, never a
+    /// latency sample. For long polls and other requests whose response head waits on an event
+    /// rather than on work (their time would read as queueing), and for health checks. Each
+    /// entry matches like a rule's `match` (no `descriptor`), at most 16; WebSocket upgrades and
+    /// server-sent event streams need none (their slot ends at the response head).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_PRIORITIES))]
+    pub exempt: Vec<Match>,
 }
 
 fn default_initial_limit() -> u32 {

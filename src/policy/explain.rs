@@ -36,6 +36,8 @@ pub struct Explanation<'s> {
     /// Whether any policy selecting the workload has `priorities` or `overload` (the text
     /// report names the class only then).
     pub protected: bool,
+    /// Whether `overload.exempt` leaves the request alone.
+    pub exempt: bool,
 }
 
 #[derive(Debug)]
@@ -92,6 +94,7 @@ impl Snapshot {
             class,
             classified_by: classified_by.map(str::to_string),
             protected,
+            exempt: self.exempt_from_overload(req),
         }
     }
 
@@ -350,6 +353,7 @@ impl<'s> Explanation<'s> {
             class: self.class,
             classified_by: self.classified_by.clone(),
             protected: self.protected,
+            exempt_from_overload: self.exempt,
             decision,
             consumed: false,
         }
@@ -370,7 +374,9 @@ impl ExplainReport {
         if self.policies.is_empty() {
             let _ = writeln!(out, "no policy in namespace {}", self.namespace);
         }
-        if self.classified_by.is_some() || self.class != Class::Default {
+        if self.exempt_from_overload {
+            let _ = writeln!(out, "exempt from overload protection (spec.overload.exempt)");
+        } else if self.classified_by.is_some() || self.class != Class::Default {
             let by = self.classified_by.as_deref().unwrap_or("");
             let _ = writeln!(out, "class {} under overload (spec.priorities of {by})", self.class);
         } else if self.protected {
@@ -450,6 +456,8 @@ pub struct ExplainReport {
     /// class only then).
     #[serde(skip)]
     pub protected: bool,
+    /// Whether `spec.overload.exempt` leaves the request alone (never refused for overload).
+    pub exempt_from_overload: bool,
     /// What a check would answer now; `null` when the store cannot tell without consuming.
     pub decision: Option<RequestDecision>,
     /// Always false: explaining consumes nothing.

@@ -232,6 +232,17 @@ impl Snapshot {
         (Class::Default, None)
     }
 
+    /// Whether the overload protection leaves `req` alone: an `overload.exempt` entry of a
+    /// policy selecting its workload matches it.
+    pub fn exempt_from_overload(&self, req: &RequestView<'_>) -> bool {
+        let (path, host) = matching_inputs(req);
+        let path = path.as_ref();
+        self.namespace_policies(req.namespace)
+            .iter()
+            .filter(|p| !p.exempt.is_empty() && selector_matches(&p.selector, req.labels))
+            .any(|p| p.exempt.iter().any(|m| rule_matches(m, req, path, host)))
+    }
+
     /// The overload protection of a workload of `namespace` with `labels`: the first policy (by
     /// name) selecting it that has `spec.overload`, and that spec.
     pub fn overload_for(&self, namespace: &str, labels: &dyn StrMap) -> Option<(&str, &OverloadSpec)> {

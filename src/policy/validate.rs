@@ -114,7 +114,7 @@ pub(super) fn validate_keeping_regexes(policy: &RateLimitPolicy) -> Result<Compi
         validate_match(&entry.matches, &path, &mut regexes, &mut errs);
     }
     if let Some(overload) = &spec.overload {
-        validate_overload(overload, &mut errs);
+        validate_overload(overload, &mut regexes, &mut errs);
     }
     check_regex_budget(&regexes, &mut errs);
     if !errs.is_empty() {
@@ -313,8 +313,21 @@ fn validate_refusal(r: &RefusalSpec, path: &str, errs: &mut ValidationErrors) {
     }
 }
 
-fn validate_overload(o: &OverloadSpec, errs: &mut ValidationErrors) {
+fn validate_overload(o: &OverloadSpec, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
     let path = "spec.overload";
+    if o.exempt.len() > MAX_PRIORITIES {
+        errs.push(format!("{path}.exempt"), format!("at most {MAX_PRIORITIES} entries, got {}", o.exempt.len()));
+    }
+    for (i, m) in o.exempt.iter().enumerate() {
+        let at = format!("{path}.exempt[{i}]");
+        if !m.descriptor.is_empty() {
+            errs.push(
+                format!("{at}.descriptor"),
+                "the overload protection sees HTTP requests: descriptor has no place here",
+            );
+        }
+        validate_match(m, &at, regexes, errs);
+    }
     if let Some(refusal) = &o.refusal {
         validate_refusal(refusal, &format!("{path}.refusal"), errs);
     }

@@ -219,9 +219,12 @@ impl Decider {
     }
 
     /// The class of a request when the application is overloaded (the cached snapshot's
-    /// `priorities`; `default` before the first snapshot).
-    pub fn classify(&self, input: &CheckInput<'_>) -> crate::overload::Class {
-        self.local.live().snapshot.classify(&view_of(input)).0
+    /// `priorities`; `default` before the first snapshot);
+    /// `None` for a request `overload.exempt` leaves alone.
+    pub fn classify(&self, input: &CheckInput<'_>) -> Option<crate::overload::Class> {
+        let live = self.local.live();
+        let view = view_of(input);
+        (!live.snapshot.exempt_from_overload(&view)).then(|| live.snapshot.classify(&view).0)
     }
 
     /// The local fallback's store, for the sweeper that drops idle keys.

@@ -166,9 +166,11 @@ impl Proxy {
                     client_ip,
                     headers,
                 };
-                match self.decider.protection.admit(self.decider.classify(&input)).await {
-                    Ok(taken) => slot = taken,
-                    Err(shed) => return self.shed(shed),
+                if let Some(class) = self.decider.classify(&input) {
+                    match self.decider.protection.admit(class).await {
+                        Ok(taken) => slot = taken,
+                        Err(shed) => return self.shed(shed),
+                    }
                 }
                 self.decider.decide(&input).await
             }

@@ -15,8 +15,8 @@ use crate::algorithm::{Decision, HoldId, Micros};
 use crate::duration::MICROS_PER_MS;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
 use crate::server::request::CheckRequest;
-use crate::store::{RuleCheck, RuleId};
 use crate::store::memory::MemoryStore;
+use crate::store::{RuleCheck, RuleId};
 
 /// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
 /// that trace time 0 is a window boundary of every rule and timestamps look like real ones.
