@@ -3,15 +3,16 @@
 //! and the latency the sidecar measured, over time. Same plotting crate (plotters, SVG) as
 //! `sluice simulate --svg`.
 //!
-//! `cargo run --release --example overload_plot -- convergence.csv convergence.svg`
+//! `cargo run --release --example overload_plot -- convergence.csv convergence.svg [LOAD_FACTOR]`
 
 use plotters::prelude::*;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (input, output) = match args.as_slice() {
-        [input, output] => (input, output),
-        _ => panic!("usage: overload_plot CSV SVG"),
+    let (input, output, factor) = match args.as_slice() {
+        [input, output] => (input, output, "2"),
+        [input, output, factor] => (input, output, factor.as_str()),
+        _ => panic!("usage: overload_plot CSV SVG [LOAD_FACTOR]"),
     };
     let text = std::fs::read_to_string(input).expect("read the CSV");
     // seconds, limit, in_flight, latency_ms, capacity (requests/s); quoted by jq's @csv.
@@ -30,7 +31,7 @@ fn main() {
     let (upper, lower) = root.split_vertically(340);
     let mut chart = ChartBuilder::on(&upper)
         .caption(
-            "adaptive limit under 2x load; the application's capacity halved from 10 s to 20 s",
+            format!("adaptive limit under {factor}x load; the application's capacity halved from 10 s to 20 s"),
             ("sans-serif", 16),
         )
         .margin(10)

@@ -14,8 +14,8 @@
 # DURATION seconds each; a response slower than TIMEOUT_MS counts as failed (the client gave up).
 # Then the sidecar's CPU per request with protection on and off (none vs adaptive, neither asks
 # the endpoint), on an application that never queues, CPU_RATE requests/s, interleaved ROUNDS
-# times. Last the convergence run: adaptive at 2× for 30 s, the capacity halved from 10 s to
-# 20 s, /overload sampled every 200 ms into $OUT/convergence.csv (drawn by
+# times. Last the convergence run: adaptive at CONV_FACTOR× (4) for 30 s, the capacity halved
+# from 10 s to 20 s, /overload sampled every 200 ms into $OUT/convergence.csv (drawn by
 # examples/overload_plot.rs into $OUT/convergence.svg).
 #
 #   scripts/bench/overload.sh                       # prints JSON lines and a Markdown table
@@ -143,11 +143,12 @@ phase cpu && for _ in $(seq "$ROUNDS"); do
 done
 
 if phase convergence; then
-    log "convergence: adaptive at 2x for 30 s, capacity halved from 10 s to 20 s"
+    CONV_FACTOR=${CONV_FACTOR:-4}
+    log "convergence: adaptive at ${CONV_FACTOR}x for 30 s, capacity halved from 10 s to 20 s"
     start adaptive-120
     csv="$OUT/convergence.csv"
     echo "seconds,limit,in_flight,latency_ms,capacity" >"$csv"
-    "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * 2))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
+    "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * CONV_FACTOR))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
     load=$!
     begin=$(date +%s%N)
     while kill -0 "$load" 2>/dev/null; do
@@ -160,7 +161,7 @@ if phase convergence; then
         sleep 0.2
     done
     stop_all
-    "$target/examples/overload_plot" "$csv" "$OUT/convergence.svg"
+    "$target/examples/overload_plot" "$csv" "$OUT/convergence.svg" "$CONV_FACTOR"
 fi
 
 log "table"
