@@ -369,12 +369,19 @@ async fn every_key_gets_a_ttl_on_redis_time() {
         let v = store.check_tagged(tag, None, &[check(i as u64, l, b"k", 1, true)]).await.unwrap();
         assert!(v.allowed, "{l:?}");
     }
+    // A key can only be missing by expiring, which proves it had a TTL: a bucket's state is pristine
+    // again one interval (100 ms) after a request, a fixed window's at its end, and a loaded
+    // machine can take that long between the checks and KEYS. A key without a TTL never goes.
     let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("sl1:{ttl}:*").query_async(&mut con).await.unwrap();
-    assert_eq!(keys.len(), pool.len());
-    for key in keys {
-        let pttl: i64 = con.pttl(&key).await.unwrap();
-        assert!(pttl > 0 && pttl <= 120_000, "{} has pttl {pttl}", String::from_utf8_lossy(&key));
+    assert!(keys.len() <= pool.len() && keys.len() * 2 >= pool.len(), "{} keys of {}", keys.len(), pool.len());
+    for key in &keys {
+        let pttl: i64 = con.pttl(key).await.unwrap();
+        assert!(pttl > 0 && pttl <= 120_000, "{} has pttl {pttl}", String::from_utf8_lossy(key));
     }
+    // The sliding counter of 60 s is pristine only two windows on: its key must be there.
+    let counter = pool.iter().position(|l| l.algorithm() == Algorithm::SlidingWindowCounter && l.per() == 60 * SEC);
+    let counter_key = format!(":{:016x}:", counter.expect("in the pool"));
+    assert!(keys.iter().any(|k| String::from_utf8_lossy(k).contains(&counter_key)), "{keys:?}");
 }
 
 /// Loaded functions can be lost (a restart without persistence, a failover to a node that never
