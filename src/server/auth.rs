@@ -280,7 +280,13 @@ impl TokenTable {
         self.by_digest.is_empty()
     }
 
+    /// The caller a static token names. A token shorter than [`MIN_STATIC_TOKEN_LEN`] names
+    /// nobody, even when a `sha256` entry is the digest of one (the file cannot check what a
+    /// digest was made from, so an empty or guessable token is refused here).
     pub fn lookup(&self, token: &str) -> Option<&Caller> {
+        if token.len() < MIN_STATIC_TOKEN_LEN {
+            return None;
+        }
         self.by_digest.get(&token_digest(token))
     }
 }
@@ -410,6 +416,21 @@ impl AuthArgs {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_short_token_names_nobody_even_by_its_digest() {
+        let hex = |token: &str| token_digest(token).iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let file = format!(
+            "tokens:\n  - {{name: empty, sha256: {}, gateway: true}}\n  - {{name: short, sha256: {}, gateway: true}}\n  - {{name: long, sha256: {}, gateway: true}}\n",
+            hex(""),
+            hex("short"),
+            hex("a-long-enough-token")
+        );
+        let table = TokenTable::parse(&file).unwrap();
+        assert!(table.lookup("").is_none());
+        assert!(table.lookup("short").is_none());
+        assert!(table.lookup("a-long-enough-token").is_some());
+    }
+
     use super::*;
 
     const FILE: &str = r#"
