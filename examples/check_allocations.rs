@@ -80,6 +80,7 @@ async fn main() {
                     client_ip: Some(std::net::IpAddr::from([10, 0, 0, 1])),
                     headers: &Pairs(&headers),
                     cost: 1,
+                    fields: &sluice::policy::NoEntries,
                     descriptor: None,
                 };
                 std::hint::black_box(engine.check(&view, sluice::server::engine::Holds::Leased).await);

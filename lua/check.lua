@@ -9,12 +9,14 @@
 -- ARGV[1]  now in µs since the Unix epoch, or "" to use the server's clock (redis.call('TIME')).
 --          Production always passes ""; tests pass a time.
 -- ARGV[2]  the request's hold id (decimal), for the rules whose admission holds capacity until
---          released (concurrency: see lua/concurrency.lua and `release` below), or "".
+--          settled (concurrency slots, reservations: see `settle` below), or "".
 -- ARGV[2i + 1], ARGV[2i + 2]  for rule i: its parameters as one text
 --          "algorithm:requests:per_us:burst:interval_us:max_delay_us:enforce" (algorithm 1
 --          tokenBucket, 2 gcra, 3 leakyBucket, 4 fixedWindow, 5 slidingWindowLog,
 --          6 slidingWindowCounter, 7 concurrency; interval = per/requests rounded up; max_delay -1
---          when not shaping; enforce 1, or 0 for shadow), then the request's cost for it, decimal.
+--          when not shaping; enforce 1, or 0 for shadow), followed by ":ttl_us" for a rule whose
+--          cost is known after the response (lua/reservation.lua: the cost is its estimate,
+--          reserved under the hold id), then the request's cost for it, decimal.
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
 --          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
@@ -50,8 +52,12 @@ local function rule_params(text)
   if type(text) ~= 'string' then
     return nil
   end
-  local algo, requests, per, burst, interval, max_delay, enforce =
-    string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01])$')
+  local algo, requests, per, burst, interval, max_delay, enforce, ttl =
+    string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01]):(%d+)$')
+  if algo == nil then
+    algo, requests, per, burst, interval, max_delay, enforce =
+      string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01])$')
+  end
   if algo == nil then
     return nil
   end
@@ -63,10 +69,18 @@ local function rule_params(text)
     interval = tonumber(interval),
     max_delay = tonumber(max_delay),
     enforce = enforce == '1',
+    ttl = ttl and tonumber(ttl),
   }
   l.module = modules[l.algo]
   if l.module == nil or l.requests < 1 or l.per < 1000 or l.burst < 1 or l.interval < 1 then
     return nil
+  end
+  if l.ttl ~= nil then
+    -- A reservation: only for the counting algorithms, never shaping (Limit::reserving).
+    if l.ttl < 1000000 or l.algo == 5 or l.algo == 7 or l.max_delay >= 0 then
+      return nil
+    end
+    l.module = sluice.reserving(l.module)
   end
   if params_count >= PARAMS_MAX then
     params_by_text, params_count = {}, 0
@@ -247,25 +261,43 @@ local function decide_many(KEYS, ARGV)
   return out
 end
 
--- Settles a request's holds: gives back hold ARGV[2]'s slot in each of KEYS (the keys of the
--- request's concurrency rules), and drops the leases there that ran out by ARGV[1] ("" for the
--- server's clock). Idempotent: a hold already gone is left alone, and no count goes below zero
--- (a slot is a member; removing an absent one removes nothing). A key of another shape is left
--- alone. Returns the number of slots given back.
-local function release(KEYS, ARGV)
+-- Settles a request's holds (hold ARGV[2], decimal) at ARGV[1] ("" for the server's clock).
+-- KEYS[i]  the state key of the request's rule i that holds (src/store/keys.rs).
+-- ARGV[2i + 1], ARGV[2i + 2]  rule i's parameters as for `decide`, and the cost it settles to.
+-- A concurrency slot is given back (its cost ignored); a reservation is replaced by its actual
+-- cost (lua/reservation.lua), consumed even past the limit. Idempotent: a hold already gone
+-- (settled, or run out) is left alone, and nothing is charged for it. A key of another shape is
+-- left alone. Every argument is checked before anything is written.
+-- Returns the number of holds found.
+local function settle(KEYS, ARGV)
   local now = instant(ARGV[1], {})
   local hold = hold_id(ARGV[2])
-  if now == nil or hold == nil or hold == '' or #ARGV ~= 2 then
-    return redis.error_reply('sluice: release takes now ("" or µs) and a hold id (decimal digits)')
+  if now == nil or hold == nil or hold == '' or #ARGV ~= 2 + 2 * #KEYS then
+    return redis.error_reply('sluice: settle takes now ("" or µs), a hold id (decimal digits), then per key its rule parameters and cost')
   end
-  local freed = 0
-  for _, key in ipairs(KEYS) do
-    local removed = redis.pcall('ZREM', key, hold)
-    if type(removed) == 'number' and removed > 0 then
-      -- Only in a set that held this request's slot: a concurrency set, whatever the rule is now.
-      freed = freed + removed
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now))
+  local rules, costs = {}, {}
+  for i = 1, #KEYS do
+    rules[i], costs[i] = rule_params(ARGV[1 + 2 * i]), int(ARGV[2 + 2 * i])
+    if rules[i] == nil or costs[i] == nil then
+      return redis.error_reply('sluice: bad arguments for key ' .. i)
     end
   end
-  return freed
+  local found = 0
+  for i, key in ipairs(KEYS) do
+    local l = rules[i]
+    if l.algo == 7 then
+      local until_ = redis.pcall('ZSCORE', key, hold)
+      if type(until_) == 'string' then
+        -- Only in a set that held this request's slot: a concurrency set, whatever the rule is now.
+        redis.call('ZREM', key, hold)
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now))
+        if tonumber(until_) > now then
+          found = found + 1
+        end
+      end
+    elseif l.ttl ~= nil then
+      found = found + l.module.settle(key, l, now, hold, costs[i])
+    end
+  end
+  return found
 end

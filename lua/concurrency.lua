@@ -4,7 +4,7 @@
 -- State: sorted set, one member per request holding a slot: member = its hold id (decimal),
 -- score = when its lease runs out (µs). A lease counts while now < until. A request holds at most
 -- one slot per key whatever its cost (0 asks without holding). Rule fields used: requests, per
--- (the lease). Released by `release` (check.lua), or by its lease running out.
+-- (the lease). Released by `settle` (check.lua), or by its lease running out.
 -- TTL = the latest lease's end − now.
 
 sluice.concurrency = {}

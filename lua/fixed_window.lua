@@ -6,7 +6,7 @@
 -- index, so an edit of `per` cannot misread an old window.
 -- Rule fields used: requests, per. A clock behind the stored window stays in that window.
 -- TTL = end of the window − now. A window going on keeps its end, so its TTL is set once, when
--- `e` differs from the end: a new window, an edited `per`, or a write by a release that does
+-- `e` differs from the end: a new window, an edited `per`, or a write by a settle that does
 -- not keep `e` (it sets the TTL itself, and leaves a stale `e` that cannot match).
 
 sluice.fixed_window = {}

@@ -3,7 +3,7 @@
 -- State: hash {a = "tb", credit = µs of emission (one token = one interval), updated = µs}.
 -- Rule fields used: burst, interval. capacity = burst × interval; the level at `now` is
 -- min(credit + max(now − updated, 0), capacity) (a clock behind `updated` refills nothing).
--- TTL = updated + (capacity − credit) − now after consuming.
+-- TTL = updated + (capacity − credit) − now after consuming. A debt puts `updated` past now.
 
 sluice.token_bucket = {}
 
@@ -31,24 +31,37 @@ function sluice.token_bucket.check(l, b, now, cost)
   local interval = l.interval
   local capacity = l.burst * interval
   local level = tb_level(l, b, now)
+  -- Nothing refills before `updated`: a debt (a settled cost above its reservation) or a clock
+  -- behind the last write.
+  local waiting = 0
+  if b ~= nil then
+    waiting = math.max(b.updated - now, 0)
+  end
   if cost > l.burst then
-    return false, idiv(level, interval), capacity - level, -1, 0
+    return false, idiv(level, interval), capacity - level + waiting, -1, 0
   end
   local needed = cost * interval
   if level >= needed then
     local left = level - needed
-    return true, idiv(left, interval), capacity - left, -1, 0
+    return true, idiv(left, interval), capacity - left + waiting, -1, 0
   end
-  return false, idiv(level, interval), capacity - level, needed - level, 0
+  return false, idiv(level, interval), capacity - level + waiting, needed - level + waiting, 0
 end
 
 function sluice.token_bucket.consume(key, ktype, b, l, now, cost)
   local capacity = l.burst * l.interval
   local level = tb_level(l, b, now)
-  local credit = math.max(level - cost * l.interval, 0)
+  local needed = cost * l.interval
   local updated = now
   if b ~= nil then
     updated = math.max(b.updated, now)
+  end
+  -- More than the bucket holds (a settled cost above its reservation) is debt: `updated` moves
+  -- past now by the shortfall, and nothing refills until the clock passes it.
+  local credit = level - needed
+  if credit < 0 then
+    updated = updated - credit
+    credit = 0
   end
   local pristine_at = updated + (capacity - credit)
   if not worth_writing(ktype, pristine_at, now) then

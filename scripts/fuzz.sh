@@ -19,7 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SECONDS_EACH="${SECONDS_EACH:-60}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 FUZZ_DIR="$ROOT/scripts/fuzz"
-TARGETS=(check_request path_normalize policy_yaml lease_token trace_file request_host token_file)
+TARGETS=(check_request path_normalize policy_yaml lease_token trace_file request_host token_file usage_meter)
 if (($#)); then TARGETS=("$@"); fi
 
 command -v cargo >/dev/null || { echo "fuzz: cargo not found" >&2; exit 1; }

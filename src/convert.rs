@@ -289,6 +289,7 @@ fn rule_for(
         on_store_failure: Default::default(),
         refusal: None,
         retry_after_jitter: None,
+        response_cost: None,
     })
 }
 

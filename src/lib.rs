@@ -24,3 +24,4 @@ pub mod sidecar;
 pub mod simulate;
 pub mod store;
 pub mod telemetry;
+pub mod usage;

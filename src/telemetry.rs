@@ -66,11 +66,29 @@ pub struct RuleCounters {
     pub allowed: Counter,
     pub limited: Counter,
     pub would_limit: Counter,
+    /// For a rule whose cost is known after the response (`responseCost`).
+    pub reservations: Option<ReservationCounters>,
 }
+
+#[derive(Clone, Debug, Default)]
+pub struct ReservationCounters {
+    /// Estimates reserved at admission.
+    pub reserved: Counter,
+    /// Actual costs charged by settles.
+    pub settled: Counter,
+    /// Estimates whose reservation was gone when settled (run out, or settled before): their
+    /// actual cost was not charged.
+    pub expired: Counter,
+}
+
+/// Outcomes of `sluice_reservation_cost_total`.
+const RESERVATION_OUTCOMES: [RuleOutcome; 3] = ["reserved", "settled", "expired"];
 
 pub struct Metrics {
     pub registry: Registry,
     pub decisions: Family<RuleLabels, Counter>,
+    /// Cost of `responseCost` rules by outcome: reserved, settled, expired.
+    pub reservation_cost: Family<RuleLabels, Counter>,
     pub responses: Family<StatusLabels, Counter>,
     /// `responses` for status 200, resolved once: the check API's hot path skips the family's
     /// lock and label hashing.
@@ -155,6 +173,12 @@ impl Metrics {
         let mut registry = Registry::with_prefix("sluice");
         let decisions = Family::<RuleLabels, Counter>::default();
         registry.register("decisions", "Rule decisions by policy, rule and outcome", decisions.clone());
+        let reservation_cost = Family::<RuleLabels, Counter>::default();
+        registry.register(
+            "reservation_cost",
+            "Cost of responseCost rules: estimates reserved at admission, actual costs settled, and estimates whose reservation ran out before its settle",
+            reservation_cost.clone(),
+        );
         let responses = Family::<StatusLabels, Counter>::default();
         registry.register("check_responses", "Check API responses by HTTP status", responses.clone());
         // 5 µs to ~80 ms.
@@ -320,6 +344,7 @@ impl Metrics {
         Metrics {
             registry,
             decisions,
+            reservation_cost,
             responses,
             responses_ok,
             check_seconds,
@@ -390,16 +415,25 @@ impl Metrics {
             for outcome in ["allowed", "limited", "would_limit"] {
                 self.decisions.remove(&RuleLabels { policy: policy.clone(), rule: rule.clone(), outcome });
             }
+            for outcome in RESERVATION_OUTCOMES {
+                self.reservation_cost.remove(&RuleLabels { policy: policy.clone(), rule: rule.clone(), outcome });
+            }
         }
         *known = live;
     }
 
-    pub fn rule_counters(&self, policy: &str, rule: &str) -> RuleCounters {
+    /// A rule's counters; `reserving`: its cost is known after the response.
+    pub fn rule_counters(&self, policy: &str, rule: &str, reserving: bool) -> RuleCounters {
         let labels = |outcome| RuleLabels { policy: policy.to_string(), rule: rule.to_string(), outcome };
         RuleCounters {
             allowed: self.decisions.get_or_create_owned(&labels("allowed")),
             limited: self.decisions.get_or_create_owned(&labels("limited")),
             would_limit: self.decisions.get_or_create_owned(&labels("would_limit")),
+            reservations: reserving.then(|| ReservationCounters {
+                reserved: self.reservation_cost.get_or_create_owned(&labels("reserved")),
+                settled: self.reservation_cost.get_or_create_owned(&labels("settled")),
+                expired: self.reservation_cost.get_or_create_owned(&labels("expired")),
+            }),
         }
     }
 

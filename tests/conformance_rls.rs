@@ -44,6 +44,12 @@ async fn every_vector_decides_the_same_through_the_rate_limit_service() {
     let mut failures = Vec::new();
     let mut compared = 0;
     for (vi, vector) in vectors.iter().enumerate() {
+        // Reservations need a settle, which the rate limit service never gets (Envoy reports a
+        // cost after the response as a plain hits_addend): the memory, Redis and HTTP suites hold
+        // those vectors.
+        if vector.rules.0.iter().any(|(_, spec)| spec.reserve_for.is_some()) {
+            continue;
+        }
         let all: Vec<String> = vector.rules.0.iter().map(|(name, _)| name.clone()).collect();
         for (si, step) in vector.steps.iter().enumerate() {
             let context = format!("{} / step {} (at {})", vector.name, si + 1, step.at);

@@ -164,3 +164,32 @@ fn overload_policies_pass_cel_and_its_mistakes_are_caught() {
         cel_errors(&format!("  overload: {{}}\n  priorities:\n{many}  rules: []\n")).contains("at most 64 regexes")
     );
 }
+
+/// The LLM example passes CEL; responseCost's own rules catch their mistakes.
+#[test]
+fn response_cost_policies_pass_cel_and_their_mistakes_are_caught() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/llm");
+    for loaded in sluice::policy::load_paths(&[dir]).expect("examples load") {
+        if let Err(e) = validate_cel(&loaded.policy) {
+            panic!("{}: {e:?}", loaded.file.display());
+        }
+    }
+    let rule = |response_cost: &str| {
+        format!(
+            "  rules:\n  - name: t\n    algorithm: fixedWindow\n    limit: {{requests: 1000, per: 1m}}\n    responseCost: {response_cost}\n"
+        )
+    };
+    assert_eq!(cel_errors(&rule("{fields: [usage.total_tokens], estimate: {constant: 10}}")), "");
+    assert!(cel_errors(&rule("{estimate: {constant: 10}}")).contains("responseCost needs fields or a header"));
+    assert!(
+        cel_errors(&rule("{fields: [a], estimate: {requestField: max_tokens}}"))
+            .contains("estimate.requestField needs a cap")
+    );
+    assert!(
+        cel_errors(&rule("{fields: [a], estimate: {constant: 1, requestField: b, cap: 2}}"))
+            .contains("exactly one of constant or requestField")
+    );
+    assert!(
+        cel_errors(&rule("{fields: [a], estimate: {constant: 1}, reservationTtl: soon}")).contains("reservationTtl")
+    );
+}

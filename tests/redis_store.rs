@@ -16,7 +16,7 @@ use sluice::clock::FakeClock;
 use sluice::store::breaker::BreakerConfig;
 use sluice::store::keys::state_key;
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
+use sluice::store::{RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use support::redis_server::RedisServer;
 
 const T0: Micros = 1_700_000_000_000_000;
@@ -1016,7 +1016,8 @@ async fn concurrency_holds_and_releases_like_rust() {
                     taken[rng.random_range(0..taken.len())]
                 };
                 concurrency::release(&mut model[k], hold, now);
-                store.release_tagged(tag, Some(now), &[(1, &keys[k])], hold).await.expect("released");
+                let settle = Settle { rule: 1, limit: &l, key: &keys[k], cost: 0 };
+                store.settle_tagged(tag, Some(now), &[settle], hold).await.expect("released");
                 continue;
             }
             let hold = rng.random_range(1..u64::MAX);
@@ -1031,6 +1032,107 @@ async fn concurrency_holds_and_releases_like_rust() {
             assert_eq!(got.decisions[0], expected, "seed {seed} step {step} key {k} at {now}");
         }
     }
+}
+
+/// Reservations on Redis decide and settle exactly as the Rust algorithm does, step by step:
+/// random estimates reserved under random hold ids, settles above and below the estimate
+/// (repeated, late, and of holds never taken), reservations running out, for every algorithm
+/// that reserves; every decision and every settle's outcome compared.
+#[tokio::test]
+async fn reservations_reserve_and_settle_like_rust() {
+    let server = RedisServer::shared();
+    let store = store(server).await;
+    let tag = "reservation-equal";
+    for (a, algorithm) in
+        [Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::FixedWindow, Algorithm::SlidingWindowCounter]
+            .into_iter()
+            .enumerate()
+    {
+        let l = limit(algorithm, 1000, 2 * SEC, None, None).reserving(SEC).unwrap();
+        for seed in 0..6u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let keys: Vec<Vec<u8>> = (0..2).map(|k| format!("a{a}-s{seed}-k{k}").into_bytes()).collect();
+            let mut model: Vec<Option<State>> = vec![None, None];
+            let mut now = T0 + seed * 100 * SEC;
+            let mut taken: Vec<u64> = Vec::new();
+            for step in 0..200 {
+                now += rng.random_range(0..150 * MS);
+                let k = rng.random_range(0..2);
+                let cost = rng.random_range(0..700);
+                if rng.random_ratio(2, 5) && !taken.is_empty() {
+                    let hold = if rng.random_ratio(1, 6) {
+                        rng.random_range(1..u64::MAX)
+                    } else {
+                        taken[rng.random_range(0..taken.len())]
+                    };
+                    let (found, _) = algorithm::settle(&l, &mut model[k], now, hold, cost);
+                    let settle = Settle { rule: 2, limit: &l, key: &keys[k], cost };
+                    let got = store.settle_tagged(tag, Some(now), &[settle], hold).await.expect("settled");
+                    assert_eq!(got, u64::from(found), "{algorithm} seed {seed} step {step}: settle found");
+                    continue;
+                }
+                let hold = if rng.random_ratio(1, 8) { 0 } else { rng.random_range(1..u64::MAX) };
+                let expected = algorithm::check(&l, model[k].as_ref(), now, cost);
+                if expected.allowed {
+                    algorithm::apply_held(&l, &mut model[k], now, cost, hold);
+                    if hold != 0 {
+                        taken.push(hold);
+                    }
+                }
+                let checks = [RuleCheck { hold, ..check(2, &l, &keys[k], cost, true) }];
+                let got = store.check_tagged(tag, Some(now), &checks).await.expect("decided");
+                assert_eq!(got.decisions[0], expected, "{algorithm} seed {seed} step {step} key {k} at {now}");
+            }
+        }
+    }
+}
+
+/// The overspend bound under concurrency: three replicas on one Redis reserve estimates that
+/// bound each request's cost (as `max_tokens` bounds an LLM's output) and settle to random
+/// actual costs at most the estimate. However the reservations and settles interleave, what a
+/// fixed window charges never exceeds the limit. Fails if a reservation stops counting before
+/// its settle, or a settle charges more than once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reservations_never_overspend_when_the_estimate_bounds_the_cost() {
+    let server = RedisServer::start();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(Arc::new(store(&server).await));
+    }
+    let window = limit(Algorithm::FixedWindow, 10_000, 3600 * SEC, None, None).reserving(600 * SEC).unwrap();
+    let charged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let tasks: Vec<_> = (0..24u64)
+        .map(|task| {
+            let (store, window, charged) = (replicas[task as usize % 3].clone(), window.clone(), charged.clone());
+            tokio::spawn(async move {
+                let mut rng = StdRng::seed_from_u64(task);
+                for round in 0..40u64 {
+                    let hold = (task << 32) | (round + 1);
+                    let estimate = rng.random_range(100..1000);
+                    let checks = [RuleCheck { hold, ..check(3, &window, b"tenant", estimate, true) }];
+                    let verdict = store.check_tagged("llm", None, &checks).await.expect("decided");
+                    if verdict.allowed {
+                        let actual = rng.random_range(0..=estimate);
+                        let settle = Settle { rule: 3, limit: &window, key: b"tenant", cost: actual };
+                        // Settled twice: the second charges nothing.
+                        for _ in 0..2 {
+                            store.settle_tagged("llm", None, &[settle], hold).await.expect("settled");
+                        }
+                        charged.fetch_add(actual, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let total = charged.load(std::sync::atomic::Ordering::SeqCst);
+    let checks = [check(3, &window, b"tenant", 0, true)];
+    let left = replicas[0].check_tagged("llm", None, &checks).await.unwrap().decisions[0].remaining;
+    assert!(total <= 10_000, "charged {total} of a 10000 limit");
+    assert_eq!(10_000 - left, total, "the window holds exactly the settled costs");
+    assert!(total > 5_000, "the limit was reached: {total}");
 }
 
 /// Three replicas (three stores on one Redis) admitting and releasing concurrently: the
@@ -1065,7 +1167,8 @@ async fn replicas_never_hold_more_than_the_limit_in_progress() {
                         // Counted out before the release: the store may admit the next one as
                         // soon as the slot is back.
                         in_progress.fetch_sub(1, Ordering::SeqCst);
-                        store.release_tagged("in-flight", None, &[(1, b"exports")], hold).await.expect("released");
+                        let settle = Settle { rule: 1, limit: &slots, key: b"exports", cost: 0 };
+                        store.settle_tagged("in-flight", None, &[settle], hold).await.expect("released");
                     }
                 }
             })

@@ -502,7 +502,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         upstream: "127.0.0.1:1".parse().unwrap(),
         check_uri: endpoint("/v1/check"),
         checks_uri: endpoint("/v1/checks"),
-        release_uri: endpoint("/v1/release"),
+        settle_uri: endpoint("/v1/settle"),
         snapshot_uri: endpoint("/v1/snapshot"),
         namespace: "tenant-acme".into(),
         labels: [("app".to_string(), "web".to_string())].into(),

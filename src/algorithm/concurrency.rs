@@ -60,7 +60,7 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost:
         let until = now + limit.per;
         match holds.iter_mut().find(|h| h.id == hold) {
             Some(held) => held.until = held.until.max(until),
-            None => holds.push(Hold { id: hold, until }),
+            None => holds.push(Hold { id: hold, until, amount: 1 }),
         }
     }
     let pristine_at = holds.iter().map(|h| h.until).max().unwrap_or(now);

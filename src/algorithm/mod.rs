@@ -14,6 +14,7 @@
 pub mod concurrency;
 mod fixed_window;
 mod gcra;
+pub mod reservation;
 mod sliding_counter;
 mod sliding_log;
 mod token_bucket;
@@ -154,6 +155,14 @@ pub enum LimitError {
     WindowProductTooLarge,
     #[error("burst × emission interval must stay below 2^53 µs")]
     BucketTooLarge,
+    #[error(
+        "{0} cannot take a cost known after the response: use tokenBucket, gcra, fixedWindow or slidingWindowCounter"
+    )]
+    ReservationNotApplicable(Algorithm),
+    #[error("a cost known after the response cannot be shaped: remove maxDelay")]
+    ReservationWithShaping,
+    #[error("the reservation's ttl must be between 1s and 1d")]
+    ReservationTtlOutOfRange,
 }
 
 /// A validated limit, ready for the algorithms. Build it with [`Limit::new`].
@@ -167,6 +176,9 @@ pub struct Limit {
     /// Emission interval T = per / requests, rounded up to whole microseconds so that rounding can
     /// only ever admit slightly less, never more.
     interval: Micros,
+    /// Set when a request's cost is known only after its response ([`reservation`]): how long an
+    /// unsettled reservation holds its estimate.
+    reservation_ttl: Option<Micros>,
 }
 
 impl Limit {
@@ -223,7 +235,34 @@ impl Limit {
         if burst.saturating_mul(interval) > MAX_EXACT / 4 {
             return Err(LimitError::BucketTooLarge);
         }
-        Ok(Limit { algorithm, requests, per, burst, max_delay, interval })
+        Ok(Limit { algorithm, requests, per, burst, max_delay, interval, reservation_ttl: None })
+    }
+
+    /// This limit for costs known only after the response: admission reserves an estimate for at
+    /// most `ttl`, settled later to the actual cost ([`reservation`]).
+    pub fn reserving(mut self, ttl: Micros) -> Result<Limit, LimitError> {
+        if matches!(self.algorithm, Algorithm::SlidingWindowLog | Algorithm::Concurrency) {
+            return Err(LimitError::ReservationNotApplicable(self.algorithm));
+        }
+        if self.max_delay.is_some() {
+            return Err(LimitError::ReservationWithShaping);
+        }
+        if !(1_000_000..=86_400_000_000).contains(&ttl) {
+            return Err(LimitError::ReservationTtlOutOfRange);
+        }
+        self.reservation_ttl = Some(ttl);
+        Ok(self)
+    }
+
+    /// How long an unsettled reservation lasts; `None` for a limit whose cost is known up front.
+    pub fn reservation_ttl(&self) -> Option<Micros> {
+        self.reservation_ttl
+    }
+
+    /// Whether admission holds capacity under the request's hold id until it is settled: a
+    /// concurrency slot, or a reservation of a cost known after the response.
+    pub fn holds(&self) -> bool {
+        self.algorithm.holds() || self.reservation_ttl.is_some()
     }
 
     pub fn algorithm(&self) -> Algorithm {
@@ -277,11 +316,13 @@ pub struct LogEntry {
 /// Whose capacity a hold is: the request's id, chosen by whoever admits it (0: none).
 pub type HoldId = u64;
 
-/// Capacity a request holds until it is released or `until` passes.
+/// Capacity a request holds until it is settled or `until` passes: a concurrency slot (amount 1)
+/// or a reserved estimate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hold {
     pub id: HoldId,
     pub until: Micros,
+    pub amount: u64,
 }
 
 /// Per-key state. A key without state is pristine (full bucket, empty window).
@@ -304,10 +345,21 @@ pub enum State {
     Log(Box<VecDeque<LogEntry>>),
     /// Concurrency: the leases of the requests in progress.
     Holds(Box<Vec<Hold>>),
+    /// A rate algorithm's state with the reservations not yet settled ([`reservation`]); only
+    /// while at least one is held.
+    Reserved(Box<reservation::Reserved>),
 }
 
 /// Decides whether `cost` may pass now, without changing anything.
 pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> Decision {
+    if limit.reservation_ttl.is_some() {
+        return reservation::check(limit, state, now, cost);
+    }
+    check_counted(limit, reservation::counted(state), now, cost)
+}
+
+/// [`check`] on the algorithm's own state, reservations aside.
+fn check_counted(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> Decision {
     match limit.algorithm {
         Algorithm::TokenBucket => token_bucket::check(limit, token_bucket::view(state), now, cost),
         Algorithm::Gcra | Algorithm::LeakyBucket => gcra::check(limit, gcra::view(state), now, cost),
@@ -326,8 +378,18 @@ pub fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -
     apply_held(limit, state, now, cost, 0)
 }
 
-/// [`apply`] for a request whose holds are `hold` (its id: see [`concurrency`]).
+/// [`apply`] for a request whose holds are `hold` (its id: see [`concurrency`] and
+/// [`reservation`]).
 pub fn apply_held(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64, hold: HoldId) -> Micros {
+    if matches!(state, Some(State::Reserved(_))) || (limit.reservation_ttl.is_some() && hold != 0) {
+        return reservation::apply(limit, state, now, cost, hold);
+    }
+    apply_counted(limit, state, now, cost, hold)
+}
+
+/// Consumes `cost` from the algorithm's own state (a rate algorithm consumes it even past the
+/// limit: a settled cost above its estimate is debt that later requests wait out).
+fn apply_counted(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64, hold: HoldId) -> Micros {
     match limit.algorithm {
         Algorithm::TokenBucket => token_bucket::apply(limit, state, now, cost),
         Algorithm::Gcra | Algorithm::LeakyBucket => gcra::apply(limit, state, now, cost),
@@ -336,6 +398,24 @@ pub fn apply_held(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u
         Algorithm::SlidingWindowCounter => sliding_counter::apply(limit, state, now, cost),
         Algorithm::Concurrency => concurrency::apply(limit, state, now, cost, hold),
     }
+}
+
+/// Settles what `hold` holds in this key at `now`: a concurrency slot is given back; a reservation
+/// is replaced by its `actual` cost. Idempotent: a hold already settled, or run out, is left
+/// alone. Returns whether the hold was found, and when the state is pristine again (`None`:
+/// the key can go).
+pub fn settle(
+    limit: &Limit,
+    state: &mut Option<State>,
+    now: Micros,
+    hold: HoldId,
+    actual: u64,
+) -> (bool, Option<Micros>) {
+    if limit.algorithm == Algorithm::Concurrency {
+        let held = concurrency::view(state.as_ref()).iter().any(|h| h.id == hold && h.until > now);
+        return (held, concurrency::release(state, hold, now));
+    }
+    reservation::settle(limit, state, now, hold, actual)
 }
 
 /// `check`, then `apply` when admitted: the single-rule decision.

@@ -29,11 +29,14 @@ pub(super) fn check(limit: &Limit, bucket: Option<Bucket>, now: Micros, cost: u6
     let interval = limit.interval;
     let capacity = limit.burst * interval;
     let level = level(limit, bucket, now);
+    // Nothing refills before `updated`: a debt (a settled cost above its reservation) or a clock
+    // behind the last write.
+    let waiting = bucket.map_or(0, |b| b.updated.saturating_sub(now));
     if cost > limit.burst {
         return Decision {
             allowed: false,
             remaining: level / interval,
-            reset_after: capacity - level,
+            reset_after: capacity - level + waiting,
             retry_after: None,
             delay: 0,
         };
@@ -44,7 +47,7 @@ pub(super) fn check(limit: &Limit, bucket: Option<Bucket>, now: Micros, cost: u6
         Decision {
             allowed: true,
             remaining: left / interval,
-            reset_after: capacity - left,
+            reset_after: capacity - left + waiting,
             retry_after: None,
             delay: 0,
         }
@@ -52,18 +55,22 @@ pub(super) fn check(limit: &Limit, bucket: Option<Bucket>, now: Micros, cost: u6
         Decision {
             allowed: false,
             remaining: level / interval,
-            reset_after: capacity - level,
-            retry_after: Some(needed - level),
+            reset_after: capacity - level + waiting,
+            retry_after: Some(needed - level + waiting),
             delay: 0,
         }
     }
 }
 
+/// Takes `cost` tokens. More than the bucket holds (a settled cost above its reservation) is debt:
+/// `updated` moves past `now` by the shortfall, and nothing refills until the clock passes it.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
     let bucket = view(state.as_ref());
     let level = level(limit, bucket, now);
-    let credit = level.saturating_sub(cost * limit.interval);
+    let needed = cost.saturating_mul(limit.interval);
     let updated = bucket.map_or(now, |b| b.updated.max(now));
+    let (credit, updated) =
+        if level >= needed { (level - needed, updated) } else { (0, updated.saturating_add(needed - level)) };
     *state = Some(State::Bucket { credit, updated });
     updated + (limit.burst * limit.interval - credit)
 }

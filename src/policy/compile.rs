@@ -93,6 +93,8 @@ pub struct CompiledRule {
     pub(super) refusal: Option<std::sync::Arc<DeclaredRefusal>>,
     /// `retryAfterJitter`: the most added at random to `Retry-After` when this rule refuses.
     pub(super) retry_after_jitter: Micros,
+    /// `responseCost`: the cost is read from the response; admission reserves an estimate.
+    pub(super) response_cost: Option<std::sync::Arc<super::response_cost::ResponseCost>>,
 }
 
 #[derive(Debug, Default)]
@@ -236,6 +238,10 @@ impl CompiledRule {
         self.refusal.as_ref()
     }
     /// The most added at random to `Retry-After` when this rule refuses (`retryAfterJitter`).
+    /// `responseCost`: how the cost is read from the response, and the estimate reserved.
+    pub fn response_cost(&self) -> Option<&std::sync::Arc<super::response_cost::ResponseCost>> {
+        self.response_cost.as_ref()
+    }
     pub fn retry_after_jitter(&self) -> Micros {
         self.retry_after_jitter
     }
@@ -469,7 +475,15 @@ fn compile_rule(
     let mut errs = ValidationErrors::default();
     // Validation already passed, so these only fail if validate and compile disagree; report
     // rather than panic.
-    let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
+    let mut limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
+    let mut response_cost = None;
+    if let Some(spec) = &rule.response_cost {
+        let compiled = super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), &mut errs);
+        if let Some((reserving, cost)) = compiled {
+            limit = Some(reserving);
+            response_cost = Some(std::sync::Arc::new(cost));
+        }
+    }
     let matcher = match &rule.matches {
         Some(m) => compile_match(m, &format!("{path}.match"), validated, &mut errs),
         None => RuleMatch::default(),
@@ -496,6 +510,7 @@ fn compile_rule(
         key,
         refusal: rule.refusal.as_ref().map(|r| std::sync::Arc::new(DeclaredRefusal::from(r))),
         retry_after_jitter: rule.retry_after_jitter.as_deref().and_then(|j| parse_duration(j).ok()).unwrap_or(0),
+        response_cost,
     })
 }
 
@@ -647,6 +662,20 @@ impl Snapshot {
         };
         SnapshotPart { snapshot: self, whole: namespaces.is_none(), indices }
     }
+    /// The request body fields the estimates of `namespace`'s rules read (`responseCost.estimate.
+    /// requestField`), sorted, without repeats.
+    pub fn estimate_fields(&self, namespace: &str) -> Vec<String> {
+        let mut fields: Vec<String> = self
+            .namespace_policies(namespace)
+            .iter()
+            .flat_map(|p| p.rules())
+            .filter_map(|r| r.response_cost()?.request_field().map(str::to_string))
+            .collect();
+        fields.sort();
+        fields.dedup();
+        fields
+    }
+
     pub fn rules(&self) -> impl Iterator<Item = &CompiledRule> {
         self.policies.iter().flat_map(|p| &p.rules)
     }

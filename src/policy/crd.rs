@@ -388,6 +388,105 @@ pub struct PolicyRule {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
     pub retry_after_jitter: Option<String>,
+
+    /// The cost of a request known only after its response: an LLM's tokens, or any work the
+    /// application counts. Admission reserves an estimate (admitted only if used + reserved +
+    /// estimate fits the limit); when the response ends the reservation is settled to the
+    /// actual cost, read from the response. Replaces `cost`. The sidecar reads the response
+    /// itself; `POST /v1/check` callers settle through `POST /v1/settle`; ext_authz charges the
+    /// estimate; Envoy's rate limit service charges what Envoy reports after the response
+    /// (`hits_addend`, unbounded overspend). Algorithms: tokenBucket, gcra, fixedWindow,
+    /// slidingWindowCounter, leakyBucket without maxDelay. See docs/llm.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_cost: Option<ResponseCostSpec>,
+}
+
+/// Most JSON fields a response cost sums.
+pub const MAX_COST_FIELDS: usize = 8;
+
+/// Where a rule's cost comes from when the response tells it, and what is reserved meanwhile.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[x_kube(validation = CelRule::new("(has(self.fields) && size(self.fields) > 0) || has(self.header)").message("responseCost needs fields or a header to read the cost from"))]
+#[serde(rename_all = "camelCase")]
+pub struct ResponseCostSpec {
+    /// JSON fields of the response whose sum is the cost, as dotted paths: OpenAI
+    /// `usage.total_tokens` (or `usage.prompt_tokens` and `usage.completion_tokens` apart),
+    /// Anthropic `usage.input_tokens` and `usage.output_tokens` (streamed: `message.usage.input_tokens`
+    /// from `message_start`). Read from a JSON body (up to 1 MiB) or from a server-sent event
+    /// stream, where each field's last value counts (OpenAI with `stream_options.include_usage`).
+    /// The response passes to the client unchanged. At most 8.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_COST_FIELDS))]
+    pub fields: Vec<String>,
+
+    /// A response header whose value is the cost (decimal digits), e.g. `x-sluice-cost`, for an
+    /// application that counts its own work. When the response carries it, it wins over
+    /// `fields`. The sidecar removes it from the response the client gets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub header: Option<String>,
+
+    /// What admission reserves.
+    pub estimate: EstimateSpec,
+
+    /// What a failed request costs: the application answered 5xx, or its response broke off, or
+    /// the client left before any of the response. Default 0.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
+    pub on_failure: u64,
+
+    /// How long a reservation holds its estimate when nobody settles it (a crashed sidecar):
+    /// then its capacity returns, and a settle arriving later charges nothing. Longer than the
+    /// slowest response. A duration between 1s and 1d; default 10m.
+    #[x_kube(validation = duration_rule("reservationTtl"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub reservation_ttl: Option<String>,
+
+    /// `reserve` (default): reserve the estimate, settle to the actual cost. `reportAfter`:
+    /// reserve nothing and charge the actual cost afterwards, the model of Envoy AI Gateway and
+    /// of Kuadrant's first token limits; concurrent requests then overspend without bound. For
+    /// comparison only.
+    #[serde(default)]
+    pub mode: ResponseCostMode,
+}
+
+/// What a request reserves: `constant`, or a field of its JSON body (`requestField`) plus
+/// `plus`, at most `cap`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[x_kube(validation = CelRule::new("has(self.constant) != has(self.requestField)").message("estimate takes exactly one of constant or requestField"))]
+#[x_kube(validation = CelRule::new("!has(self.requestField) || has(self.cap)").message("estimate.requestField needs a cap"))]
+#[serde(rename_all = "camelCase")]
+pub struct EstimateSpec {
+    /// The same estimate for every request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
+    pub constant: Option<u64>,
+    /// A top-level integer field of the request's JSON body, e.g. `max_tokens` (OpenAI chat),
+    /// `max_output_tokens` (OpenAI responses) or `max_tokens` (Anthropic). The sidecar reads
+    /// bodies of up to 1 MiB for it; a request without it, or with a larger body, reserves `cap`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub request_field: Option<String>,
+    /// Added to the request field's value: what the prompt may cost on top of the output.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = MAX_REQUESTS))]
+    pub plus: u64,
+    /// The most a request reserves. Required with `requestField`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = MAX_REQUESTS))]
+    pub cap: Option<u64>,
+}
+
+/// How a response cost is charged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum ResponseCostMode {
+    /// Reserve the estimate at admission; settle to the actual cost.
+    #[default]
+    Reserve,
+    /// Charge only afterwards: the overspend is unbounded (for comparison).
+    ReportAfter,
 }
 
 /// Bounds on a declared refusal: what every replica and sidecar holds per rule.

@@ -635,6 +635,7 @@ spec:
                                     client_ip,
                                     headers,
                                     cost: 2,
+                                    fields: &crate::policy::NoEntries,
                                     descriptor: None,
                                 };
                                 let mut resolved = Vec::new();

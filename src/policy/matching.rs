@@ -130,6 +130,9 @@ pub struct RequestView<'a> {
     pub headers: &'a dyn StrMap,
     /// The request's own cost, multiplied by each rule's cost.
     pub cost: u64,
+    /// Top-level fields of the request's JSON body that rules' `responseCost.estimate` read
+    /// (their values as text), by name.
+    pub fields: &'a dyn StrMap,
     /// Set for one descriptor of an Envoy rate limit request (then method, path, host, client
     /// IP and headers are empty): only rules with `match.descriptor` apply to it. `None` for an
     /// HTTP request, to which no such rule applies.
@@ -149,6 +152,7 @@ impl<'a> RequestView<'a> {
             client_ip: None,
             headers: &NoEntries,
             cost: 1,
+            fields: &NoEntries,
             descriptor: None,
         }
     }
@@ -265,7 +269,13 @@ fn resolve_policy<'s>(
             continue;
         }
         if let Ok(key) = build_key(&rule.key, req, path, host) {
-            out.push(Matched { rule, key, cost: rule.cost.saturating_mul(req.cost) });
+            // A cost known after the response reserves its estimate; a descriptor's cost is what
+            // Envoy reports (after the response, with apply_on_stream_done).
+            let cost = match (rule.response_cost(), req.descriptor) {
+                (Some(response_cost), None) => response_cost.estimate(req.fields),
+                _ => rule.cost.saturating_mul(req.cost),
+            };
+            out.push(Matched { rule, key, cost });
         }
     }
 }

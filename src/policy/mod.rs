@@ -11,6 +11,7 @@ pub mod load;
 pub mod matching;
 pub mod path;
 pub mod pattern;
+pub mod response_cost;
 pub mod validate;
 
 pub use compile::{
@@ -18,7 +19,8 @@ pub use compile::{
 };
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
-    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec, crd_yaml,
+    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec,
+    ResponseCostMode, ResponseCostSpec, crd_yaml,
 };
 pub use explain::{ExplainReport, Explanation};
 pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files};

@@ -926,6 +926,7 @@ mod overload {
             client_ip: None,
             headers: &headers,
             cost: 1,
+            fields: &crate::policy::NoEntries,
             descriptor: None,
         };
         snapshot.classify(&view).0
@@ -989,4 +990,73 @@ mod overload {
         .unwrap_err();
         assert!(err.contains("spec.rules[0].retryAfterJitter"), "{err}");
     }
+}
+
+// ---------- responseCost ----------
+
+fn response_cost_rule(algorithm: &str, limit: &str, response_cost: &str) -> RateLimitPolicy {
+    with_rules(
+        "ai",
+        "tokens",
+        &format!("  - {{name: t, algorithm: {algorithm}, limit: {limit}, responseCost: {response_cost}}}\n"),
+    )
+}
+
+#[test]
+fn response_cost_mistakes_are_named_with_their_field() {
+    let ok = "{fields: [usage.total_tokens], estimate: {requestField: max_tokens, plus: 100, cap: 4000}}";
+    assert!(validate(&response_cost_rule("fixedWindow", "{requests: 100000, per: 1m}", ok)).is_ok());
+    let cases = [
+        ("slidingWindowLog", "{requests: 1000, per: 1m}", "{fields: [a], estimate: {constant: 1}}", "slidingWindowLog"),
+        ("concurrency", "{requests: 10, per: 1m}", "{fields: [a], estimate: {constant: 1}}", "concurrency"),
+        ("leakyBucket", "{requests: 10, per: 1s, maxDelay: 1s}", "{fields: [a], estimate: {constant: 1}}", "maxDelay"),
+        (
+            "fixedWindow",
+            "{requests: 1000, per: 1m}",
+            "{fields: [a], estimate: {constant: 5000}}",
+            "could never be admitted",
+        ),
+        ("fixedWindow", "{requests: 1000, per: 1m}", "{fields: ['a..b'], estimate: {constant: 1}}", "fields[0]"),
+        ("fixedWindow", "{requests: 1000, per: 1m}", "{estimate: {constant: 1}}", "needs fields or a header"),
+        (
+            "fixedWindow",
+            "{requests: 1000, per: 1m}",
+            "{fields: [a], estimate: {requestField: max_tokens}}",
+            "needs a cap",
+        ),
+        (
+            "fixedWindow",
+            "{requests: 1000, per: 1m}",
+            "{fields: [a], estimate: {constant: 1}, reservationTtl: 2d}",
+            "reservationTtl",
+        ),
+        ("fixedWindow", "{requests: 1000, per: 1m}", "{header: 'bad header', estimate: {constant: 1}}", "header"),
+    ];
+    for (algorithm, limit, response_cost, named) in cases {
+        let found = messages(&response_cost_rule(algorithm, limit, response_cost));
+        assert!(found.iter().any(|m| m.contains(named)), "{algorithm} {response_cost}: {found:?}");
+    }
+}
+
+#[test]
+fn a_reserving_rule_reserves_its_estimate_from_the_request_fields() {
+    let p = response_cost_rule(
+        "fixedWindow",
+        "{requests: 100000, per: 1m}",
+        "{fields: [usage.total_tokens], estimate: {requestField: max_tokens, plus: 100, cap: 4000}}",
+    );
+    let compiled = compile(vec![p]);
+    assert!(compiled.rejected.is_empty(), "{:?}", compiled.rejected);
+    let estimate = |fields: &BTreeMap<String, String>| {
+        let view = RequestView { namespace: "ai", fields, ..RequestView::new("/") };
+        let mut matched = Vec::new();
+        compiled.snapshot.resolve(&view, &mut matched);
+        (matched[0].cost, matched[0].rule.limit().reservation_ttl())
+    };
+    let field = |v: &str| BTreeMap::from([("max_tokens".to_string(), v.to_string())]);
+    assert_eq!(estimate(&field("500")), (600, Some(600_000_000)), "max_tokens + plus, reserved for 10m");
+    assert_eq!(estimate(&field("9999")).0, 4000, "at most the cap");
+    assert_eq!(estimate(&BTreeMap::new()).0, 4000, "no field: the cap");
+    assert_eq!(estimate(&field("-3")).0, 4000, "not a count: the cap");
+    assert_eq!(compiled.snapshot.estimate_fields("ai"), ["max_tokens"]);
 }

@@ -59,7 +59,7 @@ impl fmt::Display for ValidationErrors {
 }
 
 impl ValidationErrors {
-    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.errors.push(FieldError { path: path.into(), message: message.into() });
     }
     pub fn is_empty(&self) -> bool {
@@ -171,7 +171,14 @@ fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: 
         validate_key_part(part, &format!("{path}.key[{j}]"), errs);
     }
     validate_descriptor_keys(rule, path, errs);
-    if let Some(limit) = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs)
+    let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs);
+    if let Some(spec) = &rule.response_cost {
+        super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), errs);
+        if rule.cost != 1 {
+            errs.push(format!("{path}.cost"), "responseCost replaces cost: remove cost".to_string());
+        }
+    }
+    if let Some(limit) = limit
         && rule.cost > limit.capacity()
     {
         let what = if rule.algorithm.uses_burst() { "burst" } else { "requests" };
@@ -262,6 +269,9 @@ pub(crate) fn build_limit(
                     LimitError::BurstNotApplicable(_) => "burst",
                     LimitError::MaxDelayNotApplicable(_) => "maxDelay",
                     LimitError::RateTooHigh { .. } | LimitError::WindowProductTooLarge => "requests",
+                    LimitError::ReservationNotApplicable(_) => "algorithm",
+                    LimitError::ReservationWithShaping => "maxDelay",
+                    LimitError::ReservationTtlOutOfRange => "responseCost.reservationTtl",
                 };
                 errs.push(format!("{path}.{field}"), e.to_string());
                 match e {

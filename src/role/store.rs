@@ -10,7 +10,7 @@ use crate::clock::Clock;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
 use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, with_password};
-use crate::store::{RuleCheck, RuleId, Store, StoreError, StoreStatus, Verdict};
+use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
 #[derive(clap::Args, Clone, Debug)]
@@ -187,16 +187,16 @@ impl Store for Backend {
         }
     }
 
-    async fn release_for(
+    async fn settle_for(
         &self,
         namespace: &str,
         now: Option<Micros>,
-        held: &[(RuleId, &[u8])],
+        settles: &[crate::store::Settle<'_>],
         hold: HoldId,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         match self {
-            Backend::Memory(store) => store.release_for(namespace, now, held, hold).await,
-            Backend::Redis(store) => Store::release_for(&**store, namespace, now, held, hold).await,
+            Backend::Memory(store) => store.settle_for(namespace, now, settles, hold).await,
+            Backend::Redis(store) => Store::settle_for(&**store, namespace, now, settles, hold).await,
         }
     }
 

@@ -18,7 +18,7 @@ use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
 use crate::store::memory::MemoryStore;
-use crate::store::{RuleCheck, RuleId, Store, StoreError, Verdict};
+use crate::store::{RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// Headers to add to the response, in order: Sluice's own (static names) and declared ones.
@@ -45,6 +45,17 @@ pub struct CheckResponse {
     /// `POST /v1/release` when it ends ([`super::lease`]); only from entry points that can.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<String>,
+}
+
+/// What a lease's reservations settle to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleCost {
+    /// The cost is unknown (the response could not be read): what was reserved.
+    AsReserved,
+    /// The request failed: each rule's `responseCost.onFailure`.
+    Failed,
+    /// The response's cost: per rule name, else `all`, else what was reserved.
+    Actual { all: Option<u64>, by_rule: std::collections::BTreeMap<String, u64> },
 }
 
 /// Whether the entry point can give back what a request holds (a concurrency rule's slot) when
@@ -127,6 +138,10 @@ struct RuleExtras {
     counters: RuleCounters,
     /// This replica's share of the limit, enforced locally while the shared store is away.
     fallback_limit: Limit,
+    /// The rule's limit and name, and its `responseCost`, for settling a lease by rule id.
+    limit: Limit,
+    name: String,
+    response_cost: Option<Arc<crate::policy::response_cost::ResponseCost>>,
 }
 
 /// Where `onStoreFailure: localFallback` rules are decided while the shared store fails.
@@ -144,8 +159,12 @@ fn replica_share(limit: &Limit, replicas: u32) -> Limit {
     }
     let share = |n: u64| (n / u64::from(replicas)).max(1);
     let burst = limit.algorithm().uses_burst().then(|| share(limit.burst()));
-    Limit::new(limit.algorithm(), share(limit.requests()), limit.per(), burst, limit.max_delay())
-        .unwrap_or_else(|_| limit.clone())
+    let shared = Limit::new(limit.algorithm(), share(limit.requests()), limit.per(), burst, limit.max_delay());
+    match (shared, limit.reservation_ttl()) {
+        (Ok(shared), None) => shared,
+        (Ok(shared), Some(ttl)) => shared.reserving(ttl).unwrap_or_else(|_| limit.clone()),
+        (Err(_), _) => limit.clone(),
+    }
 }
 
 /// A snapshot with what the engine derives from it.
@@ -240,8 +259,11 @@ impl<S: Store> Engine<S> {
                 rule.id(),
                 RuleExtras {
                     header_name: header_name(rule.policy(), rule.name()),
-                    counters: self.metrics.rule_counters(rule.policy(), rule.name()),
+                    counters: self.metrics.rule_counters(rule.policy(), rule.name(), rule.response_cost().is_some()),
                     fallback_limit: replica_share(rule.limit(), self.fallback.as_ref().map_or(1, |f| f.replicas)),
+                    limit: rule.limit().clone(),
+                    name: rule.name().to_string(),
+                    response_cost: rule.response_cost().cloned(),
                 },
             );
         }
@@ -311,10 +333,11 @@ impl<S: Store> Engine<S> {
         if let Holds::Skipped(api) = holds {
             self.skip_holding_rules(&mut matched, api);
         }
+        let leased = holds == Holds::Leased;
         let response = if tracing::enabled!(target: "sluice::check", tracing::Level::DEBUG) {
-            Box::pin(self.decide_traced(&live, request.namespace, &matched)).await
+            Box::pin(self.decide_traced(&live, request.namespace, &matched, leased)).await
         } else {
-            self.decide(&live, request.namespace, &matched, None).await
+            self.decide(&live, request.namespace, &matched, None, leased).await
         };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         response
@@ -333,22 +356,71 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// Gives back what a lease holds (`POST /v1/release`), in the shared store or, for a lease
-    /// taken while it was down, in this replica's memory. Idempotent.
-    pub async fn release(&self, lease: &super::lease::Lease) -> Result<(), StoreError> {
-        let held: Vec<(RuleId, &[u8])> = lease.held.iter().map(|(rule, key)| (*rule, key.as_bytes())).collect();
-        match (&self.fallback, lease.local) {
-            (Some(fallback), true) => {
-                fallback.store.release_at(self.clock.now(), &held, lease.hold);
-                Ok(())
-            }
-            _ => self.store.release_for(&lease.namespace, None, &held, lease.hold).await,
+    /// The `responseCost` of each rule a lease holds a reservation under, with the rule's name.
+    pub fn response_costs(
+        &self,
+        lease: &super::lease::Lease,
+    ) -> Vec<(String, Arc<crate::policy::response_cost::ResponseCost>)> {
+        let live = self.live.load();
+        lease
+            .held
+            .iter()
+            .filter_map(|(rule, _)| live.extras.get(rule))
+            .filter_map(|extras| Some((extras.name.clone(), extras.response_cost.clone()?)))
+            .collect()
+    }
+
+    /// Settles what a lease holds (`POST /v1/settle`, `POST /v1/release`): concurrency slots are
+    /// given back, reservations replaced by `cost`'s actual costs, in the shared store or, for a
+    /// lease taken while it was down, in this replica's memory. Idempotent. A rule no longer in
+    /// the snapshot is left to its reservation's ttl. Returns how many holds were found.
+    pub async fn settle(&self, lease: &super::lease::Lease, cost: &SettleCost) -> Result<u64, StoreError> {
+        let live = self.live.load();
+        let local = lease.local && self.fallback.is_some();
+        let mut settles = Vec::with_capacity(lease.held.len());
+        let mut counted = Vec::with_capacity(lease.held.len());
+        for (i, (rule, key)) in lease.held.iter().enumerate() {
+            let Some(extras) = live.extras.get(rule) else { continue };
+            let reserved = lease.reserved.get(i).copied().unwrap_or(0);
+            let actual = match (&extras.response_cost, cost) {
+                (None, _) => 0,
+                (Some(_), SettleCost::AsReserved) => reserved,
+                (Some(rc), SettleCost::Failed) => rc.on_failure,
+                (Some(_), SettleCost::Actual { all, by_rule }) => {
+                    by_rule.get(&extras.name).copied().or(*all).unwrap_or(reserved)
+                }
+            };
+            let limit = if local { &extras.fallback_limit } else { &extras.limit };
+            settles.push(Settle { rule: *rule, limit, key: key.as_bytes(), cost: actual });
+            counted.push((extras, reserved, actual));
         }
+        let found = match (&self.fallback, local) {
+            (Some(fallback), true) => fallback.store.settle_at(self.clock.now(), &settles, lease.hold),
+            _ => self.store.settle_for(&lease.namespace, None, &settles, lease.hold).await?,
+        };
+        // Which holds were gone is known per call, not per rule: with every hold found, each
+        // settled; with none, each had run out. (A lease's holds run out together.)
+        for (extras, reserved, actual) in counted {
+            if let Some(counters) = &extras.counters.reservations {
+                if found > 0 {
+                    counters.settled.inc_by(actual);
+                } else {
+                    counters.expired.inc_by(reserved);
+                }
+            }
+        }
+        Ok(found)
     }
 
     #[inline(never)]
     #[cold]
-    async fn decide_traced(&self, live: &Live, namespace: &str, matched: &[Matched<'_>]) -> CheckResponse {
+    async fn decide_traced(
+        &self,
+        live: &Live,
+        namespace: &str,
+        matched: &[Matched<'_>],
+        leased: bool,
+    ) -> CheckResponse {
         use tracing::Instrument;
         let span = tracing::debug_span!(
             target: "sluice::check",
@@ -358,7 +430,7 @@ impl<S: Store> Engine<S> {
             rules = matched.len(),
             allowed = tracing::field::Empty,
         );
-        let response = self.decide(live, namespace, matched, None).instrument(span.clone()).await;
+        let response = self.decide(live, namespace, matched, None, leased).instrument(span.clone()).await;
         span.record("allowed", response.allowed);
         response
     }
@@ -412,17 +484,20 @@ impl<S: Store> Engine<S> {
             }
             rules_of.push(indices);
         }
-        let response = self.decide(&live, namespace, &matched, store_budget).await;
+        let response = self.decide(&live, namespace, &matched, store_budget, false).await;
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         DescriptorsChecked { response, rules_of }
     }
 
+    /// `leased`: the caller settles what an admitted request holds (it gets a lease); otherwise a
+    /// rule whose cost is known after the response consumes its cost at once.
     async fn decide(
         &self,
         live: &Live,
         namespace: &str,
         matched: &[Matched<'_>],
         store_budget: Option<Duration>,
+        leased: bool,
     ) -> CheckResponse {
         if matched.is_empty() {
             return CheckResponse {
@@ -437,10 +512,9 @@ impl<S: Store> Engine<S> {
                 lease: None,
             };
         }
-        // The request's hold id, when a rule holds: only entry points that release reach here
-        // with such rules ([`Holds`]).
-        let hold =
-            if matched.iter().any(|m| m.rule.limit().algorithm().holds()) { rand::random::<u64>() | 1 } else { 0 };
+        // The request's hold id, when a rule holds and the caller settles: only entry points that
+        // settle reach here with concurrency rules ([`Holds`]).
+        let hold = if leased && matched.iter().any(|m| m.rule.limit().holds()) { rand::random::<u64>() | 1 } else { 0 };
         let checks: Vec<RuleCheck<'_>> =
             matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
         let deciding = self.store.check_for(namespace, None, &checks);
@@ -502,15 +576,26 @@ impl<S: Store> Engine<S> {
         }
         let allowed = verdict.allowed;
         let lease = (allowed && hold != 0).then(|| {
-            let held: Vec<(RuleId, String)> = matched
+            // A concurrency rule asked at cost 0 holds no slot; a reservation of 0 (reportAfter)
+            // is still settled to its actual cost.
+            let holding: Vec<&Matched<'_>> = matched
                 .iter()
                 .zip(&verdict.decisions)
-                .filter(|(m, d)| m.rule.limit().algorithm().holds() && d.allowed && m.cost > 0)
-                .map(|(m, _)| (m.rule.id(), m.key.clone()))
+                .filter(|(m, d)| {
+                    m.rule.limit().holds() && d.allowed && (m.cost > 0 || m.rule.response_cost().is_some())
+                })
+                .map(|(m, _)| m)
                 .collect();
+            for m in &holding {
+                if let Some(counters) = live.extras.get(&m.rule.id()).and_then(|e| e.counters.reservations.as_ref()) {
+                    counters.reserved.inc_by(m.cost);
+                }
+            }
+            let held = holding.iter().map(|m| (m.rule.id(), m.key.clone())).collect();
+            let reserved = holding.iter().map(|m| if m.rule.response_cost().is_some() { m.cost } else { 0 }).collect();
             let local = failed && self.fallback.is_some();
-            (!held.is_empty())
-                .then(|| super::lease::Lease { namespace: namespace.to_string(), hold, held, local }.token())
+            (!holding.is_empty())
+                .then(|| super::lease::Lease { namespace: namespace.to_string(), hold, held, reserved, local }.token())
         });
         let mut headers: ResponseHeaders = rate_limit_headers(&header_inputs, allowed, now)
             .into_iter()
@@ -726,14 +811,14 @@ mod tests {
             Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0) })
         }
 
-        async fn release_for(
+        async fn settle_for(
             &self,
             _: &str,
             _: Option<Micros>,
-            _: &[(RuleId, &[u8])],
+            _: &[Settle<'_>],
             _: crate::algorithm::HoldId,
-        ) -> Result<(), StoreError> {
-            Ok(())
+        ) -> Result<u64, StoreError> {
+            Ok(0)
         }
     }
 

@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
-use super::engine::{CheckResponse, Engine, Holds};
-use super::request::{BadRequest, CheckRequest, check_path};
+use super::engine::{CheckResponse, Engine, Holds, SettleCost};
+use super::request::{BadRequest, CheckRequest, MAX_COST, check_path};
 use crate::policy::RequestView;
 use crate::request::forwarded::gateway_client_ip;
 use crate::request::headers::{HeaderLookup, check_used_headers};
@@ -84,7 +84,8 @@ pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::<S>))
         .route("/v1/checks", post(checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
-        .route("/v1/release", post(release::<S>))
+        .route("/v1/release", post(settle::<S>))
+        .route("/v1/settle", post(settle::<S>))
         .route("/v1/explain", post(explain::<S>))
         .route("/v1/authz", any(authz::<S>))
         .route("/v1/authz/", any(authz::<S>))
@@ -180,42 +181,81 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body
     json_response(StatusCode::OK, &decision, None)
 }
 
-/// `POST /v1/release` body: `{"lease": "<the lease of a /v1/check answer>"}`.
+/// `POST /v1/settle` (and `/v1/release`) body: `{"lease": "<the lease of a /v1/check answer>"}`,
+/// with, for rules whose cost is known after the response, the actual cost: `cost` (every such
+/// rule), `costs` (by rule name), or `failed: true` (each rule's `onFailure`). Without any, each
+/// reservation settles to its estimate.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReleaseBody {
+struct SettleBody {
     lease: String,
+    #[serde(default)]
+    cost: Option<u64>,
+    #[serde(default)]
+    costs: std::collections::BTreeMap<String, u64>,
+    #[serde(default)]
+    failed: bool,
 }
 
-/// Gives back what an admitted request held (its concurrency rules' slots) once it has ended:
-/// 200 `{"released": true}` (also when it was released before, or its lease ran out), 400 for a
-/// token this endpoint did not issue, 403 for a lease of a namespace the caller may not act in,
-/// 503 when the store did not answer (the lease then runs out by itself; retrying is safe).
-async fn release<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
+/// Most rule names a settle names.
+const MAX_SETTLE_COSTS: usize = 64;
+
+/// Settles what an admitted request held once it has ended: concurrency slots are given back,
+/// reservations charged their actual cost. 200 `{"settled": N}` with the holds found (0 when
+/// settled before, or run out: retrying is safe and charges nothing twice), 400 for a token
+/// this endpoint did not issue or a malformed cost, 403 for a lease of a namespace the caller
+/// may not act in, 503 when the store did not answer (the holds then run out by themselves).
+async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
     let engine = &state.engine;
     let metrics = engine.metrics();
     let caller = match state.auth.caller(&headers).await {
         Ok(caller) => caller,
         Err(error) => return auth_failure(metrics, error),
     };
-    let body = match read_body(metrics, body, super::lease::MAX_TOKEN_LEN + 64).await {
+    let body = match read_body(metrics, body, super::lease::MAX_TOKEN_LEN + 8 * 1024).await {
         Ok(body) => body,
         Err(response) => return response,
     };
-    let lease = match serde_json::from_slice::<ReleaseBody>(&body) {
-        Ok(parsed) => match super::lease::Lease::from_token(&parsed.lease) {
-            Ok(lease) => lease,
-            Err(error) => return bad_request(metrics, BadRequest(error.to_string())),
-        },
-        Err(error) => return bad_request(metrics, BadRequest(format!("expected {{\"lease\": \"…\"}}: {error}"))),
+    let parsed = match serde_json::from_slice::<SettleBody>(&body) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            return bad_request(
+                metrics,
+                BadRequest(format!("expected {{\"lease\": \"…\"}} with cost, costs or failed: {error}")),
+            );
+        }
     };
+    let lease = match super::lease::Lease::from_token(&parsed.lease) {
+        Ok(lease) => lease,
+        Err(error) => return bad_request(metrics, BadRequest(error.to_string())),
+    };
+    let too_large = parsed.cost.into_iter().chain(parsed.costs.values().copied()).any(|c| c > MAX_COST);
+    if too_large || parsed.costs.len() > MAX_SETTLE_COSTS {
+        return bad_request(
+            metrics,
+            BadRequest(format!("cost: at most {MAX_COST} each, for at most {MAX_SETTLE_COSTS} rules")),
+        );
+    }
+    if parsed.failed && (parsed.cost.is_some() || !parsed.costs.is_empty()) {
+        return bad_request(
+            metrics,
+            BadRequest("failed: a failed request's cost is the policy's onFailure; remove cost and costs".into()),
+        );
+    }
     if let Err(error) = caller.namespace_of(Some(&lease.namespace)) {
         return forbidden(metrics, error, StatusCode::FORBIDDEN);
     }
-    match engine.release(&lease).await {
-        Ok(()) => {
+    let cost = if parsed.failed {
+        SettleCost::Failed
+    } else if parsed.cost.is_none() && parsed.costs.is_empty() {
+        SettleCost::AsReserved
+    } else {
+        SettleCost::Actual { all: parsed.cost, by_rule: parsed.costs }
+    };
+    match engine.settle(&lease, &cost).await {
+        Ok(found) => {
             metrics.responses_ok.inc();
-            (StatusCode::OK, axum::Json(json!({ "released": true }))).into_response()
+            (StatusCode::OK, axum::Json(json!({ "settled": found, "released": true }))).into_response()
         }
         Err(error) => {
             metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
@@ -223,7 +263,7 @@ async fn release<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bo
             error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
-                    "the release did not reach the store ({error}); the lease runs out by itself, and retrying is safe"
+                    "the settle did not reach the store ({error}); the holds run out by themselves, and retrying is safe"
                 ),
             )
         }
@@ -430,6 +470,7 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         client_ip,
         headers: &HeaderLookup(headers),
         cost: parts.cost,
+        fields: &crate::policy::NoEntries,
         descriptor: None,
     };
     let decision = engine.check(&view, Holds::Skipped("authz")).await;

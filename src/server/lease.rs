@@ -1,5 +1,6 @@
-//! What a request admitted under concurrency rules holds, as the token its caller gives back to
-//! `POST /v1/release` when the request ends.
+//! What a request admitted under rules that hold capacity (concurrency slots, reservations of a
+//! cost known after the response) holds, as the token its caller gives back to `POST /v1/settle`
+//! (or `/v1/release`) when the request ends.
 //!
 //! The token is the lease itself, not a reference to state kept here: the namespace, the
 //! request's hold id (64 random bits) and each held (rule, key), as base64url JSON. Any replica
@@ -30,6 +31,10 @@ pub struct Lease {
     /// (rule id, key) of each slot held.
     #[serde(rename = "r", with = "held")]
     pub held: Vec<(RuleId, String)>,
+    /// The estimate reserved under each of `held` (0 for a concurrency slot): what a settle whose
+    /// cost is unknown charges.
+    #[serde(rename = "e", default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved: Vec<u64>,
     /// Held in the memory of the replica that admitted it (the shared store had failed).
     #[serde(rename = "l", default, skip_serializing_if = "std::ops::Not::not")]
     pub local: bool,
@@ -110,6 +115,7 @@ mod tests {
             namespace: "tenant-a".into(),
             hold: u64::MAX - 1,
             held: vec![(0x0123_4567_89ab_cdef, "5:alice".into())],
+            reserved: vec![300],
             local: false,
         };
         let token = lease.token();

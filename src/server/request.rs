@@ -29,6 +29,8 @@ struct RawCheckRequest {
     #[serde(default)]
     headers: BTreeMap<String, String>,
     cost: Option<u64>,
+    #[serde(default)]
+    request_fields: BTreeMap<String, u64>,
 }
 
 /// A validated check request, as the caller stated it; [`CheckRequest::view`] applies what the
@@ -47,7 +49,13 @@ pub struct CheckRequest {
     pub headers: BTreeMap<String, String>,
     /// The cost the caller named, if any (1 otherwise).
     pub cost: Option<u64>,
+    /// Integer fields of the request's JSON body that rules' `responseCost.estimate` read
+    /// (`requestFields: {"max_tokens": 1000}`), as text.
+    pub request_fields: BTreeMap<String, String>,
 }
+
+/// Most `requestFields` a check may state.
+pub const MAX_REQUEST_FIELDS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -122,7 +130,14 @@ impl RawCheckRequest {
         {
             return Err(BadRequest(format!("cost: must be at most {MAX_COST}, got {cost}")));
         }
+        if self.request_fields.len() > MAX_REQUEST_FIELDS {
+            return Err(BadRequest(format!("requestFields: at most {MAX_REQUEST_FIELDS}")));
+        }
+        if let Some(name) = self.request_fields.keys().find(|n| n.is_empty() || n.len() > 64) {
+            return Err(BadRequest(format!("requestFields: {name:?} is not a field name of 1 to 64 characters")));
+        }
         Ok(CheckRequest {
+            request_fields: self.request_fields.into_iter().map(|(k, v)| (k, v.to_string())).collect(),
             namespace: self.namespace,
             labels: self.labels,
             method,
@@ -178,6 +193,7 @@ impl CheckRequest {
             client_ip: self.client_ip,
             headers: &self.headers,
             cost: self.cost.unwrap_or(1),
+            fields: &self.request_fields,
             descriptor: None,
         })
     }

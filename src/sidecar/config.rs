@@ -110,7 +110,7 @@ pub struct Config {
     /// `…/v1/check`, `…/v1/checks` and `…/v1/snapshot` on the endpoint.
     pub check_uri: Uri,
     pub checks_uri: Uri,
-    pub release_uri: Uri,
+    pub settle_uri: Uri,
     pub snapshot_uri: Uri,
     pub namespace: String,
     pub labels: BTreeMap<String, String>,
@@ -187,7 +187,7 @@ impl Config {
             upstream,
             check_uri: endpoint_uri("/v1/check")?,
             checks_uri: endpoint_uri("/v1/checks")?,
-            release_uri: endpoint_uri("/v1/release")?,
+            settle_uri: endpoint_uri("/v1/settle")?,
             snapshot_uri: endpoint_uri("/v1/snapshot")?,
             namespace,
             labels,

@@ -25,9 +25,10 @@ use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
 use super::verdict::{Held, decision_of, error_chain};
 use crate::clock::{Clock, SystemClock};
+use crate::policy::response_cost::ResponseCost;
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
-use crate::server::engine::{CheckResponse, Engine, Holds};
+use crate::server::engine::{CheckResponse, Engine, Holds, SettleCost};
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
@@ -85,6 +86,15 @@ pub struct CheckInput<'a> {
     pub host: Option<&'a str>,
     pub client_ip: IpAddr,
     pub headers: BTreeMap<String, String>,
+    /// Integer fields of the request's JSON body that estimates read (digits only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", serialize_with = "as_integers")]
+    pub request_fields: BTreeMap<String, String>,
+}
+
+/// `requestFields` as the check API takes them: JSON integers (they are digits: see
+/// `sidecar::proxy`).
+fn as_integers<S: serde::Serializer>(fields: &BTreeMap<String, String>, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_map(fields.iter().filter_map(|(k, v)| Some((k, v.parse::<u64>().ok()?))))
 }
 
 #[derive(Deserialize)]
@@ -155,7 +165,7 @@ impl Decider {
             client: endpoint_client(config)?,
             check_uri: config.check_uri.clone(),
             checks_uri: config.checks_uri.clone(),
-            release_uri: config.release_uri.clone(),
+            settle_uri: config.settle_uri.clone(),
             snapshot_uri: config.snapshot_uri.clone(),
             snapshot_wait_uri: format!("{}?wait={}s", config.snapshot_uri, SNAPSHOT_WAIT.as_secs())
                 .parse()
@@ -184,18 +194,32 @@ impl Decider {
         })
     }
 
-    /// Gives back what an admitted request held, once its response has ended (or its client
-    /// gone): to the endpoint, or to the local engine that admitted it. A release that fails is
-    /// logged and left to the lease, which runs out by itself.
-    pub async fn release(&self, held: Held) {
+    /// Settles what an admitted request held, once its response has ended (or its client gone):
+    /// concurrency slots are given back, reservations charged `cost`; with the endpoint, or with
+    /// the local engine that admitted it. A settle that fails is logged and left to the holds,
+    /// which run out by themselves.
+    pub async fn settle(&self, held: Held, cost: SettleCost) {
         let outcome = match held {
             Held::Local(token) => match crate::server::lease::Lease::from_token(&token) {
-                Ok(lease) => self.local.release(&lease).await.map_err(|e| e.to_string()),
+                Ok(lease) => self.local.settle(&lease, &cost).await.map(|_| ()).map_err(|e| e.to_string()),
                 Err(error) => Err(error.to_string()),
             },
             Held::Endpoint(token) => {
-                let body = serde_json::json!({ "lease": token }).to_string();
-                match tokio::time::timeout(self.timeout, self.endpoint.post(&self.endpoint.release_uri, body.into()))
+                let mut body = serde_json::json!({ "lease": token });
+                match &cost {
+                    SettleCost::AsReserved => {}
+                    SettleCost::Failed => body["failed"] = true.into(),
+                    SettleCost::Actual { all, by_rule } => {
+                        if let Some(all) = all {
+                            body["cost"] = (*all).into();
+                        }
+                        if !by_rule.is_empty() {
+                            body["costs"] = serde_json::json!(by_rule);
+                        }
+                    }
+                }
+                let body = body.to_string();
+                match tokio::time::timeout(self.timeout, self.endpoint.post(&self.endpoint.settle_uri, body.into()))
                     .await
                 {
                     Ok(Ok((status, _))) if status.is_success() => Ok(()),
@@ -213,9 +237,24 @@ impl Decider {
             }
             Err(reason) => {
                 self.metrics.releases.get_or_create(&super::metrics::ResultLabels { result: "failed" }).inc();
-                tracing::warn!(%reason, "could not release a request's concurrency slots; they come back when the lease runs out");
+                tracing::warn!(%reason, "could not settle a request's holds; they run out by themselves");
             }
         }
+    }
+
+    /// How the costs of what `held` holds are read from the response: each rule's name and its
+    /// `responseCost`, from the cached snapshot (empty for concurrency slots alone).
+    pub fn response_costs(&self, held: &Held) -> Vec<(String, Arc<ResponseCost>)> {
+        let (Held::Endpoint(token) | Held::Local(token)) = held;
+        match crate::server::lease::Lease::from_token(token) {
+            Ok(lease) => self.local.response_costs(&lease),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// The top-level request body fields the estimates of `namespace`'s rules read.
+    pub fn estimate_fields(&self) -> Vec<String> {
+        self.local.live().snapshot.estimate_fields(&self.namespace)
     }
 
     /// The class of a request when the application is overloaded (the cached snapshot's
@@ -552,6 +591,7 @@ fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
         client_ip: Some(input.client_ip),
         headers: &input.headers,
         cost: 1,
+        fields: &input.request_fields,
         descriptor: None,
     }
 }

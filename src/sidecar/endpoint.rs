@@ -28,7 +28,7 @@ pub(super) struct Endpoint {
     pub client: EndpointClient,
     pub check_uri: Uri,
     pub checks_uri: Uri,
-    pub release_uri: Uri,
+    pub settle_uri: Uri,
     pub snapshot_uri: Uri,
     /// `snapshot_uri` with `?wait=`: held by the endpoint while the snapshot is unchanged.
     pub snapshot_wait_uri: Uri,

@@ -10,6 +10,7 @@ mod config;
 pub mod connect;
 pub mod decide;
 mod endpoint;
+pub mod metering;
 pub mod metrics;
 pub mod overload;
 pub mod probes;

@@ -22,40 +22,68 @@ use tokio::sync::watch;
 
 use super::connect::UpstreamConnector;
 use super::decide::{CheckInput, Decider};
+use super::metering::Metering;
 use super::metrics::SidecarMetrics;
 use super::overload::{Shed, Slot};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
 use crate::request::{forwarded, headers, host};
+use crate::server::engine::SettleCost;
 use crate::server::request::MAX_PATH_LEN;
+use std::collections::BTreeMap;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;
 
-/// Gives back an admitted request's concurrency slots when dropped: when its response body has
-/// ended, when the client went away mid-response (hyper drops the body), or when the request
-/// never reached the application (an early answer drops it at once).
+/// Most bytes of a request body read for the fields an estimate needs (`responseCost.estimate.
+/// requestField`); a longer body reserves the estimate's cap.
+pub const MAX_ESTIMATE_BODY: usize = 1024 * 1024;
+
+/// Settles an admitted request's holds when dropped: when its response body has ended, when
+/// the client went away mid-response (hyper drops the body), or when the request never reached
+/// the application (an early answer drops it at once), with the cost set by then.
 struct Release {
     decider: Arc<Decider>,
     held: Held,
+    cost: SettleCost,
 }
 
 impl Drop for Release {
     fn drop(&mut self) {
-        // At shutdown there may be no runtime left: the lease then runs out by itself.
+        // At shutdown there may be no runtime left: the holds then run out by themselves.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (decider, held) = (self.decider.clone(), self.held.clone());
-            runtime.spawn(async move { decider.release(held).await });
+            let cost = std::mem::replace(&mut self.cost, SettleCost::AsReserved);
+            runtime.spawn(async move { decider.settle(held, cost).await });
         }
     }
 }
 
-/// The application's response body, carrying what the request holds until its last frame.
+/// The application's response body, carrying what the request holds until its last frame, and
+/// reading its cost on the way (the bytes pass unchanged).
 pub struct Releasing<B> {
     inner: B,
     release: Option<Release>,
+    metering: Option<Metering>,
 }
 
-impl<B: hyper::body::Body + Unpin> hyper::body::Body for Releasing<B> {
+impl<B> Releasing<B> {
+    fn end(&mut self, cost: impl FnOnce(Metering) -> SettleCost) {
+        if let Some(mut release) = self.release.take()
+            && let Some(metering) = self.metering.take()
+        {
+            release.cost = cost(metering);
+        }
+    }
+}
+
+impl<B> Drop for Releasing<B> {
+    fn drop(&mut self) {
+        // Not ended: the client went away.
+        self.end(|metering| metering.broken(false));
+    }
+}
+
+impl<B: hyper::body::Body<Data = Bytes> + Unpin> hyper::body::Body for Releasing<B> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -64,8 +92,18 @@ impl<B: hyper::body::Body + Unpin> hyper::body::Body for Releasing<B> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
         let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
-        if let std::task::Poll::Ready(None) = polled {
-            self.release.take();
+        match &polled {
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(metering), Some(data)) = (self.metering.as_mut(), frame.data_ref()) {
+                    metering.feed(data);
+                }
+            }
+            std::task::Poll::Ready(Some(Err(_))) => self.end(|metering| metering.broken(true)),
+            std::task::Poll::Ready(None) => {
+                self.end(Metering::finish);
+                self.release.take();
+            }
+            std::task::Poll::Pending => {}
         }
         polled
     }
@@ -79,11 +117,100 @@ impl<B: hyper::body::Body + Unpin> hyper::body::Body for Releasing<B> {
     }
 }
 
+/// The request body the application gets: what was read ahead of the decision (for an
+/// estimate's fields), then the rest as it arrives.
+pub struct RequestBody {
+    read: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+    rest: Option<Incoming>,
+}
+
+impl RequestBody {
+    fn streaming(body: Incoming) -> RequestBody {
+        RequestBody { read: None, trailers: None, rest: Some(body) }
+    }
+}
+
+impl hyper::body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        if let Some(read) = self.read.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(read))));
+        }
+        if let Some(trailers) = self.trailers.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::trailers(trailers))));
+        }
+        match self.rest.as_mut() {
+            Some(rest) => std::pin::Pin::new(rest).poll_frame(cx),
+            None => std::task::Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.read.is_none() && self.trailers.is_none() && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        let read = self.read.as_ref().map_or(0, |r| r.len() as u64);
+        let mut hint = self.rest.as_ref().map_or_else(|| hyper::body::SizeHint::with_exact(0), |r| r.size_hint());
+        hint.set_lower(hint.lower() + read);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + read);
+        }
+        hint
+    }
+}
+
+/// Reads up to [`MAX_ESTIMATE_BODY`] bytes of a JSON request body for `fields` (top-level
+/// integers), and gives back the body to forward, unchanged.
+async fn read_estimate_fields(
+    body: Incoming,
+    fields: &[String],
+) -> Result<(BTreeMap<String, String>, RequestBody), hyper::Error> {
+    use http_body_util::BodyExt as _;
+    let mut rest = body;
+    let mut read = bytes::BytesMut::new();
+    let mut trailers = None;
+    let mut complete = false;
+    while read.len() <= MAX_ESTIMATE_BODY {
+        match rest.frame().await {
+            None => {
+                complete = true;
+                break;
+            }
+            Some(frame) => match frame?.into_data() {
+                Ok(data) => read.extend_from_slice(&data),
+                Err(frame) => {
+                    trailers = frame.into_trailers().ok();
+                    complete = true;
+                    break;
+                }
+            },
+        }
+    }
+    let read = read.freeze();
+    let mut values = BTreeMap::new();
+    if complete && let Ok(serde_json::Value::Object(object)) = serde_json::from_slice::<serde_json::Value>(&read) {
+        for field in fields {
+            if let Some(value) = object.get(field).and_then(serde_json::Value::as_u64) {
+                values.insert(field.clone(), value.to_string());
+            }
+        }
+    }
+    let body = RequestBody { read: (!read.is_empty()).then_some(read), trailers, rest: (!complete).then_some(rest) };
+    Ok((values, body))
+}
+
 pub struct Proxy {
     upstream: Authority,
     /// Redirected ports (the `iptables` mode) → the upstream authority with that port.
     inbound: Vec<(u16, Authority)>,
-    client: Client<UpstreamConnector, Incoming>,
+    client: Client<UpstreamConnector, RequestBody>,
     decider: Arc<Decider>,
     trusted_hops: usize,
     metrics: Arc<SidecarMetrics>,
@@ -135,8 +262,9 @@ impl Proxy {
         &self,
         peer: SocketAddr,
         upstream: &Authority,
-        mut request: Request<Incoming>,
+        request: Request<Incoming>,
     ) -> Response<ProxyBody> {
+        let mut request = request.map(RequestBody::streaming);
         // The limiter decides on the request the application will get: connection-level headers
         // go before anything is read from the headers. Only a WebSocket upgrade is carried
         // through; any other (h2c above all: it would tunnel unlimited HTTP/2 requests past
@@ -157,7 +285,12 @@ impl Proxy {
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
+                let request_fields = match self.estimate_fields(&mut request).await {
+                    Ok(fields) => fields,
+                    Err(refusal) => return self.refuse(refusal),
+                };
                 let input = CheckInput {
+                    request_fields,
                     namespace: &self.decider.namespace,
                     labels: &self.decider.labels,
                     method: request.method().as_str(),
@@ -188,7 +321,9 @@ impl Proxy {
             }
             Decision::Refuse(refusal) => return self.refuse(refusal),
             Decision::Allow { delay, headers, lease } => {
-                held = lease.map(|held| Release { decider: self.decider.clone(), held });
+                // Until the response says otherwise, the request failed (it never reached the
+                // application).
+                held = lease.map(|held| Release { decider: self.decider.clone(), held, cost: SettleCost::Failed });
                 (delay, headers)
             }
         };
@@ -220,6 +355,10 @@ impl Proxy {
         if let (Some(client_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (client_upgrade, response.status()) {
             let upstream_upgrade = hyper::upgrade::on(&mut response);
             let metrics = self.metrics.clone();
+            let mut held = held;
+            if let Some(held) = held.as_mut() {
+                held.cost = SettleCost::AsReserved;
+            }
             tokio::spawn(async move {
                 // A relayed connection holds its slots until it closes.
                 let _held = held;
@@ -241,8 +380,12 @@ impl Proxy {
 
         self.metrics.outcome("forwarded");
         headers::strip_hop_by_hop(response.headers_mut(), false);
+        let metering = held.as_ref().and_then(|release| {
+            let costs = self.decider.response_costs(&release.held);
+            Metering::start(costs, response.status(), response.headers_mut())
+        });
         add_headers(response.headers_mut(), rate_headers);
-        response.map(|body| Either::Left(Releasing { inner: body, release: held }))
+        response.map(|body| Either::Left(Releasing { inner: body, release: held, metering }))
     }
 
     /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an
@@ -283,10 +426,32 @@ impl Proxy {
         response
     }
 
+    /// The fields of a JSON request body that the namespace's estimates read, when any does:
+    /// the body is read ahead (up to [`MAX_ESTIMATE_BODY`]) and forwarded unchanged.
+    async fn estimate_fields(&self, request: &mut Request<RequestBody>) -> Result<BTreeMap<String, String>, Refusal> {
+        let is_json = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.to_ascii_lowercase().contains("json"));
+        if !is_json {
+            return Ok(BTreeMap::new());
+        }
+        let fields = self.decider.estimate_fields();
+        let Some(body) = (!fields.is_empty()).then(|| request.body_mut().rest.take()).flatten() else {
+            return Ok(BTreeMap::new());
+        };
+        let (values, body) = read_estimate_fields(body, &fields)
+            .await
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, format!("the request body broke off: {e}")))?;
+        *request.body_mut() = body;
+        Ok(values)
+    }
+
     /// Rewrites the client's request into the one the application gets.
     fn prepare(
         &self,
-        request: &mut Request<Incoming>,
+        request: &mut Request<RequestBody>,
         upstream: &Authority,
         peer: SocketAddr,
         host: Option<&str>,
@@ -337,7 +502,7 @@ fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
 }
 
 /// An HTTP/1.1 `Connection: upgrade` request to `Upgrade: websocket` and nothing else.
-fn is_websocket_upgrade(request: &Request<Incoming>) -> bool {
+fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
     let mut protocols = request.headers().get_all(header::UPGRADE).iter();
     let only_websocket = match (protocols.next().and_then(|v| v.to_str().ok()), protocols.next()) {
         (Some(value), None) => {

@@ -16,7 +16,7 @@ use crate::duration::MICROS_PER_MS;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
 use crate::server::request::CheckRequest;
 use crate::store::memory::MemoryStore;
-use crate::store::{RuleCheck, RuleId};
+use crate::store::{RuleCheck, Settle};
 
 /// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
 /// that trace time 0 is a window boundary of every rule and timestamps look like real ones.
@@ -335,7 +335,7 @@ pub fn replay(
     if rules.is_empty() {
         return Err(SimulateError::NoRules(namespace.to_string()));
     }
-    if let Some(holding) = rules.iter().find(|r| r.algorithm().holds())
+    if let Some(holding) = rules.iter().find(|r| r.limit().holds())
         && options.hold.is_none()
         && arrivals.iter().any(|a| a.hold.is_none())
     {
@@ -388,16 +388,20 @@ pub fn replay(
     let mut decisions: Vec<Decision> = Vec::new();
     // Requests in progress that hold a concurrency slot: when each ends, and what it holds.
     let mut ending: BinaryHeap<Reverse<(Micros, HoldId)>> = BinaryHeap::new();
-    let mut holding: HashMap<HoldId, Vec<(usize, RuleId, String)>> = HashMap::new();
+    // A reservation's rule (a cost known after the response) settles to the arrival's cost.
+    let mut holding: HashMap<HoldId, Vec<(usize, &CompiledRule, String, u64)>> = HashMap::new();
     for (n, arrival) in arrivals.iter().enumerate() {
         let now = start + arrival.at;
         while let Some(&Reverse((end, hold))) = ending.peek()
             && end <= now
         {
             ending.pop();
-            for (i, rule, key) in holding.remove(&hold).unwrap_or_default() {
-                store.release_at(end, &[(rule, key.as_bytes())], hold);
-                tallies[i].ended(&key);
+            for (i, rule, key, actual) in holding.remove(&hold).unwrap_or_default() {
+                let settle = Settle { rule: rule.id(), limit: rule.limit(), key: key.as_bytes(), cost: actual };
+                store.settle_at(end, &[settle], hold);
+                if rule.algorithm().holds() {
+                    tallies[i].ended(&key);
+                }
             }
         }
         let headers = KeyedHeaders { base: &template.headers, keyed: &keyed, value: arrival.key.as_deref() };
@@ -414,6 +418,7 @@ pub fn replay(
             client_ip,
             headers: &headers,
             cost: arrival.cost.or(template.cost).unwrap_or(1),
+            fields: &template.request_fields,
             descriptor: None,
         };
         snapshot.resolve(&request, &mut matched);
@@ -434,7 +439,9 @@ pub fn replay(
             tallies[i].record(&m.key, arrival.at, m.cost, decision, consumed, slot);
             if consumed && m.rule.algorithm().holds() && m.cost > 0 {
                 tallies[i].started(&m.key);
-                held.push((i, m.rule.id(), m.key.clone()));
+                held.push((i, m.rule, m.key.clone(), 0));
+            } else if consumed && m.rule.response_cost().is_some() {
+                held.push((i, m.rule, m.key.clone(), arrival.cost.or(template.cost).unwrap_or(1)));
             }
         }
         if !held.is_empty() {

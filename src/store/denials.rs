@@ -122,6 +122,11 @@ impl DenialCache {
             let (false, true, Some(retry_after)) = (decision.allowed, check.enforce, decision.retry_after) else {
                 continue;
             };
+            // A reservation settled below its estimate frees capacity before the retry-after:
+            // the denial is no bound on when the key admits again.
+            if check.limit.reservation_ttl().is_some() {
+                continue;
+            }
             let until = sent_at.saturating_add(retry_after);
             let mut entries = self.shard(key).lock();
             if entries.len() >= self.shard_capacity && !entries.contains_key(key) {

@@ -48,6 +48,15 @@ pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Where the reservations against a state key live (lua/reservation.lua derives it the same
+/// way): `sl1:{<tag>}:r:<rule>:<key>`. The `r` is no hex digit, so no state key is ever one.
+pub fn reservation_key(state_key: &[u8]) -> Vec<u8> {
+    match state_key.windows(2).position(|w| w == b"}:") {
+        Some(at) => [&state_key[..at + 2], b"r:", &state_key[at + 2..]].concat(),
+        None => [state_key, b":r"].concat(),
+    }
+}
+
 /// The hash tag the keys of `tag` (a request's namespace) carry, as [`state_key`] writes it.
 pub fn hash_tag(tag: &str) -> String {
     let mut out = Vec::with_capacity(tag.len());

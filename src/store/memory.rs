@@ -131,6 +131,8 @@ fn units_of(state: &State) -> usize {
         State::Log(entries) => {
             1 + (96 + entries.capacity() * std::mem::size_of::<algorithm::LogEntry>()).div_ceil(UNIT_BYTES)
         }
+        State::Holds(holds) => 1 + (holds.len() * std::mem::size_of::<algorithm::Hold>()).div_ceil(UNIT_BYTES),
+        State::Reserved(r) => 2 + (r.holds.len() * std::mem::size_of::<algorithm::Hold>()).div_ceil(UNIT_BYTES),
         _ => 1,
     }
 }
@@ -630,30 +632,32 @@ impl MemoryStore {
         self.evicted.fetch_add((before - slots.len()) as u64, Ordering::Relaxed);
     }
 
-    /// Gives back the slots `hold` holds under each (rule, key) of `held` (see
-    /// [`algorithm::concurrency`]); idempotent.
-    pub fn release_at(&self, now: Micros, held: &[(RuleId, &[u8])], hold: algorithm::HoldId) {
-        for &(rule, key) in held {
-            let slot = self.slot_key(Scope::UNNAMED, rule, key);
+    /// Settles what `hold` holds under each (rule, key) of `settles` (see
+    /// [`algorithm::settle`]); idempotent. Returns how many holds were found.
+    pub fn settle_at(&self, now: Micros, settles: &[super::Settle<'_>], hold: algorithm::HoldId) -> u64 {
+        let mut found = 0;
+        for settle in settles {
+            let slot = self.slot_key(Scope::UNNAMED, settle.rule, settle.key);
             let mut table = self.shards[self.shard_of(slot)].table.lock();
             let Table { slots, units, .. } = &mut *table;
             let Some(entry) = slots.get_mut(&slot) else { continue };
             let before = units_of(&entry.state);
             let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
-            match algorithm::concurrency::release(&mut state, hold, now) {
-                Some(pristine_at) => {
+            let (held, pristine_at) = algorithm::settle(settle.limit, &mut state, now, hold, settle.cost);
+            found += u64::from(held);
+            match (pristine_at, state) {
+                (Some(pristine_at), Some(state)) => {
                     entry.expires_at = pristine_at;
-                    if let Some(state) = state {
-                        entry.state = state;
-                    }
+                    entry.state = state;
                     *units = (*units + units_of(&entry.state)).saturating_sub(before);
                 }
-                None => {
+                _ => {
                     slots.remove(&slot);
                     *units = units.saturating_sub(before);
                 }
             }
         }
+        found
     }
 
     /// Drops every entry whose state is pristine at `now`; returns how many. Run periodically so
@@ -769,15 +773,14 @@ impl Store for MemoryStore {
         Ok(self.check_scoped(scope, now, checks))
     }
 
-    async fn release_for(
+    async fn settle_for(
         &self,
         _namespace: &str,
         now: Option<Micros>,
-        held: &[(RuleId, &[u8])],
+        settles: &[super::Settle<'_>],
         hold: algorithm::HoldId,
-    ) -> Result<(), StoreError> {
-        self.release_at(now.unwrap_or_else(|| self.clock.now()), held, hold);
-        Ok(())
+    ) -> Result<u64, StoreError> {
+        Ok(self.settle_at(now.unwrap_or_else(|| self.clock.now()), settles, hold))
     }
 
     fn status(&self) -> super::StoreStatus {

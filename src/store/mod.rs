@@ -16,9 +16,20 @@ pub mod tenants;
 
 use std::future::Future;
 
-use crate::algorithm::{Decision, HoldId, Micros};
+use crate::algorithm::{Decision, HoldId, Limit, Micros};
 
 pub use crate::rule::{RuleCheck, RuleId};
+
+/// One (rule, key) under which a request holds capacity, and what it settles to.
+#[derive(Clone, Copy, Debug)]
+pub struct Settle<'a> {
+    pub rule: RuleId,
+    /// The rule's limit now (a reservation's actual cost is consumed by its algorithm).
+    pub limit: &'a Limit,
+    pub key: &'a [u8],
+    /// A reservation's actual cost; ignored for a concurrency slot, which is given back.
+    pub cost: u64,
+}
 
 /// The decision for a whole request.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -111,16 +122,17 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Ok(None))
     }
 
-    /// Settles a request's holds: gives back the capacity `hold` (the request's id) took under
-    /// each (rule, key) of `held` in `namespace` (a concurrency rule's slot). Idempotent; a hold
-    /// already gone (released, or its lease over) is left alone. `now` as for [`Store::check`].
-    fn release_for(
+    /// Settles a request's holds (`hold`: the request's id) in `namespace`: each concurrency slot
+    /// is given back, each reservation replaced by its actual cost ([`crate::algorithm::settle`]).
+    /// Idempotent; a hold already gone (settled, or run out) is left alone. Returns how many holds
+    /// were found. `now` as for [`Store::check`].
+    fn settle_for(
         &self,
         namespace: &str,
         now: Option<Micros>,
-        held: &[(RuleId, &[u8])],
+        settles: &[Settle<'_>],
         hold: HoldId,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
     fn status(&self) -> StoreStatus {
@@ -215,14 +227,14 @@ impl<T: Store> Store for std::sync::Arc<T> {
         (**self).peek_for(namespace, now, checks)
     }
 
-    fn release_for(
+    fn settle_for(
         &self,
         namespace: &str,
         now: Option<Micros>,
-        held: &[(RuleId, &[u8])],
+        settles: &[Settle<'_>],
         hold: HoldId,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).release_for(namespace, now, held, hold)
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        (**self).settle_for(namespace, now, settles, hold)
     }
 
     fn status(&self) -> StoreStatus {

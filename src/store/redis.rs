@@ -31,8 +31,8 @@ use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
 pub use super::redis_library::{
-    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, RELEASE_FUNCTION_NAME,
-    RELEASE_SCRIPT_SOURCE, REPLY_PER_RULE, SCRIPT_SOURCE,
+    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
+    SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
 use super::redis_usage::{Usage, count_cluster, count_single};
@@ -42,7 +42,7 @@ use crate::algorithm::{Algorithm, Decision, Micros};
 use crate::clock::{Clock, SystemClock};
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
-static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&RELEASE_SCRIPT_SOURCE));
+static SETTLE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SETTLE_SCRIPT_SOURCE));
 
 /// Where Redis is.
 #[derive(Clone, PartialEq, Eq)]
@@ -360,26 +360,32 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Gives back `hold`'s slots under each (rule, key) of `held`, in the slot of `tag` (see
-    /// `release` in lua/check.lua). Bounded by the store's deadline; not counted by the breaker
-    /// (a lost release is a lease that runs out by itself).
-    pub async fn release_tagged(
+    /// Settles `hold`'s holds under each of `settles`, in the slot of `tag` (see `settle` in
+    /// lua/check.lua). Bounded by the store's deadline; not counted by the breaker (a lost settle
+    /// is a hold that runs out by itself). Returns how many holds were found.
+    pub async fn settle_tagged(
         &self,
         tag: &str,
         now: Option<Micros>,
-        held: &[(super::RuleId, &[u8])],
+        settles: &[super::Settle<'_>],
         hold: crate::algorithm::HoldId,
-    ) -> Result<(), StoreError> {
-        if held.is_empty() || hold == 0 {
-            return Ok(());
+    ) -> Result<u64, StoreError> {
+        if settles.is_empty() || hold == 0 {
+            return Ok(0);
         }
-        let keys: Vec<Vec<u8>> = held.iter().map(|&(rule, key)| keys::state_key(tag, rule, key)).collect();
-        let args = [now.map_or_else(String::new, |n| n.to_string()), hold.to_string()];
-        match tokio::time::timeout(self.timeout, self.call(&RELEASE_FUNCTION_NAME, &RELEASE_SCRIPT, &keys, &args)).await
-        {
+        let keys: Vec<Vec<u8>> = settles.iter().map(|s| keys::state_key(tag, s.rule, s.key)).collect();
+        let mut args = Vec::with_capacity(2 + 2 * settles.len());
+        args.push(now.map_or_else(String::new, |n| n.to_string()));
+        args.push(hold.to_string());
+        for settle in settles {
+            args.push(rule_params(settle.limit, true));
+            args.push(settle.cost.to_string());
+        }
+        match tokio::time::timeout(self.timeout, self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args)).await {
             Err(_) => Err(StoreError::Timeout(self.timeout.as_millis() as u64)),
             Ok(Err(error)) => Err(classify(&error).0),
-            Ok(Ok(_freed)) => Ok(()),
+            Ok(Ok(Value::Int(found))) => Ok(found.max(0) as u64),
+            Ok(Ok(other)) => Err(StoreError::Protocol(format!("settle answered {}", value_kind(&other)))),
         }
     }
 
@@ -600,14 +606,14 @@ impl Store for RedisStore {
         self.check_tagged(namespace, now, checks)
     }
 
-    async fn release_for(
+    async fn settle_for(
         &self,
         namespace: &str,
         now: Option<Micros>,
-        held: &[(super::RuleId, &[u8])],
+        settles: &[super::Settle<'_>],
         hold: crate::algorithm::HoldId,
-    ) -> Result<(), StoreError> {
-        self.release_tagged(namespace, now, held, hold).await
+    ) -> Result<u64, StoreError> {
+        self.settle_tagged(namespace, now, settles, hold).await
     }
 
     fn status(&self) -> super::StoreStatus {
@@ -675,30 +681,38 @@ pub fn algorithm_code(algorithm: Algorithm) -> u8 {
 /// ARGV of the decision call: `now` (or "" for Redis TIME), then per rule its parameters as one
 /// text (which the library parses once per rule and keeps) and the cost.
 pub fn script_args(now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Vec<String> {
-    use std::fmt::Write as _;
     let mut args = Vec::with_capacity(2 + ARGS_PER_RULE * checks.len());
     args.push(now.map_or_else(String::new, |n| n.to_string()));
     // Every check of a request carries the request's hold id (or none).
     let hold = checks.iter().map(|c| c.hold).find(|&h| h != 0);
     args.push(hold.map_or_else(String::new, |h| h.to_string()));
     for check in checks {
-        let limit = check.limit;
-        let mut params = String::with_capacity(48);
-        let _ = write!(
-            params,
-            "{}:{}:{}:{}:{}:{}:{}",
-            algorithm_code(limit.algorithm()),
-            limit.requests(),
-            limit.per(),
-            limit.burst(),
-            limit.interval(),
-            limit.max_delay().map_or(-1, |d| d as i64),
-            u8::from(check.enforce)
-        );
-        args.push(params);
+        args.push(rule_params(check.limit, check.enforce));
         args.push(check.cost.to_string());
     }
     args
+}
+
+/// A rule's parameters as the library takes them (lua/check.lua): "algorithm:requests:per_us:
+/// burst:interval_us:max_delay_us:enforce", then ":ttl_us" for a rule that reserves.
+pub fn rule_params(limit: &crate::algorithm::Limit, enforce: bool) -> String {
+    use std::fmt::Write as _;
+    let mut params = String::with_capacity(56);
+    let _ = write!(
+        params,
+        "{}:{}:{}:{}:{}:{}:{}",
+        algorithm_code(limit.algorithm()),
+        limit.requests(),
+        limit.per(),
+        limit.burst(),
+        limit.interval(),
+        limit.max_delay().map_or(-1, |d| d as i64),
+        u8::from(enforce)
+    );
+    if let Some(ttl) = limit.reservation_ttl() {
+        let _ = write!(params, ":{ttl}");
+    }
+    params
 }
 
 /// Interprets the script's reply: `{allowed, then per rule: allowed, remaining, reset_after_us,
@@ -916,7 +930,7 @@ mod tests {
         assert!(
             LIBRARY_SOURCE
                 .trim_end()
-                .ends_with(&format!("redis.register_function('{}_release', release)", &*FUNCTION_NAME))
+                .ends_with(&format!("redis.register_function('{}_settle', settle)", &*FUNCTION_NAME))
         );
         assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
     }

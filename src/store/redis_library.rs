@@ -15,6 +15,7 @@ pub const DECISION_CODE: &str = concat!(
     include_str!("../../lua/sliding_window_log.lua"),
     include_str!("../../lua/sliding_window_counter.lua"),
     include_str!("../../lua/concurrency.lua"),
+    include_str!("../../lua/reservation.lua"),
     include_str!("../../lua/check.lua"),
 );
 
@@ -28,17 +29,17 @@ pub static FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| {
 /// [`FUNCTION_NAME`] with `_many`: `decide_many`, several requests in one call.
 pub static MANY_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_many", &*FUNCTION_NAME));
 
-/// [`FUNCTION_NAME`] with `_release`: `release`, a request's holds given back.
-pub static RELEASE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_release", &*FUNCTION_NAME));
+/// [`FUNCTION_NAME`] with `_settle`: `settle`, a request's holds given back or settled.
+pub static SETTLE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_settle", &*FUNCTION_NAME));
 
 /// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`], `decide_many`
-/// as [`MANY_FUNCTION_NAME`] and `release` as [`RELEASE_FUNCTION_NAME`].
+/// as [`MANY_FUNCTION_NAME`] and `settle` as [`SETTLE_FUNCTION_NAME`].
 pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
     let name = &*FUNCTION_NAME;
     let many = &*MANY_FUNCTION_NAME;
-    let release = &*RELEASE_FUNCTION_NAME;
+    let settle = &*SETTLE_FUNCTION_NAME;
     format!(
-        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{release}', release)\n"
+        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\n"
     )
 });
 
@@ -50,10 +51,10 @@ pub static SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// `release` as a script, for Redis before 7.0.
-pub static RELEASE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
+/// `settle` as a script, for Redis before 7.0.
+pub static SETTLE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn release(KEYS, ARGV)\n"
+        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn settle(KEYS, ARGV)\n"
     )
 });
 

@@ -9,8 +9,9 @@ use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::FakeClock;
 use sluice::duration::{HumanDuration, parse_duration};
 use sluice::server::engine::Engine;
+use sluice::store::keys::DEFAULT_TAG;
 use sluice::store::memory::MemoryStore;
-use sluice::store::{RuleCheck, RuleId, Store};
+use sluice::store::{RuleCheck, RuleId, Settle, Store};
 use sluice::telemetry::Metrics;
 
 /// A Unix time aligned to a whole day, so every window up to a day starts here.
@@ -36,6 +37,9 @@ pub struct RuleSpec {
     pub max_delay: Option<String>,
     #[serde(default)]
     pub mode: Option<String>,
+    /// The rule's cost is known after the response: admission reserves it for this long.
+    #[serde(default)]
+    pub reserve_for: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -48,6 +52,12 @@ pub struct Step {
     pub repeat: u64,
     pub key: Option<String>,
     pub rules: Option<Vec<String>>,
+    /// The request's hold id (reservations and concurrency slots); 0: none.
+    #[serde(default)]
+    pub hold: u64,
+    /// Instead of a check: settle `hold` at `cost` (its actual cost) in the selected rules.
+    #[serde(default)]
+    pub settle: bool,
     pub expect: Expect,
 }
 
@@ -65,6 +75,8 @@ pub struct Expect {
     pub retry_after: Option<String>,
     pub reset_after: Option<String>,
     pub delay: Option<String>,
+    /// For a settle step: how many holds it found.
+    pub found: Option<u64>,
     #[serde(default)]
     pub rules: BTreeMap<String, RuleExpect>,
 }
@@ -142,6 +154,10 @@ pub fn compile_rules(vector_index: usize, vector: &Vector) -> Vec<CompiledRule> 
                 spec.burst,
                 spec.max_delay.as_deref().map(micros),
             )
+            .and_then(|limit| match &spec.reserve_for {
+                Some(ttl) => limit.reserving(micros(ttl)),
+                None => Ok(limit),
+            })
             .unwrap_or_else(|e| panic!("{}: rule {name}: {e}", vector.name)),
             enforce: spec.mode.as_deref() != Some("shadow"),
         })
@@ -201,11 +217,26 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
                     key: key.as_bytes(),
                     cost: step.cost,
                     enforce: r.enforce,
-                    hold: 0,
+                    hold: step.hold,
                 })
                 .collect();
             let now = T0 + micros(&step.at);
             let context = format!("{} / step {} (at {})", vector.name, si + 1, step.at);
+            if step.settle {
+                let settles: Vec<Settle<'_>> = selected
+                    .iter()
+                    .map(|r| Settle { rule: r.id, limit: &r.limit, key: key.as_bytes(), cost: step.cost })
+                    .collect();
+                match store.settle_for(DEFAULT_TAG, Some(now), &settles, step.hold).await {
+                    Ok(found) => {
+                        if let Some(want) = step.expect.found {
+                            compare(&mut failures, &context, "found", want.to_string(), found.to_string());
+                        }
+                    }
+                    Err(e) => failures.push(format!("{context}: store error on settle: {e}")),
+                }
+                continue;
+            }
             let mut admitted = 0;
             let mut last = None;
             for _ in 0..step.repeat {
@@ -275,6 +306,13 @@ pub fn policies(vectors: &[Vector], selects: fn(&str) -> String) -> String {
                 selects(name),
                 serde_json::to_value(spec.algorithm).unwrap().as_str().unwrap()
             ));
+            // A reservation's estimate is the step's cost, sent as the request field `cost`.
+            if let Some(ttl) = &spec.reserve_for {
+                let capacity = spec.burst.unwrap_or(spec.requests);
+                yaml.push_str(&format!(
+                    "    responseCost: {{header: x-sluice-cost, reservationTtl: {ttl}, estimate: {{requestField: cost, cap: {capacity}}}}}\n"
+                ));
+            }
         }
     }
     yaml

@@ -1,0 +1,140 @@
+-- Reservations: costs known only after the response (an LLM's tokens). Mirrors
+-- src/algorithm/reservation.rs. A rule that reserves (its parameters end in ":ttl_us") is
+-- decided by its algorithm's module wrapped by `sluice.reserving(inner)`, with the same
+-- read/check/consume interface.
+--
+-- State: the algorithm's own state at the key, as for any rule (what settled costs consumed),
+-- plus the live reservations in a hash at the reservation key (the state key with "}:" made
+-- "}:r:", src/store/keys.rs `reservation_key`): field = the request's hold id, value =
+-- "until_us:amount". A reservation counts while now < until.
+--
+-- Admission of `cost` (the estimate) is the algorithm's decision for reserved + cost; an admitted
+-- request with a hold id adds its reservation and consumes nothing yet (without one it consumes
+-- at once). `settle` (check.lua) removes a live reservation and consumes its actual cost, even
+-- past the limit (debt). TTL of the reservation key = the latest until − now.
+
+local function reservation_key(key)
+  return (string.gsub(key, '}:', '}:r:', 1))
+end
+
+-- The reservations at `rkey`: a list of {id, until, amount} and the key's kind ('none', 'hash'
+-- or 'other').
+local function read_reservations(rkey)
+  local flat = redis.pcall('HGETALL', rkey)
+  if flat.err then
+    return {}, 'other'
+  end
+  if #flat == 0 then
+    return {}, 'none'
+  end
+  local holds = {}
+  for i = 1, #flat, 2 do
+    local until_, amount = string.match(flat[i + 1], '^(%d+):(%d+)$')
+    if until_ ~= nil then
+      holds[#holds + 1] = { id = flat[i], until_ = tonumber(until_), amount = tonumber(amount) }
+    end
+  end
+  return holds, 'hash'
+end
+
+local function capacity_of(l)
+  if l.algo <= 3 then
+    return l.burst -- tokenBucket, gcra, leakyBucket
+  end
+  return l.requests
+end
+
+local reserving_by_inner = {}
+
+-- The reserving module around `inner` (one per algorithm, shared by its rules).
+function sluice.reserving(inner)
+  local m = reserving_by_inner[inner]
+  if m ~= nil then
+    return m
+  end
+  m = {}
+
+  function m.read(key)
+    local counted, ktype = inner.read(key)
+    local rkey = reservation_key(key)
+    local holds, rtype = read_reservations(rkey)
+    return { counted = counted, holds = holds, rkey = rkey, rtype = rtype }, ktype
+  end
+
+  function m.check(l, s, now, cost)
+    local reserved, last = 0, nil
+    for _, h in ipairs(s.holds) do
+      if h.until_ > now then
+        reserved = reserved + h.amount
+        if last == nil or h.until_ > last then
+          last = h.until_
+        end
+      end
+    end
+    local ok, remaining, reset_after, retry_after = inner.check(l, s.counted, now, reserved + cost)
+    if ok or reserved == 0 then
+      return ok, remaining, reset_after, retry_after, 0
+    end
+    -- What is left once the reservations are taken, and when the estimate fits at the latest:
+    -- when the reservations have all run out, if the counted state alone admits it then.
+    local left_ok, left = inner.check(l, s.counted, now, reserved)
+    if retry_after < 0 and cost <= capacity_of(l) then
+      local later_ok, _, _, later_retry = inner.check(l, s.counted, last, cost)
+      if later_ok or later_retry < 0 then
+        later_retry = 0
+      end
+      retry_after = (last - now) + later_retry
+    end
+    if not left_ok then
+      left = 0
+    end
+    return false, left, reset_after, retry_after, 0
+  end
+
+  function m.consume(key, ktype, s, l, now, cost, hold)
+    if hold == '' then
+      inner.consume(key, ktype, s.counted, l, now, cost, hold)
+      return
+    end
+    if s.rtype == 'other' then
+      redis.call('DEL', s.rkey)
+    end
+    -- A second reservation under one hold (two rules on one key) adds to the first, keeping its end.
+    local amount, until_ = cost, now + l.ttl
+    local latest = until_
+    for _, h in ipairs(s.holds) do
+      if h.until_ <= now then
+        redis.call('HDEL', s.rkey, h.id)
+      else
+        if h.id == hold then
+          amount, until_ = amount + h.amount, h.until_
+        end
+        latest = math.max(latest, h.until_)
+      end
+    end
+    redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(amount))
+    redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
+  end
+
+  -- Settles `hold`'s reservation at `key` to `actual`; returns 1 if it was live, else 0.
+  function m.settle(key, l, now, hold, actual)
+    local rkey = reservation_key(key)
+    local v = redis.pcall('HGET', rkey, hold)
+    if type(v) ~= 'string' then
+      return 0
+    end
+    redis.call('HDEL', rkey, hold)
+    local until_ = string.match(v, '^(%d+):')
+    if until_ == nil or tonumber(until_) <= now then
+      return 0
+    end
+    if actual > 0 then
+      local counted, ktype = inner.read(key)
+      inner.consume(key, ktype, counted, l, now, actual, '')
+    end
+    return 1
+  end
+
+  reserving_by_inner[inner] = m
+  return m
+end

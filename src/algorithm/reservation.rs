@@ -1,0 +1,265 @@
+//! Reservations: costs known only after the response (an LLM's tokens), held as an estimate at
+//! admission and settled to the actual cost when the response ends.
+//!
+//! The second use of the stores' holds (after [`super::concurrency`]'s slots): capacity taken now
+//! under the request's hold id and settled later. A key's state is its algorithm's own state
+//! (what settled costs consumed) plus the live reservations, each `(hold id, until, amount)`.
+//!
+//! - **Admission** of `estimate` is the algorithm's decision for `reserved + estimate`, where
+//!   `reserved` is the sum of live reservations: admitted only if `used + reserved + estimate`
+//!   fits. An admitted request adds its reservation and consumes nothing yet; a denied one
+//!   reserves nothing.
+//! - **Settling** removes the reservation and consumes the `actual` cost from the algorithm's
+//!   state, even past the limit: a cost above its estimate is debt that later requests wait out.
+//!   Since `used + reserved` only grows by `actual − estimate` at a settle, the limit is exceeded
+//!   at most by the sum of `actual − estimate` over the reservations settled above their
+//!   estimate (none when the estimate bounds the cost). Idempotent: a reservation already
+//!   settled, or run out, is left alone.
+//! - **Expiry**: a reservation unsettled `ttl` after admission counts no more: its capacity
+//!   returns, and a settle arriving later charges nothing.
+//!
+//! A request with hold id 0 (an entry point that never sees the response end) consumes its cost
+//! at once, as a plain rate limit.
+
+use super::{Decision, Hold, HoldId, Limit, Micros, State};
+
+/// A rate algorithm's state and the reservations held against it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reserved {
+    /// What settled (or up-front) costs consumed; `None`: pristine.
+    pub counted: Option<State>,
+    /// Reservations not yet settled; some may have run out (dropped at the next write).
+    pub holds: Vec<Hold>,
+}
+
+/// The algorithm's own state, whether or not reservations are held against it.
+pub(super) fn counted(state: Option<&State>) -> Option<&State> {
+    match state {
+        Some(State::Reserved(r)) => r.counted.as_ref(),
+        other => other,
+    }
+}
+
+fn holds(state: Option<&State>) -> &[Hold] {
+    match state {
+        Some(State::Reserved(r)) => &r.holds,
+        _ => &[],
+    }
+}
+
+fn live(holds: &[Hold], now: Micros) -> impl Iterator<Item = &Hold> {
+    holds.iter().filter(move |h| h.until > now)
+}
+
+/// The estimate reserved by live reservations at `now`.
+pub fn reserved(state: Option<&State>, now: Micros) -> u64 {
+    live(holds(state), now).fold(0u64, |sum, h| sum.saturating_add(h.amount))
+}
+
+pub(super) fn check(limit: &Limit, state: Option<&State>, now: Micros, estimate: u64) -> Decision {
+    let counted = counted(state);
+    let reserved = reserved(state, now);
+    let wanted = super::check_counted(limit, counted, now, reserved.saturating_add(estimate));
+    if wanted.allowed || reserved == 0 {
+        return wanted;
+    }
+    // What is left once the reservations are taken, and when the estimate fits at the latest:
+    // when the reservations have all run out, if the counted state alone would admit it then.
+    let left = super::check_counted(limit, counted, now, reserved);
+    let retry_after = wanted.retry_after.or_else(|| {
+        let last = live(holds(state), now).map(|h| h.until).max()?;
+        let later = super::check_counted(limit, counted, last, estimate);
+        (estimate <= limit.capacity()).then(|| (last - now) + later.retry_after.unwrap_or(0))
+    });
+    Decision {
+        allowed: false,
+        remaining: if left.allowed { left.remaining } else { 0 },
+        reset_after: wanted.reset_after,
+        retry_after,
+        delay: 0,
+    }
+}
+
+/// When the counted state is pristine again (`now` for none).
+fn counted_pristine_at(limit: &Limit, counted: &Option<State>, now: Micros) -> Micros {
+    match counted {
+        None => now,
+        // Consuming nothing computes the state's pristine time without changing its meaning.
+        Some(state) => super::apply_counted(limit, &mut Some(state.clone()), now, 0, 0),
+    }
+}
+
+/// Puts `counted` and `holds` back into `state`: the plain algorithm state when no reservation
+/// is left. Returns when the key is pristine.
+fn store(limit: &Limit, state: &mut Option<State>, counted: Option<State>, holds: Vec<Hold>, now: Micros) -> Micros {
+    let pristine = counted_pristine_at(limit, &counted, now).max(holds.iter().map(|h| h.until).max().unwrap_or(now));
+    *state = if holds.is_empty() { counted } else { Some(State::Reserved(Box::new(Reserved { counted, holds }))) };
+    pristine
+}
+
+fn take(state: &mut Option<State>) -> (Option<State>, Vec<Hold>) {
+    match state.take() {
+        Some(State::Reserved(r)) => (r.counted, r.holds),
+        other => (other, Vec::new()),
+    }
+}
+
+/// Admits `estimate` under `hold` (a reservation for the limit's ttl); with hold 0, consumes it
+/// at once. Returns when the key is pristine again.
+pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estimate: u64, hold: HoldId) -> Micros {
+    let (mut counted, mut holds) = take(state);
+    holds.retain(|h| h.until > now);
+    match limit.reservation_ttl() {
+        Some(ttl) if hold != 0 => match holds.iter_mut().find(|h| h.id == hold) {
+            Some(held) => held.amount = held.amount.saturating_add(estimate),
+            None => holds.push(Hold { id: hold, until: now + ttl, amount: estimate }),
+        },
+        _ => {
+            super::apply_counted(limit, &mut counted, now, estimate, 0);
+        }
+    }
+    store(limit, state, counted, holds, now)
+}
+
+/// Replaces `hold`'s live reservation by its `actual` cost. Returns whether it was found, and
+/// when the key is pristine again (`None`: nothing is left, the key can go).
+pub(super) fn settle(
+    limit: &Limit,
+    state: &mut Option<State>,
+    now: Micros,
+    hold: HoldId,
+    actual: u64,
+) -> (bool, Option<Micros>) {
+    let (mut counted, mut holds) = take(state);
+    let found = holds.iter().any(|h| h.id == hold && h.until > now);
+    holds.retain(|h| h.id != hold && h.until > now);
+    if found && actual > 0 {
+        super::apply_counted(limit, &mut counted, now, actual, 0);
+    }
+    let pristine = store(limit, state, counted, holds, now);
+    (found, state.is_some().then_some(pristine))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::{Algorithm, apply_held, check, settle as settle_any};
+
+    const T0: Micros = 1_699_920_000_000_000;
+    const SEC: Micros = 1_000_000;
+
+    fn limit(algorithm: Algorithm, requests: u64) -> Limit {
+        Limit::new(algorithm, requests, 60 * SEC, None, None).unwrap().reserving(30 * SEC).unwrap()
+    }
+
+    fn reserve(l: &Limit, state: &mut Option<State>, now: Micros, estimate: u64, hold: HoldId) -> Decision {
+        let decision = check(l, state.as_ref(), now, estimate);
+        if decision.allowed {
+            apply_held(l, state, now, estimate, hold);
+        }
+        decision
+    }
+
+    const RATE: [Algorithm; 4] =
+        [Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::FixedWindow, Algorithm::SlidingWindowCounter];
+
+    #[test]
+    fn reservations_count_against_the_limit_until_settled() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            assert!(reserve(&l, &mut state, T0, 400, 1).allowed, "{algorithm}");
+            assert!(reserve(&l, &mut state, T0, 400, 2).allowed, "{algorithm}");
+            let third = reserve(&l, &mut state, T0, 400, 3);
+            assert!(!third.allowed, "{algorithm}: 800 reserved + 400 > 1000");
+            assert_eq!(third.remaining, 200, "{algorithm}");
+            // Settling below the estimate gives the difference back at once.
+            assert!(settle_any(&l, &mut state, T0, 1, 100).0);
+            assert!(reserve(&l, &mut state, T0, 400, 3).allowed, "{algorithm}: 100 + 400 + 400 fits");
+            assert_eq!(reserved(state.as_ref(), T0), 800);
+        }
+    }
+
+    #[test]
+    fn settling_is_idempotent_and_never_touches_another_reservation() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            reserve(&l, &mut state, T0, 500, 1);
+            reserve(&l, &mut state, T0, 300, 2);
+            assert!(settle_any(&l, &mut state, T0, 1, 200).0);
+            assert!(!settle_any(&l, &mut state, T0, 1, 200).0, "{algorithm}: a second settle charges nothing");
+            assert!(!settle_any(&l, &mut state, T0, 9, 900).0, "{algorithm}: no such hold");
+            assert_eq!(reserved(state.as_ref(), T0), 300);
+            let d = check(&l, state.as_ref(), T0, 0);
+            assert_eq!(d.remaining, 1000 - 200 - 300, "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn a_cost_above_its_estimate_is_debt() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            reserve(&l, &mut state, T0, 100, 1);
+            settle_any(&l, &mut state, T0, 1, 1500);
+            let d = check(&l, state.as_ref(), T0, 1);
+            assert!(!d.allowed, "{algorithm}: 1500 used of 1000");
+            assert!(d.retry_after.is_some(), "{algorithm}: the debt is paid off in time");
+        }
+    }
+
+    #[test]
+    fn an_unsettled_reservation_runs_out_and_its_late_settle_charges_nothing() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            reserve(&l, &mut state, T0, 1000, 1);
+            let denied = reserve(&l, &mut state, T0 + 10 * SEC, 1, 2);
+            assert!(!denied.allowed, "{algorithm}");
+            assert_eq!(denied.retry_after, Some(20 * SEC), "{algorithm}: when the reservation runs out");
+            assert!(reserve(&l, &mut state, T0 + 30 * SEC, 1, 2).allowed, "{algorithm}: the reservation ran out");
+            assert!(!settle_any(&l, &mut state, T0 + 31 * SEC, 1, 1000).0, "{algorithm}");
+            assert_eq!(check(&l, state.as_ref(), T0 + 31 * SEC, 0).remaining, 999, "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn hold_zero_consumes_at_once() {
+        let l = limit(Algorithm::FixedWindow, 1000);
+        let mut state = None;
+        assert!(check(&l, state.as_ref(), T0, 600).allowed);
+        apply_held(&l, &mut state, T0, 600, 0);
+        assert_eq!(reserved(state.as_ref(), T0), 0);
+        assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 400);
+        assert!(matches!(state, Some(State::Window { .. })), "no reservation is kept");
+    }
+
+    #[test]
+    fn the_last_settle_leaves_the_plain_state_and_a_pristine_key_goes() {
+        let l = limit(Algorithm::FixedWindow, 1000);
+        let mut state = None;
+        reserve(&l, &mut state, T0, 10, 1);
+        assert!(matches!(state, Some(State::Reserved(_))));
+        let (found, pristine) = settle_any(&l, &mut state, T0 + SEC, 1, 7);
+        assert!(found);
+        assert_eq!(state, Some(State::Window { start: T0, count: 7 }));
+        assert_eq!(pristine, Some(T0 + 60 * SEC));
+        let mut state = None;
+        reserve(&l, &mut state, T0, 10, 1);
+        assert_eq!(settle_any(&l, &mut state, T0 + SEC, 1, 0), (true, None), "nothing counted, nothing held");
+        assert_eq!(state, None);
+    }
+
+    #[test]
+    fn algorithms_that_cannot_reserve_are_named() {
+        let s = SEC;
+        let log = Limit::new(Algorithm::SlidingWindowLog, 10, s, None, None).unwrap();
+        assert!(log.reserving(s).unwrap_err().to_string().contains("slidingWindowLog"));
+        let shaping = Limit::new(Algorithm::LeakyBucket, 10, s, None, Some(s)).unwrap();
+        assert!(shaping.reserving(s).unwrap_err().to_string().contains("maxDelay"));
+        let ok = Limit::new(Algorithm::TokenBucket, 10, s, None, None).unwrap();
+        assert!(ok.clone().reserving(s / 2).is_err());
+        assert!(ok.reserving(s).unwrap().holds());
+    }
+}
