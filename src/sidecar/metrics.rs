@@ -117,7 +117,7 @@ impl SidecarMetrics {
         let releases = Family::<ResultLabels, Counter>::default();
         registry.register(
             "releases",
-            "Concurrency slots given back when a request's response ended, by result (a failed one runs out with its lease)",
+            "Settles of what an admitted request held (concurrency slots, reservations) when its response ended, by result (a failed one runs out with its lease)",
             releases.clone(),
         );
         let overload_limit = Gauge::<i64, AtomicI64>::default();

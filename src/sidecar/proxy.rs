@@ -158,10 +158,11 @@ impl hyper::body::Body for RequestBody {
     fn size_hint(&self) -> hyper::body::SizeHint {
         let read = self.read.as_ref().map_or(0, |r| r.len() as u64);
         let mut hint = self.rest.as_ref().map_or_else(|| hyper::body::SizeHint::with_exact(0), |r| r.size_hint());
-        hint.set_lower(hint.lower() + read);
+        // Upper first: SizeHint refuses a lower bound above its upper one.
         if let Some(upper) = hint.upper() {
             hint.set_upper(upper + read);
         }
+        hint.set_lower(hint.lower() + read);
         hint
     }
 }
@@ -333,6 +334,11 @@ impl Proxy {
             tokio::time::sleep(delay).await;
         }
 
+        // Rules charging by the response read its body: ask the application for it uncompressed.
+        let costs = held.as_ref().map(|release| self.decider.response_costs(&release.held)).unwrap_or_default();
+        if costs.iter().any(|(_, cost)| cost.usage.is_some()) {
+            request.headers_mut().remove(header::ACCEPT_ENCODING);
+        }
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
         if self.prepare(&mut request, upstream, peer, host.as_deref(), upgrade).is_err() {
             return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
@@ -380,10 +386,7 @@ impl Proxy {
 
         self.metrics.outcome("forwarded");
         headers::strip_hop_by_hop(response.headers_mut(), false);
-        let metering = held.as_ref().and_then(|release| {
-            let costs = self.decider.response_costs(&release.held);
-            Metering::start(costs, response.status(), response.headers_mut())
-        });
+        let metering = Metering::start(costs, response.status(), response.headers_mut());
         add_headers(response.headers_mut(), rate_headers);
         response.map(|body| Either::Left(Releasing { inner: body, release: held, metering }))
     }
