@@ -199,6 +199,7 @@ impl Decider {
     /// the local engine that admitted it. A settle that fails is logged and left to the holds,
     /// which run out by themselves.
     pub async fn settle(&self, held: Held, cost: SettleCost) {
+        let started = self.clock.now();
         let outcome = match held {
             Held::Local(token) => match crate::server::lease::Lease::from_token(&token) {
                 Ok(lease) => self.local.settle(&lease, &cost).await.map(|_| ()).map_err(|e| e.to_string()),
@@ -231,6 +232,7 @@ impl Decider {
                 }
             }
         };
+        self.metrics.settle_seconds.observe(self.clock.now().saturating_sub(started) as f64 / 1e6);
         match outcome {
             Ok(()) => {
                 self.metrics.releases.get_or_create(&super::metrics::ResultLabels { result: "released" }).inc();

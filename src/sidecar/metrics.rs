@@ -39,6 +39,8 @@ pub struct SidecarMetrics {
     pub decisions: Family<DecisionLabels, Counter>,
     pub endpoint_errors: Family<KindLabels, Counter>,
     pub check_seconds: Histogram,
+    /// Time to settle an admitted request's holds with the endpoint, once its response ended.
+    pub settle_seconds: Histogram,
     pub upstream_seconds: Histogram,
     pub breaker_open: Gauge<i64, AtomicI64>,
     pub snapshot_cached: Gauge<i64, AtomicI64>,
@@ -78,6 +80,12 @@ impl SidecarMetrics {
         // 50 µs to ~0.8 s.
         let check_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 15));
         registry.register("check_duration_seconds", "Time to get a decision from the endpoint", check_seconds.clone());
+        let settle_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 15));
+        registry.register(
+            "settle_duration_seconds",
+            "Time to settle an admitted request's holds (slots, reservations) after its response ended",
+            settle_seconds.clone(),
+        );
         let upstream_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 18));
         registry.register(
             "upstream_duration_seconds",
@@ -161,6 +169,7 @@ impl SidecarMetrics {
             decisions,
             endpoint_errors,
             check_seconds,
+            settle_seconds,
             upstream_seconds,
             breaker_open,
             snapshot_cached,
