@@ -382,3 +382,49 @@ fn a_concurrency_rule_without_service_times_says_how_to_give_them() {
     let error = replay(&snapshot(&yaml), &template, &arrivals, &ReplayOptions::default()).unwrap_err().to_string();
     assert!(error.contains("--hold") && error.contains("hold DURATION"), "{error}");
 }
+
+/// A rule whose cost is known after the response: the trace's cost column is each request's
+/// actual cost, the estimate comes from the policy. Estimates that bound the actual costs keep
+/// every window within the limit; estimates below them let debt through, and the report says
+/// by how much.
+#[test]
+fn response_costs_are_replayed_as_reservations_settled_to_the_actual_cost() {
+    let yaml = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: sim, namespace: default}
+spec:
+  rules:
+    - name: tokens
+      algorithm: fixedWindow
+      limit: {requests: 10000, per: 1m}
+      responseCost: {fields: [usage.total_tokens], estimate: {requestField: max_tokens, cap: 4000}}
+"#;
+    let replay_with = |max_tokens: u64, actual: u64| {
+        // Every 0.5 s for a minute, each response lasting 2 s.
+        let trace: String = (0..120).map(|i| format!("{}.{} - {actual} 2\n", i / 2, (i % 2) * 5)).collect();
+        let template = CheckRequest::from_json(
+            format!(r#"{{"path": "/", "requestFields": {{"max_tokens": {max_tokens}}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        let report = replay(&snapshot(yaml), &template, &parse_trace(&trace).unwrap(), &ReplayOptions::default())
+            .expect("replays");
+        report.rules[0].clone()
+    };
+    let bounded = replay_with(1000, 900);
+    assert_eq!(bounded.reserved_cost, Some(bounded.admitted * 1000));
+    assert_eq!(bounded.admitted_cost, bounded.admitted * 900, "charged the actual costs");
+    assert!(bounded.max_admitted_in_any_window <= 10_000, "{}", bounded.max_admitted_in_any_window);
+    assert!(bounded.admitted >= 10, "the last settles give back what the estimates held");
+    let under = replay_with(500, 900);
+    assert!(
+        under.max_admitted_in_any_window > 10_000,
+        "underestimates overspend: {}",
+        under.max_admitted_in_any_window
+    );
+    // Without a time in progress the reservations would never settle: refused, saying how.
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let error =
+        replay(&snapshot(yaml), &template, &parse_trace("0\n").unwrap(), &ReplayOptions::default()).unwrap_err();
+    assert!(error.to_string().contains("--hold"), "{error}");
+}

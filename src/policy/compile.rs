@@ -238,6 +238,16 @@ impl CompiledRule {
         self.refusal.as_ref()
     }
     /// The most added at random to `Retry-After` when this rule refuses (`retryAfterJitter`).
+    /// What `req` counts against this rule: its estimate for a cost known after the response
+    /// (a descriptor's cost is what Envoy reports, after the response with apply_on_stream_done);
+    /// otherwise the rule's cost × the request's.
+    pub fn cost_for(&self, req: &super::RequestView<'_>) -> u64 {
+        match (&self.response_cost, req.descriptor) {
+            (Some(response_cost), None) => response_cost.estimate(req.fields),
+            _ => self.cost.saturating_mul(req.cost),
+        }
+    }
+
     /// `responseCost`: how the cost is read from the response, and the estimate reserved.
     pub fn response_cost(&self) -> Option<&std::sync::Arc<super::response_cost::ResponseCost>> {
         self.response_cost.as_ref()

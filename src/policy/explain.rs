@@ -116,7 +116,7 @@ fn explain_rule<'s>(
         return Err(describe_rule_failure(rule, source, mismatch, req, path, host));
     }
     match build_key(&rule.key, req, path, host) {
-        Ok(key) => Ok(Matched { rule, key, cost: rule.cost.saturating_mul(req.cost) }),
+        Ok(key) => Ok(Matched { rule, key, cost: rule.cost_for(req) }),
         Err(part) => Err(format!(
             "key[{part}]: {} has no value and the part says missing: skip, so the rule does not apply",
             rule.key.get(part).map_or_else(|| "a part".to_string(), describe_key_source)
@@ -315,7 +315,9 @@ impl<'s> Explanation<'s> {
                     }
                     Err(reason) => (false, Some(reason.clone()), None, Vec::new(), None, None),
                 };
+                let reserves = r.rule.response_cost().map(|rc| describe_response_cost(rc));
                 rules.push(RuleReport {
+                    reserves,
                     policy: r.rule.policy().to_string(),
                     rule: r.rule.name().to_string(),
                     algorithm: r.rule.algorithm().name(),
@@ -410,10 +412,13 @@ impl ExplainReport {
                     },
                     None => "decision unknown".to_string(),
                 };
-                let cost = rule.cost.unwrap_or(0);
+                let cost = match &rule.reserves {
+                    Some(how) => format!("reserves {} ({how})", rule.cost.unwrap_or(0)),
+                    None => format!("cost {}", rule.cost.unwrap_or(0)),
+                };
                 let _ = writeln!(
                     out,
-                    "  + {} ({}{shadow}): matches; key {key} (encoded {:?}); cost {cost}; {decision}",
+                    "  + {} ({}{shadow}): matches; key {key} (encoded {:?}); {cost}; {decision}",
                     rule.rule,
                     rule.algorithm,
                     rule.key.as_deref().unwrap_or("")
@@ -487,8 +492,12 @@ pub struct RuleReport {
     pub key: Option<String>,
     /// The key readably: each part's source and value.
     pub key_parts: Vec<KeyPartView>,
-    /// rule cost × request cost, when matched.
+    /// rule cost × request cost, when matched; for a cost known after the response, the
+    /// estimate its admission reserves.
     pub cost: Option<u64>,
+    /// For a cost known after the response: where the actual cost is read, what settles it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserves: Option<String>,
     /// What this rule would decide now (when matched and the store can tell).
     pub decision: Option<RuleDecision>,
 }
@@ -732,5 +741,24 @@ spec:
         }
         assert_eq!(decode_key("3:ab"), None);
         assert_eq!(decode_key("x:ab"), None);
+    }
+}
+
+/// How a rule whose cost is known after the response settles, in words.
+fn describe_response_cost(cost: &super::response_cost::ResponseCost) -> String {
+    use super::crd::ResponseCostMode;
+    let mut read = Vec::new();
+    if let Some(header) = &cost.header {
+        read.push(format!("header {header}"));
+    }
+    if let Some(usage) = &cost.usage {
+        read.push(usage.fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(" + "));
+    }
+    let read = read.join(", else ");
+    match cost.mode {
+        ResponseCostMode::Reserve => {
+            format!("the estimate, settled to {read} of the response; a failed request costs {}", cost.on_failure)
+        }
+        ResponseCostMode::ReportAfter => format!("nothing: reportAfter charges {read} of the response afterwards"),
     }
 }

@@ -269,13 +269,7 @@ fn resolve_policy<'s>(
             continue;
         }
         if let Ok(key) = build_key(&rule.key, req, path, host) {
-            // A cost known after the response reserves its estimate; a descriptor's cost is what
-            // Envoy reports (after the response, with apply_on_stream_done).
-            let cost = match (rule.response_cost(), req.descriptor) {
-                (Some(response_cost), None) => response_cost.estimate(req.fields),
-                _ => rule.cost.saturating_mul(req.cost),
-            };
-            out.push(Matched { rule, key, cost });
+            out.push(Matched { rule, key, cost: rule.cost_for(req) });
         }
     }
 }

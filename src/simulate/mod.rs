@@ -37,7 +37,7 @@ pub enum SimulateError {
     #[error("no policy in namespace {0:?} (the request template's namespace)")]
     NoRules(String),
     #[error(
-        "rule {0} is a concurrency rule: its slots depend on how long each request is in progress; give --hold DURATION (every request), `hold DURATION` in a pattern item, or a trace's 4th column (seconds)"
+        "rule {0} holds capacity while each request is in progress (a concurrency slot, or a responseCost reservation settled when the response ends): give --hold DURATION (every request), `hold DURATION` in a pattern item, or a trace's 4th column (seconds)"
     )]
     Concurrency(String),
     #[error("the rules' windows have no common boundary below 2^51 µs; use windows that divide each other")]

@@ -77,7 +77,12 @@ pub struct RuleReport {
     pub denied: u64,
     /// Refused by this rule's own decision (for a shadow rule: would have been).
     pub denied_by_rule: u64,
+    /// The cost admitted: for a rule whose cost is known after the response (`responseCost`),
+    /// the actual costs (the trace's cost column), charged when each response ends.
     pub admitted_cost: u64,
+    /// For a `responseCost` rule: the estimates its admissions reserved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_cost: Option<u64>,
     /// Distinct keys the rule counted.
     pub keys: u64,
     /// Admitted with a shaping delay (leakyBucket with maxDelay).
@@ -85,7 +90,8 @@ pub struct RuleReport {
     pub max_shaping_delay_ms: f64,
     pub mean_shaping_delay_ms: f64,
     /// The most admitted cost of one key in any window of `per` (sliding, half-open, exact to
-    /// the microsecond).
+    /// the microsecond); for a `responseCost` rule, of actual costs by admission time: above
+    /// `requests`, the overspend its estimates allowed.
     pub max_admitted_in_any_window: u64,
     /// Its theoretical limit for this algorithm as Sluice implements it; `null` if none.
     pub bound: Option<u64>,
@@ -212,6 +218,7 @@ struct RuleTally<'s> {
     admitted: u64,
     denied_by_rule: u64,
     admitted_cost: u64,
+    reserved_cost: u64,
     shaped: u64,
     delay_total: Micros,
     delay_max: Micros,
@@ -301,6 +308,7 @@ impl RuleTally<'_> {
             denied: self.offered - self.admitted,
             denied_by_rule: self.denied_by_rule,
             admitted_cost: self.admitted_cost,
+            reserved_cost: self.rule.response_cost().map(|_| self.reserved_cost),
             keys: self.keys.len() as u64,
             shaped: self.shaped,
             max_shaping_delay_ms: ms(self.delay_max),
@@ -371,6 +379,7 @@ pub fn replay(
             admitted: 0,
             denied_by_rule: 0,
             admitted_cost: 0,
+            reserved_cost: 0,
             shaped: 0,
             delay_total: 0,
             delay_max: 0,
@@ -436,12 +445,19 @@ pub fn replay(
             // The store consumes for a rule only when the request is admitted and the rule
             // itself admits (a shadow rule that would refuse consumes nothing).
             let consumed = allowed && decision.allowed;
-            tallies[i].record(&m.key, arrival.at, m.cost, decision, consumed, slot);
+            // A reservation's estimate is what admission took; what the rule charges is the
+            // arrival's actual cost, settled when its response ends.
+            let actual = arrival.cost.or(template.cost).unwrap_or(1);
+            let charged = if m.rule.response_cost().is_some() { actual } else { m.cost };
+            if consumed && m.rule.response_cost().is_some() {
+                tallies[i].reserved_cost += m.cost;
+            }
+            tallies[i].record(&m.key, arrival.at, charged, decision, consumed, slot);
             if consumed && m.rule.algorithm().holds() && m.cost > 0 {
                 tallies[i].started(&m.key);
                 held.push((i, m.rule, m.key.clone(), 0));
             } else if consumed && m.rule.response_cost().is_some() {
-                held.push((i, m.rule, m.key.clone(), arrival.cost.or(template.cost).unwrap_or(1)));
+                held.push((i, m.rule, m.key.clone(), actual));
             }
         }
         if !held.is_empty() {
@@ -514,6 +530,19 @@ impl SimulationReport {
         let _ = writeln!(out, "maxInWindow: most admitted cost of one key in any window of the rule's per; bound:");
         for r in &self.rules {
             let _ = writeln!(out, "  {}/{}: {}", r.policy, r.rule, r.bound_formula);
+        }
+        for r in self.rules.iter().filter(|r| r.reserved_cost.is_some()) {
+            let bound = r.bound.map_or_else(String::new, |b| format!(" (the algorithm alone allows up to {b})"));
+            let _ = writeln!(
+                out,
+                "{}/{}: costs known after the response: reserved {} (estimates), charged {} (actual); most charged in one window {} against requests {}{bound}",
+                r.policy,
+                r.rule,
+                r.reserved_cost.unwrap_or(0),
+                r.admitted_cost,
+                r.max_admitted_in_any_window,
+                r.requests,
+            );
         }
         if let Some(compare) = &self.compare {
             out.push_str(&super::compare::to_text(compare));
