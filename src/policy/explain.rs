@@ -562,6 +562,25 @@ impl RequestDecision {
     }
 }
 
+/// How a rule whose cost is known after the response settles, in words.
+fn describe_response_cost(cost: &super::response_cost::ResponseCost) -> String {
+    use super::crd::ResponseCostMode;
+    let mut read = Vec::new();
+    if let Some(header) = &cost.header {
+        read.push(format!("header {header}"));
+    }
+    if let Some(usage) = &cost.usage {
+        read.push(usage.fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(" + "));
+    }
+    let read = read.join(", else ");
+    match cost.mode {
+        ResponseCostMode::Reserve => {
+            format!("the estimate, settled to {read} of the response; a failed request costs {}", cost.on_failure)
+        }
+        ResponseCostMode::ReportAfter => format!("nothing: reportAfter charges {read} of the response afterwards"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -741,24 +760,5 @@ spec:
         }
         assert_eq!(decode_key("3:ab"), None);
         assert_eq!(decode_key("x:ab"), None);
-    }
-}
-
-/// How a rule whose cost is known after the response settles, in words.
-fn describe_response_cost(cost: &super::response_cost::ResponseCost) -> String {
-    use super::crd::ResponseCostMode;
-    let mut read = Vec::new();
-    if let Some(header) = &cost.header {
-        read.push(format!("header {header}"));
-    }
-    if let Some(usage) = &cost.usage {
-        read.push(usage.fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(" + "));
-    }
-    let read = read.join(", else ");
-    match cost.mode {
-        ResponseCostMode::Reserve => {
-            format!("the estimate, settled to {read} of the response; a failed request costs {}", cost.on_failure)
-        }
-        ResponseCostMode::ReportAfter => format!("nothing: reportAfter charges {read} of the response afterwards"),
     }
 }
