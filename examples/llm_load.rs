@@ -7,9 +7,10 @@
 //! think time (uniform in [0, 2 × `--think-ms`]; the first wait is uniform in
 //! [0, `--think-ms`], which spreads the first requests), sends one request to the next of
 //! `--targets` (client i starts at target i mod n, then goes round-robin), reads the whole
-//! stream, and on a 429 sleeps its `Retry-After` (1 s without one) plus up to `--jitter-ms`
-//! instead of thinking. Past the duration no request starts; those under way finish (each is
-//! bounded by `--timeout-s`).
+//! stream, and on a 429 sleeps its `Retry-After` plus up to `--jitter-ms` instead of thinking
+//! (1 s instead of a Retry-After that is missing or longer than `--max-retry-after-s`, 60, the
+//! longest OpenAI's Python SDK honours). Past the duration no request starts; those under way
+//! finish (each is bounded by `--timeout-s`).
 //!
 //! Every request: `POST /v1/chat/completions`, header `x-tenant: <--tenant>`, body
 //! `{"model", "stream": true, "stream_options": {"include_usage": true}, "max_tokens", "messages"}`
@@ -67,6 +68,9 @@ struct Args {
     /// Mean think time between a client's responses and its next request, in ms.
     #[arg(long, default_value_t = 0)]
     think_ms: u64,
+    /// The longest Retry-After honoured, in seconds; a longer one is replaced by 1 s.
+    #[arg(long, default_value_t = 60)]
+    max_retry_after_s: u64,
     /// Most extra random wait on top of a 429's Retry-After, in ms.
     #[arg(long, default_value_t = 1000)]
     jitter_ms: u64,
@@ -260,7 +264,8 @@ async fn main() {
                 });
                 target = (target + 1) % uris.len();
                 wait = if outcome == Outcome::Refused {
-                    retry.unwrap_or(Duration::from_secs(1))
+                    let honoured = retry.filter(|r| *r <= Duration::from_secs(args.max_retry_after_s));
+                    honoured.unwrap_or(Duration::from_secs(1))
                         + Duration::from_millis(rng.random_range(0..=args.jitter_ms))
                 } else {
                     Duration::from_millis(rng.random_range(0..=2 * args.think_ms))

@@ -8,7 +8,8 @@
 //!   is only `…` for any number of lines;
 //! - it must exit 0, unless the last expected line is `[exit N]`;
 //! - a command ending in `&` runs in the background; its output is not compared;
-//! - `cargo run --release --` is the `sluice` binary under test.
+//! - `cargo run --release --` is the `sluice` binary under test, `cargo run --release --example
+//!   fake_llm --` the fake LLM upstream (examples/fake_llm.rs, built by tests/support/fake_llm.rs).
 //!
 //! An HTML comment `<!-- check: $ COMMAND -->` is a step the reader does not need to see (the
 //! quickstart's server, started in the reader's other terminal; `cmp` of a file a command wrote
@@ -19,6 +20,9 @@
 //! binary under test first on `PATH`. As root each page gets a network namespace of its own, so
 //! its ports (8080, 3000, …, as the page says) never meet another test's; otherwise pages run one
 //! at a time on this host's loopback.
+
+#[path = "support/fake_llm.rs"]
+mod fake_llm;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
@@ -36,6 +40,7 @@ const PAGES: &[(&str, usize)] = &[
     ("docs/sidecar.md", 4),
     ("docs/policy.md", 2),
     ("docs/overload.md", 2),
+    ("docs/llm.md", 4),
 ];
 
 /// The longest any one documented command may take (the debug binary, a loaded machine).
@@ -106,7 +111,9 @@ fn steps(page: &str) -> Vec<Step> {
                     exit = code;
                     expected.pop();
                 }
-                let command = command.replace("cargo run --release -- ", "sluice ");
+                let command = command
+                    .replace("cargo run --release --example fake_llm -- ", "fake_llm ")
+                    .replace("cargo run --release -- ", "sluice ");
                 steps.push(Step::Shown { line: start, command, expected, exit });
             }
         }
@@ -211,8 +218,9 @@ impl Session {
             .env(
                 "PATH",
                 format!(
-                    "{}:{}",
+                    "{}:{}:{}",
                     binary.parent().expect("bin dir").display(),
+                    fake_llm::fake_llm_binary().parent().expect("examples dir").display(),
                     std::env::var("PATH").unwrap_or_default()
                 ),
             )
@@ -338,6 +346,11 @@ fn policy_page() {
 #[test]
 fn overload_page() {
     check("docs/overload.md");
+}
+
+#[test]
+fn llm_page() {
+    check("docs/llm.md");
 }
 
 #[test]
