@@ -48,21 +48,7 @@ fn start(upstream: &str) -> Setup {
     std::fs::write(dir.path().join("llm.yaml"), policy()).unwrap();
     let serve = SluiceProcess::start(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"]);
     let endpoint = format!("http://{}", serve.addr);
-    let sidecar = SluiceProcess::start(&[
-        "sidecar",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        upstream,
-        "--endpoint",
-        &endpoint,
-        "--namespace",
-        "ai",
-        "--snapshot-interval",
-        "100ms",
-    ]);
+    let sidecar = SluiceProcess::sidecar(upstream, &endpoint, "ai", &[]);
     let admin = sidecar.logged_address("admin");
     Setup { _dir: dir, serve, sidecar, admin }
 }

@@ -70,24 +70,7 @@ async fn start_with_spec(app: &App, spec: &str, sidecar_args: &[&str]) -> Setup 
     std::fs::write(dir.path().join("p.yaml"), policy).unwrap();
     let serve = SluiceProcess::start(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"]);
     let endpoint = format!("http://{}", serve.addr);
-    let upstream = app.address.to_string();
-    let mut args = vec![
-        "sidecar",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &upstream,
-        "--endpoint",
-        &endpoint,
-        "--namespace",
-        "shop",
-        "--snapshot-interval",
-        "100ms",
-    ];
-    args.extend_from_slice(sidecar_args);
-    let sidecar = SluiceProcess::start(&args);
+    let sidecar = SluiceProcess::sidecar(&app.address.to_string(), &endpoint, "shop", sidecar_args);
     let admin = sidecar.logged_address("admin");
     let setup = Setup { _dir: dir, serve, sidecar, admin };
     let deadline = Instant::now() + Duration::from_secs(15);

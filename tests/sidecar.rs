@@ -171,29 +171,9 @@ fn start_sidecar(upstream: SocketAddr, endpoint: &str, extra: &[&str]) -> Sideca
 }
 
 fn start_sidecar_with_timeout(upstream: SocketAddr, endpoint: &str, timeout: &str, extra: &[&str]) -> Sidecar {
-    let upstream = upstream.to_string();
-    let mut args = vec![
-        "sidecar",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &upstream,
-        "--endpoint",
-        endpoint,
-        "--namespace",
-        "tenant-acme",
-        "--labels",
-        "app=web,tier=front",
-        "--endpoint-timeout",
-        timeout,
-    ];
-    if !extra.contains(&"--snapshot-interval") {
-        args.extend_from_slice(&["--snapshot-interval", "100ms"]);
-    }
+    let mut args = vec!["--labels", "app=web,tier=front", "--endpoint-timeout", timeout];
     args.extend_from_slice(extra);
-    let process = SluiceProcess::start(&args);
+    let process = SluiceProcess::sidecar(&upstream.to_string(), endpoint, "tenant-acme", &args);
     let admin = process.logged_address("admin");
     Sidecar { process, admin }
 }

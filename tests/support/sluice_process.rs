@@ -53,6 +53,30 @@ impl SluiceProcess {
         }
     }
 
+    /// `sluice sidecar` on free loopback ports in front of `upstream`, asking `endpoint` for
+    /// `namespace`, its snapshot polled every 100 ms (unless `extra` says), then `extra`; its
+    /// admin address is [`Self::logged_address`]`("admin")`.
+    pub fn sidecar(upstream: &str, endpoint: &str, namespace: &str, extra: &[&str]) -> SluiceProcess {
+        let mut args = vec![
+            "sidecar",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--endpoint",
+            endpoint,
+            "--namespace",
+            namespace,
+        ];
+        if !extra.contains(&"--snapshot-interval") {
+            args.extend_from_slice(&["--snapshot-interval", "100ms"]);
+        }
+        args.extend_from_slice(extra);
+        SluiceProcess::start(&args)
+    }
+
     /// The address a log line names as `field=ADDRESS` (the sidecar's `admin=`), waiting up to
     /// 10 s for it.
     pub fn logged_address(&self, field: &str) -> SocketAddr {
