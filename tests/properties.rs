@@ -216,3 +216,66 @@ proptest! {
         }
     }
 }
+
+/// One step of a reservation sequence: after `gap` µs, either reserve `estimate` under a new
+/// hold, or settle one of the holds taken (`pick` chooses which) to a share of its estimate.
+#[derive(Debug, Clone)]
+enum ReservationStep {
+    Reserve { gap: Micros, estimate: u64 },
+    Settle { gap: Micros, pick: usize, share_percent: u64 },
+}
+
+fn reservation_steps() -> impl Strategy<Value = Vec<ReservationStep>> {
+    let step =
+        prop_oneof![
+            (0..2_000_000u64, 1..400u64).prop_map(|(gap, estimate)| ReservationStep::Reserve { gap, estimate }),
+            (0..2_000_000u64, any::<usize>(), 0..=100u64)
+                .prop_map(|(gap, pick, share_percent)| ReservationStep::Settle { gap, pick, share_percent }),
+        ];
+    prop::collection::vec(step, 1..200)
+}
+
+proptest! {
+    /// The overspend bound when each estimate bounds its cost: however reservations and settles
+    /// (repeated, late, after expiry) interleave, a fixed window never charges more than its
+    /// limit — the settled costs charged in each window stay within `requests`.
+    #[test]
+    fn reservations_whose_estimate_bounds_the_cost_never_overspend(steps in reservation_steps()) {
+        let per = 10_000_000;
+        let limit = Limit::new(Algorithm::FixedWindow, 1000, per, None, None).unwrap().reserving(3_000_000).unwrap();
+        let mut state: Option<State> = None;
+        let mut now = T0;
+        let mut holds: Vec<(u64, u64)> = Vec::new();
+        let mut charged: std::collections::BTreeMap<Micros, u64> = Default::default();
+        for (n, step) in steps.into_iter().enumerate() {
+            match step {
+                ReservationStep::Reserve { gap, estimate } => {
+                    now += gap;
+                    let hold = n as u64 + 1;
+                    if check(&limit, state.as_ref(), now, estimate).allowed {
+                        sluice::algorithm::apply_held(&limit, &mut state, now, estimate, hold);
+                        holds.push((hold, estimate));
+                    }
+                }
+                ReservationStep::Settle { gap, pick, share_percent } => {
+                    now += gap;
+                    if holds.is_empty() {
+                        continue;
+                    }
+                    let (hold, estimate) = holds[pick % holds.len()];
+                    let actual = estimate * share_percent / 100;
+                    let (found, _) = sluice::algorithm::settle(&limit, &mut state, now, hold, actual);
+                    if found {
+                        *charged.entry(now / per).or_default() += actual;
+                    }
+                }
+            }
+            // used + reserved never passes the limit: a cost of 0 always fits.
+            let reserved = sluice::algorithm::reservation::reserved(state.as_ref(), now);
+            prop_assert!(check(&limit, state.as_ref(), now, 0).allowed, "over the limit at step {n}, {reserved} reserved");
+        }
+        for (window, total) in charged {
+            prop_assert!(total <= 1000, "window {window} charged {total}");
+        }
+    }
+}
