@@ -20,9 +20,10 @@
 //! `--out FILE` gets one line per request (bounded: a client sends at most one request per
 //! completed response or refusal):
 //!
-//!   `<start_unix_ms> <end_unix_ms> <client> <status> <total_tokens> <outcome>`
+//!   `<start_unix_ms> <end_unix_ms> <client> <status> <total_tokens> <outcome> <retry_after_s>`
 //!
-//! status 0 when no response came; total_tokens from the usage event (0 without one); outcome
+//! status 0 when no response came; total_tokens from the usage event (0 without one);
+//! retry_after_s the response's Retry-After (`-` without one); outcome
 //! `ok` (2xx and a usage event), `nousage` (2xx without one), `refused` (429), `error` (another
 //! status), `broken` (the body broke off) or `transport` (no response). One summary JSON line goes
 //! to stdout.
@@ -119,6 +120,7 @@ struct Record {
     outcome: Outcome,
     /// Time to the last byte.
     elapsed: Duration,
+    retry_after: Option<Duration>,
 }
 
 fn unix_ms() -> u128 {
@@ -261,6 +263,7 @@ async fn main() {
                     tokens,
                     outcome,
                     elapsed,
+                    retry_after: retry,
                 });
                 target = (target + 1) % uris.len();
                 wait = if outcome == Outcome::Refused {
@@ -283,9 +286,10 @@ async fn main() {
     if let Some(path) = &args.out {
         let mut text = String::with_capacity(records.len() * 48);
         for r in &records {
+            let retry = r.retry_after.map_or_else(|| "-".to_string(), |d| d.as_secs_f64().to_string());
             let _ = writeln!(
                 text,
-                "{} {} {} {} {} {}",
+                "{} {} {} {} {} {} {retry}",
                 r.start_ms,
                 r.end_ms,
                 r.client,
@@ -302,6 +306,8 @@ async fn main() {
     let mut refusals: Vec<Duration> =
         records.iter().filter(|r| r.outcome == Outcome::Refused).map(|r| r.elapsed).collect();
     refusals.sort();
+    let honoured = Duration::from_secs(args.max_retry_after_s);
+    let over = records.iter().filter(|r| r.outcome == Outcome::Refused && r.retry_after.is_some_and(|d| d > honoured));
     let summary = serde_json::json!({
         "clients": args.clients,
         "targets": args.targets.len(),
@@ -318,6 +324,8 @@ async fn main() {
         "streamP99Ms": percentile(&streams, 0.99),
         "refusalP50Ms": percentile(&refusals, 0.5),
         "refusalP99Ms": percentile(&refusals, 0.99),
+        "retryAfterOverMax": over.clone().count(),
+        "retryAfterMaxS": over.filter_map(|r| r.retry_after).max().map(|d| d.as_secs_f64()),
     });
     let mut stdout = std::io::stdout().lock();
     let _ = writeln!(stdout, "{summary}");

@@ -75,15 +75,17 @@ function sluice.reserving(inner)
     if ok or reserved == 0 then
       return ok, remaining, reset_after, retry_after, 0
     end
-    -- What is left once the reservations are taken, and when the estimate fits at the latest:
-    -- when the reservations have all run out, if the counted state alone admits it then.
+    -- What is left once the reservations are taken. When the estimate cannot fit beside them:
+    -- when the last one runs out, but at most one period, plus what the counted state alone
+    -- still needs then (as in Rust).
     local left_ok, left = inner.check(l, s.counted, now, reserved)
     if retry_after < 0 and cost <= capacity_of(l) then
-      local later_ok, _, _, later_retry = inner.check(l, s.counted, last, cost)
+      local wait = math.min(last - now, l.per)
+      local later_ok, _, _, later_retry = inner.check(l, s.counted, now + wait, cost)
       if later_ok or later_retry < 0 then
         later_retry = 0
       end
-      retry_after = (last - now) + later_retry
+      retry_after = wait + later_retry
     end
     if not left_ok then
       left = 0

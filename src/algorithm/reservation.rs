@@ -63,13 +63,16 @@ pub(super) fn check(limit: &Limit, state: Option<&State>, now: Micros, estimate:
     if wanted.allowed || reserved == 0 {
         return wanted;
     }
-    // What is left once the reservations are taken, and when the estimate fits at the latest:
-    // when the reservations have all run out, if the counted state alone would admit it then.
+    // What is left once the reservations are taken. When the estimate cannot fit beside them,
+    // its wait depends on when they settle, which nothing here knows: the answer is when the
+    // last one runs out, but at most one period (reservations settle long before their ttl),
+    // plus whatever the counted state alone still needs then.
     let left = super::check_counted(limit, counted, now, reserved);
     let retry_after = wanted.retry_after.or_else(|| {
         let last = live(holds(state), now).map(|h| h.until).max()?;
-        let later = super::check_counted(limit, counted, last, estimate);
-        (estimate <= limit.capacity()).then(|| (last - now) + later.retry_after.unwrap_or(0))
+        let wait = (last - now).min(limit.per());
+        let later = super::check_counted(limit, counted, now + wait, estimate);
+        (estimate <= limit.capacity()).then(|| wait + later.retry_after.unwrap_or(0))
     });
     Decision {
         allowed: false,
@@ -217,7 +220,7 @@ mod tests {
             reserve(&l, &mut state, T0, 1000, 1);
             let denied = reserve(&l, &mut state, T0 + 10 * SEC, 1, 2);
             assert!(!denied.allowed, "{algorithm}");
-            assert_eq!(denied.retry_after, Some(20 * SEC), "{algorithm}: when the reservation runs out");
+            assert_eq!(denied.retry_after, Some(20 * SEC), "{algorithm}: when the reservation runs out (within per)");
             assert!(reserve(&l, &mut state, T0 + 30 * SEC, 1, 2).allowed, "{algorithm}: the reservation ran out");
             assert!(!settle_any(&l, &mut state, T0 + 31 * SEC, 1, 1000).0, "{algorithm}");
             assert_eq!(check(&l, state.as_ref(), T0 + 31 * SEC, 0).remaining, 999, "{algorithm}");
