@@ -351,7 +351,10 @@ fn the_cli_says_what_it_needs_and_warns_on_stderr() {
     std::fs::write(&path, policy("concurrency", "{requests: 3, per: 1m}")).unwrap();
     let refused = run(&["simulate", "--policies", path.to_str().unwrap(), "--pattern", "burst 4"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && stderr.contains("concurrency rule"), "{stderr}");
+    assert!(
+        !refused.status.success() && stderr.contains("a concurrency slot") && stderr.contains("--hold"),
+        "{stderr}"
+    );
 }
 
 /// A concurrency rule replays with each request's time in progress: slots come back when the
