@@ -2,6 +2,7 @@
 //! a decision per request, then the request streamed to the application and its response
 //! streamed back. Bodies are never collected; upgrades (WebSocket) are spliced byte for byte.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,7 +30,6 @@ use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain}
 use crate::request::{forwarded, headers, host};
 use crate::server::engine::SettleCost;
 use crate::server::request::MAX_PATH_LEN;
-use std::collections::BTreeMap;
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;
@@ -67,6 +67,8 @@ pub struct Releasing<B> {
 }
 
 impl<B> Releasing<B> {
+    /// The body is over: what the request holds is settled (by dropping its release), at the
+    /// cost `cost` reads from the metering when the response is metered.
     fn end(&mut self, cost: impl FnOnce(Metering) -> SettleCost) {
         if let Some(mut release) = self.release.take()
             && let Some(metering) = self.metering.take()
@@ -99,10 +101,7 @@ impl<B: hyper::body::Body<Data = Bytes> + Unpin> hyper::body::Body for Releasing
                 }
             }
             std::task::Poll::Ready(Some(Err(_))) => self.end(|metering| metering.broken(true)),
-            std::task::Poll::Ready(None) => {
-                self.end(Metering::finish);
-                self.release.take();
-            }
+            std::task::Poll::Ready(None) => self.end(Metering::finish),
             std::task::Poll::Pending => {}
         }
         polled
