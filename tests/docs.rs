@@ -41,6 +41,7 @@ const PAGES: &[(&str, usize)] = &[
     ("docs/policy.md", 2),
     ("docs/overload.md", 2),
     ("docs/llm.md", 4),
+    ("docs/redis.md", 8),
 ];
 
 /// The longest any one documented command may take (the debug binary, a loaded machine).
@@ -351,6 +352,11 @@ fn overload_page() {
 #[test]
 fn llm_page() {
     check("docs/llm.md");
+}
+
+#[test]
+fn redis_page() {
+    check("docs/redis.md");
 }
 
 #[test]

@@ -9,7 +9,10 @@ use crate::algorithm::{HoldId, Micros};
 use crate::clock::Clock;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
-use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, with_password};
+use crate::store::redis::{
+    RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, SentinelEndpoint, TlsClient, UrlParts, redact_url,
+    with_credentials,
+};
 use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
@@ -21,19 +24,40 @@ pub struct StoreArgs {
     /// those closest to a full quota first.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
     pub max_keys: usize,
-    /// Share state through this Redis: redis://[user:password@]host:port[/db] or rediss:// (TLS).
-    #[arg(long, env = "SLUICE_REDIS", conflicts_with = "redis_cluster")]
+    /// Share state through this Redis: redis://[user@]host:port[/db] or rediss:// (TLS).
+    #[arg(long, env = "SLUICE_REDIS", conflicts_with_all = ["redis_cluster", "redis_sentinel"])]
     pub redis: Option<String>,
     /// Share state through a Redis Cluster: seed node URLs, comma-separated.
-    #[arg(long, env = "SLUICE_REDIS_CLUSTER", value_delimiter = ',')]
+    #[arg(long, env = "SLUICE_REDIS_CLUSTER", value_delimiter = ',', conflicts_with = "redis_sentinel")]
     pub redis_cluster: Vec<String>,
+    /// Share state through the master these Redis Sentinels name (followed across failovers):
+    /// sentinel URLs, comma-separated, redis://[user@]host:26379 or rediss:// (TLS to the
+    /// sentinels and the master).
+    #[arg(long, env = "SLUICE_REDIS_SENTINEL", value_delimiter = ',')]
+    pub redis_sentinel: Vec<String>,
+    /// The master's name in the sentinels' configuration (`sentinel monitor NAME …`).
+    #[arg(long, env = "SLUICE_REDIS_SENTINEL_MASTER", default_value = "mymaster")]
+    pub redis_sentinel_master: String,
+    /// File holding the sentinels' password (their `requirepass`), when they have one.
+    #[arg(long, env = "SLUICE_REDIS_SENTINEL_PASSWORD_FILE")]
+    pub redis_sentinel_password_file: Option<PathBuf>,
+    /// Redis ACL user (docs/redis.md gives the rule it needs), when the URL names none.
+    #[arg(long, env = "SLUICE_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
     /// File holding the Redis password (a mounted Secret), used when the URL has none. The
-    /// SLUICE_REDIS_PASSWORD environment variable does the same.
+    /// SLUICE_REDIS_PASSWORD environment variable (from a Secret) does the same.
     #[arg(long, env = "SLUICE_REDIS_PASSWORD_FILE")]
     pub redis_password_file: Option<PathBuf>,
     /// PEM file of the CA that signed the Redis server's certificate (rediss://).
     #[arg(long, env = "SLUICE_REDIS_CA_FILE")]
     pub redis_ca_file: Option<PathBuf>,
+    /// PEM client certificate presented to Redis over TLS (servers with tls-auth-clients yes);
+    /// needs --redis-client-key-file.
+    #[arg(long, env = "SLUICE_REDIS_CLIENT_CERT_FILE", requires = "redis_client_key_file")]
+    pub redis_client_cert_file: Option<PathBuf>,
+    /// PEM private key of --redis-client-cert-file.
+    #[arg(long, env = "SLUICE_REDIS_CLIENT_KEY_FILE", requires = "redis_client_cert_file")]
+    pub redis_client_key_file: Option<PathBuf>,
     /// Deadline of one Redis decision; past it each rule's onStoreFailure decides.
     #[arg(long, env = "SLUICE_REDIS_TIMEOUT", default_value = "50ms", value_parser = crate::duration::parse_positive_std_duration)]
     pub redis_timeout: Duration,
@@ -96,7 +120,7 @@ pub struct BuiltBackend {
 
 impl StoreArgs {
     pub fn uses_redis(&self) -> bool {
-        self.redis.is_some() || !self.redis_cluster.is_empty()
+        self.redis.is_some() || !self.redis_cluster.is_empty() || !self.redis_sentinel.is_empty()
     }
 
     /// Builds the store; Redis need not be up (connections are lazy and retried).
@@ -106,12 +130,34 @@ impl StoreArgs {
         }
         let memory = Arc::new(MemoryStore::with_clock(self.max_keys, clock.clone()));
         let password = self.password()?;
-        let endpoint = match (&self.redis, self.redis_cluster.is_empty()) {
-            (Some(url), _) => RedisEndpoint::Single(with_password(url, password.as_deref())),
-            (None, false) => RedisEndpoint::Cluster(
-                self.redis_cluster.iter().map(|u| with_password(u, password.as_deref())).collect(),
-            ),
-            (None, true) => return Ok(BuiltBackend { backend: Backend::Memory(memory.clone()), memory }),
+        let user = self.redis_username.as_deref();
+        let credentials = |url: &String| with_credentials(url, user, password.as_deref());
+        for url in self.redis.iter().chain(&self.redis_cluster).chain(&self.redis_sentinel) {
+            if UrlParts::of(url).and_then(|p| p.userinfo).is_some_and(|u| u.contains(':')) {
+                tracing::warn!(
+                    url = %redact_url(url),
+                    "a password in a Redis URL shows in the process list and the pod spec: give it with --redis-password-file (a mounted Secret) instead"
+                );
+            }
+        }
+        let endpoint = if let Some(url) = &self.redis {
+            RedisEndpoint::Single(credentials(url))
+        } else if !self.redis_cluster.is_empty() {
+            RedisEndpoint::Cluster(self.redis_cluster.iter().map(credentials).collect())
+        } else if !self.redis_sentinel.is_empty() {
+            let sentinel_password = self.redis_sentinel_password_file.as_ref().map(read_secret).transpose()?;
+            RedisEndpoint::Sentinel(SentinelEndpoint {
+                sentinels: self
+                    .redis_sentinel
+                    .iter()
+                    .map(|u| with_credentials(u, None, sentinel_password.as_deref()))
+                    .collect(),
+                master: self.redis_sentinel_master.clone(),
+                username: self.redis_username.clone(),
+                password,
+            })
+        } else {
+            return Ok(BuiltBackend { backend: Backend::Memory(memory.clone()), memory });
         };
         let mut config = RedisConfig::new(endpoint);
         config.timeout = self.redis_timeout;
@@ -125,8 +171,10 @@ impl StoreArgs {
             cool_down: self.redis_breaker_cooldown,
         };
         if let Some(path) = &self.redis_ca_file {
-            config.tls_root_ca =
-                Some(std::fs::read(path).map_err(|error| BackendError::File { path: path.clone(), error })?);
+            config.tls_root_ca = Some(read_file(path)?);
+        }
+        if let (Some(certificate), Some(key)) = (&self.redis_client_cert_file, &self.redis_client_key_file) {
+            config.tls_client = Some(TlsClient { certificate: read_file(certificate)?, key: read_file(key)? });
         }
         let redis = RedisStore::connect_with_clock(config, clock).await?;
         if let Some(reason) = redis.probe(Duration::from_secs(2)).await? {
@@ -146,12 +194,20 @@ impl StoreArgs {
 
     fn password(&self) -> Result<Option<String>, BackendError> {
         if let Some(path) = &self.redis_password_file {
-            let text =
-                std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
-            return Ok(Some(text.trim_end_matches(['\n', '\r']).to_string()));
+            return read_secret(path).map(Some);
         }
         Ok(std::env::var("SLUICE_REDIS_PASSWORD").ok().filter(|p| !p.is_empty()))
     }
+}
+
+fn read_file(path: &PathBuf) -> Result<Vec<u8>, BackendError> {
+    std::fs::read(path).map_err(|error| BackendError::File { path: path.clone(), error })
+}
+
+/// A password file's content without its final line break (a Secret mounted from `echo`).
+fn read_secret(path: &PathBuf) -> Result<String, BackendError> {
+    let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
+    Ok(text.trim_end_matches(['\n', '\r']).to_string())
 }
 
 impl Store for Backend {
@@ -213,9 +269,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn password_goes_into_the_url_unless_it_has_credentials() {
-        assert_eq!(with_password("redis://h:6379/0", Some("p@ss w")), "redis://:p%40ss%20w@h:6379/0");
-        assert_eq!(with_password("redis://u:x@h:6379", Some("p")), "redis://u:x@h:6379");
-        assert_eq!(with_password("rediss://h", None), "rediss://h");
+    fn credentials_go_into_the_url_unless_it_has_them() {
+        assert_eq!(with_credentials("redis://h:6379/0", None, Some("p@ss w")), "redis://:p%40ss%20w@h:6379/0");
+        assert_eq!(with_credentials("redis://u:x@h:6379", Some("v"), Some("p")), "redis://u:x@h:6379");
+        assert_eq!(with_credentials("rediss://h", None, None), "rediss://h");
+        assert_eq!(with_credentials("redis://h", Some("sluice"), Some("p")), "redis://sluice:p@h");
+        assert_eq!(with_credentials("redis://h", Some("sluice"), None), "redis://sluice@h");
+        // A URL naming its user takes the password from the file.
+        assert_eq!(with_credentials("redis://sluice@h", Some("other"), Some("p")), "redis://sluice:p@h");
     }
 }

@@ -11,6 +11,7 @@ pub mod memory;
 pub mod redis;
 mod redis_batches;
 pub mod redis_library;
+mod redis_primary;
 pub mod redis_usage;
 pub mod tenants;
 

@@ -35,6 +35,8 @@ pub use super::redis_library::{
     SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
+pub use super::redis_primary::SentinelEndpoint;
+use super::redis_primary::{Followed, Primary};
 use super::redis_usage::{Usage, count_cluster, count_single};
 use super::tenants::{Tenants, overall_breaker};
 use super::{RuleCheck, Store, StoreError, Verdict};
@@ -51,6 +53,9 @@ pub enum RedisEndpoint {
     Single(String),
     /// Seed nodes of a Redis Cluster (`--redis-cluster URL[,URL…]`); the rest is discovered.
     Cluster(Vec<String>),
+    /// The master a set of Redis Sentinels names (`--redis-sentinel URL[,URL…]
+    /// --redis-sentinel-master NAME`), followed across failovers.
+    Sentinel(SentinelEndpoint),
 }
 
 impl std::fmt::Debug for RedisEndpoint {
@@ -67,6 +72,11 @@ impl RedisEndpoint {
             RedisEndpoint::Cluster(urls) => {
                 format!("cluster[{}]", urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(","))
             }
+            RedisEndpoint::Sentinel(endpoint) => format!(
+                "sentinel[{}]/{}",
+                endpoint.sentinels.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(","),
+                endpoint.master
+            ),
         }
     }
 }
@@ -80,7 +90,7 @@ pub enum RedisConfigError {
     #[error("--redis-cluster needs at least one node URL")]
     NoClusterNodes,
     #[error(
-        "Redis at {endpoint} refuses us: {reason} (give its password with --redis-password-file, SLUICE_REDIS_PASSWORD or the URL, and an ACL user allowed Sluice's commands: docs/operator.md)"
+        "Redis at {endpoint} refuses us: {reason} (give its password with --redis-password-file, SLUICE_REDIS_PASSWORD or the URL, and an ACL user allowed Sluice's commands: docs/redis.md)"
     )]
     Refused { endpoint: String, reason: String },
 }
@@ -97,6 +107,8 @@ pub struct RedisConfig {
     /// PEM root certificate(s) trusted for `rediss://` instead of the built-in web PKI roots
     /// (in-cluster Redis usually has a private CA).
     pub tls_root_ca: Option<Vec<u8>>,
+    /// PEM client certificate and key presented to Redis (mutual TLS: `tls-auth-clients yes`).
+    pub tls_client: Option<TlsClient>,
     /// (rule, key) denials this replica keeps to answer repeats without Redis (0: none); see
     /// [`super::denials`].
     pub denial_cache: usize,
@@ -135,6 +147,7 @@ impl RedisConfig {
             connect_timeout: RedisConfig::DEFAULT_CONNECT_TIMEOUT,
             breaker: BreakerConfig::default(),
             tls_root_ca: None,
+            tls_client: None,
             denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
             batches: RedisConfig::DEFAULT_BATCHES,
             namespace_lane: Tenants::DEFAULT_LANE,
@@ -144,10 +157,24 @@ impl RedisConfig {
     }
 }
 
+/// A client certificate and its key, PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsClient {
+    pub certificate: Vec<u8>,
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsClient { .. }")
+    }
+}
+
 #[derive(Clone)]
 enum Connection {
-    /// Multiplexed: concurrent decisions are pipelined over one socket; reconnects by itself.
-    Single(ConnectionManager),
+    /// Multiplexed: concurrent decisions are pipelined over one socket; reconnects by itself
+    /// (and, behind Sentinels, follows the master).
+    Single(Primary),
     /// Connected on first use (and again after a failed first use), so the process starts while
     /// the cluster is down; afterwards the cluster connection re-routes and reconnects by itself.
     Cluster(Arc<ClusterState>),
@@ -169,8 +196,10 @@ pub struct RedisStore {
     tenants: Arc<Tenants>,
     /// Keys per namespace in Redis, and their bound.
     usage: Arc<Usage>,
-    /// Counts `usage` in the background; stopped with the store.
-    usage_task: Option<tokio::task::JoinHandle<()>>,
+    /// Keys are counted per namespace (`--redis-usage-interval` is not 0).
+    counts_usage: bool,
+    /// Counts `usage` (and follows a Sentinel master) in the background; stopped with the store.
+    background: Vec<tokio::task::JoinHandle<()>>,
     /// The breakers' time (their cool-down).
     clock: Arc<dyn Clock>,
     timeout: Duration,
@@ -211,22 +240,37 @@ impl RedisStore {
         if rustls::crypto::CryptoProvider::get_default().is_none() {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let certificates = || ::redis::TlsCertificates { client_tls: None, root_cert: config.tls_root_ca.clone() };
+        let client_tls = config
+            .tls_client
+            .as_ref()
+            .map(|c| ::redis::ClientTlsConfig { client_cert: c.certificate.clone(), client_key: c.key.clone() });
+        let certificates =
+            || ::redis::TlsCertificates { client_tls: client_tls.clone(), root_cert: config.tls_root_ca.clone() };
+        let custom_tls = config.tls_root_ca.is_some() || config.tls_client.is_some();
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            // Retry a lost connection quickly a few times; a call arriving after the
+            // retries gave up starts a new round, so recovery needs no restart.
+            .set_number_of_retries(3)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(500));
+        let mut background = Vec::new();
         let connection = match &config.endpoint {
             RedisEndpoint::Single(url) => {
-                let client = match &config.tls_root_ca {
-                    Some(_) => ::redis::Client::build_with_tls(url.as_str(), certificates()),
-                    None => ::redis::Client::open(url.as_str()),
+                let client = match custom_tls {
+                    true => ::redis::Client::build_with_tls(url.as_str(), certificates()),
+                    false => ::redis::Client::open(url.as_str()),
                 }
                 .map_err(invalid)?;
-                let manager_config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(config.connect_timeout))
-                    // Retry a lost connection quickly a few times; a call arriving after the
-                    // retries gave up starts a new round, so recovery needs no restart.
-                    .set_number_of_retries(3)
-                    .set_min_delay(Duration::from_millis(20))
-                    .set_max_delay(Duration::from_millis(500));
-                Connection::Single(ConnectionManager::new_lazy_with_config(client, manager_config).map_err(invalid)?)
+                Connection::Single(Primary::Fixed(
+                    ConnectionManager::new_lazy_with_config(client, manager_config).map_err(invalid)?,
+                ))
+            }
+            RedisEndpoint::Sentinel(endpoint) => {
+                let followed =
+                    Arc::new(Followed::new(endpoint, custom_tls.then(certificates), manager_config).map_err(invalid)?);
+                background.extend(followed.follow_in_background());
+                Connection::Single(Primary::Followed(followed))
             }
             RedisEndpoint::Cluster(urls) => {
                 if urls.is_empty() {
@@ -235,7 +279,7 @@ impl RedisStore {
                 let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                     .connection_timeout(config.connect_timeout)
                     .retries(2);
-                if config.tls_root_ca.is_some() {
+                if custom_tls {
                     builder = builder.certs(certificates());
                 }
                 let client = builder.build().map_err(invalid)?;
@@ -246,23 +290,24 @@ impl RedisStore {
         let tenants = Arc::new(Tenants::new(config.breaker, config.namespace_lane));
         let usage = Arc::new(Usage::new(config.namespace_max_keys));
         let batches = match &connection {
-            Connection::Single(manager) if config.batches > 0 => Some(Arc::new(redis_batches::batches(
-                manager.clone(),
+            Connection::Single(primary) if config.batches > 0 => Some(Arc::new(redis_batches::batches(
+                primary.clone(),
                 functions.clone(),
                 config.batches,
                 config.timeout,
             ))),
             _ => None,
         };
-        let usage_task = config
-            .usage_interval
-            .map(|every| tokio::spawn(count_usage(connection.clone(), tenants.clone(), usage.clone(), every)));
+        if let Some(every) = config.usage_interval {
+            background.push(tokio::spawn(count_usage(connection.clone(), tenants.clone(), usage.clone(), every)));
+        }
         Ok(RedisStore {
             connection,
             functions,
             batches,
             denials: DenialCache::new(config.denial_cache),
-            usage_task,
+            background,
+            counts_usage: config.usage_interval.is_some(),
             tenants,
             usage,
             clock,
@@ -407,21 +452,75 @@ impl RedisStore {
         }
     }
 
-    /// Asks Redis once (PING) at start-up, within `within`: Ok when it answers; `Err(Refused)`
-    /// when it refuses our credentials or permissions (a configuration mistake that would fail
-    /// every decision: better a clear error now than shared limits silently lost); otherwise
-    /// Ok with the reason it did not answer (it may come up later: rules use onStoreFailure
-    /// meanwhile, and the caller says so).
+    /// Asks Redis once at start-up, within `within`: Ok when it answers and lets Sluice do its
+    /// work; `Err(Refused)` when it refuses our credentials or a permission (a configuration
+    /// mistake that would fail every decision: better a clear error now than shared limits
+    /// silently lost); otherwise Ok with the reason it did not answer (it may come up later:
+    /// rules use onStoreFailure meanwhile, and the caller says so).
+    ///
+    /// The permissions are tried by doing the work: one decision of every algorithm (and a
+    /// reservation) on probe keys, and the settle of its holds, runs every command the decision
+    /// code runs under the ACL user's key pattern, and loads the library if Redis lacks it; then
+    /// the key count's SCAN on a single Redis. Probe keys live for a second.
     pub async fn probe(&self, within: Duration) -> Result<Option<String>, RedisConfigError> {
-        let ping = ::redis::cmd("PING");
-        match tokio::time::timeout(within, self.query(&ping)).await {
-            Ok(Ok(_)) => Ok(None),
-            Ok(Err(error)) if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) => {
-                Err(RedisConfigError::Refused { endpoint: self.endpoint.clone(), reason: error.to_string() })
+        let refused = |error: &RedisError| {
+            refuses_us(error).then(|| RedisConfigError::Refused {
+                endpoint: self.endpoint.clone(),
+                reason: match error.code() {
+                    Some("NOAUTH" | "WRONGPASS") => error.to_string(),
+                    _ => format!("the ACL user lacks a permission Sluice's decisions need ({error})"),
+                },
+            })
+        };
+        let work = async {
+            self.query(&::redis::cmd("PING")).await?;
+            self.try_every_command().await?;
+            if matches!(self.connection, Connection::Single(_)) && self.counts_usage {
+                let mut scan = ::redis::cmd("SCAN");
+                scan.arg(0).arg("MATCH").arg(format!("{}{{sluice:probe}}*", keys::PREFIX)).arg("COUNT").arg(1);
+                self.query(&scan).await?;
             }
-            Ok(Err(error)) => Ok(Some(error.to_string())),
+            Ok::<(), RedisError>(())
+        };
+        match tokio::time::timeout(within, work).await {
+            Ok(Ok(())) => Ok(None),
+            Ok(Err(error)) => match refused(&error) {
+                Some(refusal) => Err(refusal),
+                None => Ok(Some(error.to_string())),
+            },
             Err(_) => Ok(Some(format!("no answer within {within:?}"))),
         }
+    }
+
+    /// One decision of every algorithm and a reservation, then their settle (see [`Self::probe`]).
+    async fn try_every_command(&self) -> Result<(), RedisError> {
+        use crate::algorithm::Limit;
+        use crate::duration::MICROS_PER_SECOND;
+        let limit = |algorithm| Limit::new(algorithm, 1000, MICROS_PER_SECOND, None, None);
+        let mut limits: Vec<Limit> = Algorithm::EVERY.iter().filter_map(|&a| limit(a).ok()).collect();
+        limits.extend(limit(Algorithm::TokenBucket).and_then(|l| l.reserving(MICROS_PER_SECOND)));
+        let hold: crate::algorithm::HoldId = 1 + u64::from(std::process::id());
+        let checks: Vec<RuleCheck<'_>> = limits
+            .iter()
+            .enumerate()
+            .map(|(rule, limit)| RuleCheck {
+                rule: rule as u64 + 1,
+                limit,
+                key: b"probe",
+                cost: 1,
+                enforce: true,
+                hold: if limit.holds() { hold } else { 0 },
+            })
+            .collect();
+        let keys: Vec<Vec<u8>> = checks.iter().map(|c| keys::state_key(keys::PROBE_TAG, c.rule, c.key)).collect();
+        self.decide(&keys, &script_args(None, &checks)).await?;
+        let mut args = vec![String::new(), hold.to_string()];
+        for check in &checks {
+            args.push(rule_params(check.limit, true));
+            args.push("1".into());
+        }
+        self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args).await?;
+        Ok(())
     }
 
     /// What is wrong with Redis's memory settings for rate limiting, read at start-up (`CONFIG
@@ -486,7 +585,11 @@ impl RedisStore {
             invocation.arg(arg);
         }
         match &self.connection {
-            Connection::Single(manager) => invocation.invoke_async::<Value>(&mut manager.clone()).await,
+            Connection::Single(primary) => {
+                let result = invocation.invoke_async::<Value>(&mut primary.manager().await?).await;
+                primary.heard(&result);
+                result
+            }
             Connection::Cluster(cluster) => invocation.invoke_async::<Value>(&mut self.cluster(cluster).await?).await,
         }
     }
@@ -525,7 +628,7 @@ impl RedisStore {
                         return;
                     }
                     Ok(Err(error)) => {
-                        if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) && !logged_refusal {
+                        if refuses_us(&error) && !logged_refusal {
                             logged_refusal = true;
                             tracing::error!(%endpoint, %error, "Redis refuses Sluice's credentials or permissions");
                         }
@@ -543,7 +646,7 @@ impl Connection {
     /// Sends `command`: on a cluster to the node of its keys (FUNCTION LOAD: to every master).
     async fn query(&self, command: &::redis::Cmd) -> Result<Value, RedisError> {
         match self {
-            Connection::Single(manager) => command.query_async(&mut manager.clone()).await,
+            Connection::Single(primary) => primary.query(command).await,
             Connection::Cluster(cluster) => command.query_async(&mut cluster.connect().await?).await,
         }
     }
@@ -557,7 +660,7 @@ impl ClusterState {
 
 impl Drop for RedisStore {
     fn drop(&mut self) {
-        if let Some(task) = &self.usage_task {
+        for task in &self.background {
             task.abort();
         }
     }
@@ -567,7 +670,10 @@ impl Drop for RedisStore {
 async fn count_usage(connection: Connection, tenants: Arc<Tenants>, usage: Arc<Usage>, every: Duration) {
     loop {
         let counted = match &connection {
-            Connection::Single(manager) => count_single(manager).await,
+            Connection::Single(primary) => match primary.manager().await {
+                Ok(manager) => count_single(&manager).await,
+                Err(error) => Err(error),
+            },
             Connection::Cluster(cluster) => {
                 match cluster.connection.get_or_try_init(|| cluster.client.get_async_connection()).await {
                     Ok(connection) => {
@@ -790,10 +896,22 @@ pub fn classify(error: &RedisError) -> (StoreError, bool) {
         || error.code() == Some("BUSY")
         // Misconfigured credentials or permissions fail every call alike: as good as down (the
         // breaker opens and says so), never a string of one-off protocol errors.
-        || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
+        || refuses_us(error);
     // The error's Display never includes the URL, only the kind and server detail.
     let message = error.to_string();
     if store_down { (StoreError::Unavailable(message), true) } else { (StoreError::Protocol(message), false) }
+}
+
+/// Redis refuses our credentials, or a command or key the ACL user is not allowed: also inside
+/// the decision code, where Redis 7.0 says so without an error code.
+pub fn refuses_us(error: &RedisError) -> bool {
+    if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) {
+        return true;
+    }
+    let text = error.to_string();
+    text.contains("user executing the script can't run this command")
+        || text.contains("No permissions to access a key")
+        || text.contains("no permissions to run the")
 }
 
 /// `scheme://user:secret@host/…` → `scheme://user:***@host/…`; URLs without a password are
@@ -810,7 +928,7 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// `scheme://[userinfo@]host…` split where credentials go: the one reading of a Redis URL's
-/// authority for putting a password in ([`with_password`]) and taking it out ([`redact_url`]).
+/// authority for putting a password in ([`with_credentials`]) and taking it out ([`redact_url`]).
 pub struct UrlParts<'a> {
     /// Up to and including `://`.
     pub scheme: &'a str,
@@ -832,14 +950,25 @@ impl<'a> UrlParts<'a> {
     }
 }
 
-/// Puts `password` into `url` unless the URL already carries credentials.
-pub fn with_password(url: &str, password: Option<&str>) -> String {
-    let (Some(password), Some(parts)) = (password, UrlParts::of(url)) else { return url.to_string() };
-    if parts.userinfo.is_some() {
-        return url.to_string();
-    }
-    let encoded: String = password
-        .bytes()
+/// Puts `user` and `password` into `url` where it names none: a URL with a password keeps its
+/// credentials; a URL naming only its user (`redis://sluice@host`) gets the password.
+pub fn with_credentials(url: &str, user: Option<&str>, password: Option<&str>) -> String {
+    let Some(parts) = UrlParts::of(url) else { return url.to_string() };
+    let (user, password) = match parts.userinfo {
+        Some(userinfo) if userinfo.contains(':') => return url.to_string(),
+        Some(named) => (Some(named.to_string()), password),
+        None => (user.map(percent_encode), password),
+    };
+    let userinfo = match (user, password) {
+        (None, None) => return url.to_string(),
+        (Some(user), None) => user,
+        (user, Some(password)) => format!("{}:{}", user.unwrap_or_default(), percent_encode(password)),
+    };
+    format!("{}{userinfo}@{}", parts.scheme, parts.after_userinfo)
+}
+
+fn percent_encode(text: &str) -> String {
+    text.bytes()
         .map(|b| {
             if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
                 (b as char).to_string()
@@ -847,8 +976,7 @@ pub fn with_password(url: &str, password: Option<&str>) -> String {
                 format!("%{b:02X}")
             }
         })
-        .collect();
-    format!("{}:{encoded}@{}", parts.scheme, parts.after_userinfo)
+        .collect()
 }
 
 #[cfg(test)]

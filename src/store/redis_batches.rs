@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use ::redis::aio::ConnectionManager;
 use ::redis::{ErrorKind, RedisError, Value};
 
 use super::redis_library::{
     LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported,
 };
+use super::redis_primary::Primary;
 use crate::batching::{Batcher, Exchange, Pending};
 
 /// One request's decision: its keys, and `decide`'s arguments (now, hold, then two per rule).
@@ -38,12 +38,12 @@ pub(super) enum Outcome {
 pub(super) type Batches = Batcher<FunctionCalls>;
 
 pub(super) fn batches(
-    manager: ConnectionManager,
+    primary: Primary,
     functions: Arc<AtomicBool>,
     max_in_flight: usize,
     timeout: Duration,
 ) -> Batches {
-    let calls = FunctionCalls { manager, functions, timeout, calls: AtomicU64::new(0), decisions: AtomicU64::new(0) };
+    let calls = FunctionCalls { primary, functions, timeout, calls: AtomicU64::new(0), decisions: AtomicU64::new(0) };
     Batcher::new(calls, max_in_flight)
 }
 
@@ -56,7 +56,7 @@ pub(super) async fn decide(batches: &Arc<Batches>, request: Decide) -> Outcome {
 }
 
 pub(super) struct FunctionCalls {
-    manager: ConnectionManager,
+    primary: Primary,
     /// The store's: cleared once Redis says it has no Functions.
     functions: Arc<AtomicBool>,
     timeout: Duration,
@@ -119,8 +119,8 @@ impl Exchange for FunctionCalls {
 impl FunctionCalls {
     /// FCALL, loading the library first when Redis lacks it.
     async fn query(&self, fcall: &::redis::Cmd) -> Result<Value, RedisError> {
-        let mut manager = self.manager.clone();
-        match fcall.query_async(&mut manager).await {
+        let mut manager = self.primary.manager().await?;
+        let result = match fcall.query_async(&mut manager).await {
             Err(error) if function_missing(&error) => {
                 let mut load = ::redis::cmd("FUNCTION");
                 load.arg("LOAD").arg("REPLACE").arg(&*LIBRARY_SOURCE);
@@ -128,7 +128,9 @@ impl FunctionCalls {
                 fcall.query_async(&mut manager).await
             }
             result => result,
-        }
+        };
+        self.primary.heard(&result);
+        result
     }
 }
 

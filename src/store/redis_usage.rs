@@ -23,7 +23,7 @@ use ::redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAd
 use ::redis::{RedisError, Value};
 use parking_lot::RwLock;
 
-use super::keys::{PREFIX, cluster_slot, tag_of_key};
+use super::keys::{PREFIX, PROBE_TAG, cluster_slot, tag_of_key};
 
 /// Namespaces counted at most (every namespace with policies is one; more means keys of
 /// another program under our prefix, not worth a label each).
@@ -79,7 +79,7 @@ pub(super) async fn count_single(manager: &ConnectionManager) -> Result<HashMap<
             .query_async(&mut connection)
             .await?;
         for key in &keys {
-            let Some(tag) = tag_of_key(key) else { continue };
+            let Some(tag) = tag_of_key(key).filter(|&tag| tag != PROBE_TAG) else { continue };
             if let Some(count) = counts.get_mut(tag) {
                 *count += 1;
             } else if counts.len() < MAX_COUNTED {

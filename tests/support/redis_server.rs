@@ -40,6 +40,8 @@ pub fn free_port(with_bus: bool) -> u16 {
 
 pub struct RedisServer {
     port: u16,
+    /// A configuration file given first (a sentinel's, which it rewrites).
+    config: Option<PathBuf>,
     extra: Vec<String>,
     child: Option<(Child, ChildStdin)>,
 }
@@ -51,7 +53,15 @@ impl RedisServer {
     }
 
     pub fn start_with(port: u16, extra: &[String]) -> RedisServer {
-        let mut server = RedisServer { port, extra: extra.to_vec(), child: None };
+        let mut server = RedisServer { port, config: None, extra: extra.to_vec(), child: None };
+        server.spawn();
+        server
+    }
+
+    /// A Redis Sentinel on `port`, configured by `config` (which it rewrites as it learns).
+    pub fn start_sentinel(port: u16, config: &Path) -> RedisServer {
+        let mut server =
+            RedisServer { port, config: Some(config.to_path_buf()), extra: vec!["--sentinel".into()], child: None };
         server.spawn();
         server
     }
@@ -84,7 +94,9 @@ impl RedisServer {
             .arg(r#"bin="$1"; shift; "$bin" "$@" & r=$!; read _ignored; kill -9 $r 2>/dev/null; wait $r 2>/dev/null; exit 0"#)
             .arg("sh")
             .arg(&binary)
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(&self.config)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(if self.config.is_some() { &[][..] } else { &["--save", "", "--appendonly", "no"][..] })
             .args(&self.extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -159,72 +171,172 @@ fn wait_for_ping(port: u16, within: Duration) {
 /// CA made with `openssl`. Returns the server, its TLS port, the CA certificate (PEM) to trust
 /// and the directory holding the files.
 pub fn start_tls() -> (RedisServer, u16, Vec<u8>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = |name: &str| dir.path().join(name).display().to_string();
-    std::fs::write(path("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("write ext");
-    let openssl = |args: &[&str]| {
-        let status = Command::new("openssl")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .expect("run openssl (apt-get install openssl)");
-        assert!(status.success(), "openssl {args:?} failed");
-    };
-    let (ca, ca_key, cert, key, csr) =
-        (path("ca.pem"), path("ca.key"), path("cert.pem"), path("key.pem"), path("req.csr"));
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=sluice test CA",
-        "-keyout",
-        &ca_key,
-        "-out",
-        &ca,
-    ]);
-    openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", &key, "-out", &csr]);
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        &csr,
-        "-CA",
-        &ca,
-        "-CAkey",
-        &ca_key,
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        &path("ext.cnf"),
-        "-out",
-        &cert,
-    ]);
-    let tls_port = free_port(false);
-    let extra: Vec<String> = [
-        "--tls-port",
-        &tls_port.to_string(),
-        "--tls-cert-file",
-        &cert,
-        "--tls-key-file",
-        &key,
-        "--tls-ca-cert-file",
-        &ca,
-        "--tls-auth-clients",
-        "no",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let server = RedisServer::start_with(free_port(false), &extra);
-    let pem = std::fs::read(&ca).expect("read CA");
-    (server, tls_port, pem, dir)
+    let tls = TlsRedis::start(false);
+    (tls.server, tls.port, tls.ca, tls.dir)
+}
+
+/// A TLS server ([`start_tls`]) and, for mutual TLS, a client certificate signed by its CA.
+pub struct TlsRedis {
+    pub server: RedisServer,
+    pub port: u16,
+    pub ca: Vec<u8>,
+    pub client_certificate: Vec<u8>,
+    pub client_key: Vec<u8>,
+    pub dir: tempfile::TempDir,
+}
+
+impl TlsRedis {
+    /// With `clients_authenticate`, the server refuses clients without a certificate of its CA.
+    pub fn start(clients_authenticate: bool) -> TlsRedis {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(path("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("write ext");
+        let openssl = |args: &[&str]| {
+            let status = Command::new("openssl")
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("run openssl (apt-get install openssl)");
+            assert!(status.success(), "openssl {args:?} failed");
+        };
+        let (ca, ca_key) = (path("ca.pem"), path("ca.key"));
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sluice test CA",
+            "-keyout",
+            &ca_key,
+            "-out",
+            &ca,
+        ]);
+        let sign = |name: &str, subject: &str| {
+            let (key, csr, cert) =
+                (path(&format!("{name}.key")), path(&format!("{name}.csr")), path(&format!("{name}.pem")));
+            openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", &key, "-out", &csr]);
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &ca,
+                "-CAkey",
+                &ca_key,
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                &path("ext.cnf"),
+                "-out",
+                &cert,
+            ]);
+            (cert, key)
+        };
+        let (cert, key) = sign("server", "/CN=127.0.0.1");
+        let (client_cert, client_key) = sign("client", "/CN=sluice");
+        let port = free_port(false);
+        let extra: Vec<String> = [
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            if clients_authenticate { "yes" } else { "no" },
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let server = RedisServer::start_with(free_port(false), &extra);
+        let read = |p: &str| std::fs::read(p).expect("read a PEM file");
+        TlsRedis {
+            server,
+            port,
+            ca: read(&ca),
+            client_certificate: read(&client_cert),
+            client_key: read(&client_key),
+            dir,
+        }
+    }
+}
+
+/// A master, its replica and three Sentinels watching them as `mymaster` (quorum 2, a node
+/// is down after 1 s without answers).
+pub struct RedisSentinels {
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<RedisServer>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisSentinels {
+    pub const MASTER_NAME: &str = "mymaster";
+
+    pub fn start() -> RedisSentinels {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let master = RedisServer::start();
+        let replica = RedisServer::start_with(
+            free_port(false),
+            &["--replicaof".into(), "127.0.0.1".into(), master.port().to_string()],
+        );
+        let sentinels = (0..3)
+            .map(|i| {
+                let port = free_port(false);
+                let config = dir.path().join(format!("sentinel-{i}.conf"));
+                std::fs::write(
+                    &config,
+                    format!(
+                        "sentinel monitor {name} 127.0.0.1 {master} 2\n\
+                         sentinel down-after-milliseconds {name} 1000\n\
+                         sentinel failover-timeout {name} 10000\n\
+                         sentinel parallel-syncs {name} 1\n",
+                        name = Self::MASTER_NAME,
+                        master = master.port()
+                    ),
+                )
+                .expect("write sentinel.conf");
+                RedisServer::start_sentinel(port, &config)
+            })
+            .collect();
+        let set = RedisSentinels { master, replica, sentinels, _dir: dir };
+        set.wait_until(Duration::from_secs(20), "the replica is in sync and every sentinel sees it", |set| {
+            set.replica.cli(&["INFO", "replication"]).contains("master_link_status:up")
+                && set.sentinels.iter().all(|s| {
+                    s.cli(&["SENTINEL", "replicas", Self::MASTER_NAME]).contains(&set.replica.port().to_string())
+                        && s.cli(&["SENTINEL", "sentinels", Self::MASTER_NAME]).matches("127.0.0.1").count() >= 2
+                })
+        });
+        set
+    }
+
+    /// `redis://127.0.0.1:PORT` of each sentinel.
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// The master's port as the first sentinel names it.
+    pub fn named_master_port(&self) -> Option<u16> {
+        let out = self.sentinels[0].cli(&["SENTINEL", "get-master-addr-by-name", Self::MASTER_NAME]);
+        out.lines().nth(1)?.trim().parse().ok()
+    }
+
+    pub fn wait_until(&self, within: Duration, what: &str, done: impl Fn(&RedisSentinels) -> bool) {
+        let deadline = Instant::now() + within;
+        while !done(self) {
+            assert!(Instant::now() < deadline, "waited {within:?} for: {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 /// Three masters, no replicas, slots spread by `redis-cli --cluster create`.
@@ -279,4 +391,29 @@ fn cluster_args(dir: &Path, port: u16) -> Vec<String> {
         "--cluster-node-timeout".into(),
         "2000".into(),
     ]
+}
+
+/// The least-privilege ACL rule docs/redis.md gives (what follows the password in its `ACL
+/// SETUSER sluice on …` command), one argument per item, quotes removed.
+pub fn documented_acl_rule() -> Vec<String> {
+    let page = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/redis.md"))
+        .expect("read docs/redis.md");
+    let start = page.find("ACL SETUSER sluice on ").expect("docs/redis.md gives `ACL SETUSER sluice on …`");
+    let mut command = String::new();
+    for line in page[start..].lines() {
+        let line = line.trim();
+        match line.strip_suffix('\\') {
+            Some(continued) => command.push_str(continued),
+            None => {
+                command.push_str(line);
+                break;
+            }
+        }
+        command.push(' ');
+    }
+    command
+        .split_whitespace()
+        .skip(6) // ACL SETUSER sluice on ">$(cat redis-password)"
+        .map(|item| item.trim_matches('\'').to_string())
+        .collect()
 }
