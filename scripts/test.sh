@@ -59,7 +59,7 @@ helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
   || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
 
 echo "==> formatting and lints"
-shellcheck -x e2e/*.sh scripts/test.sh scripts/fuzz.sh scripts/bench/*.sh .ci/run
+shellcheck -x e2e/*.sh scripts/test.sh scripts/fuzz.sh scripts/bench/*.sh scripts/reliability/*.sh .ci/run
 cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
 cargo clippy --locked --all-targets --quiet -- -D warnings
 

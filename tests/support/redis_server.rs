@@ -285,9 +285,17 @@ impl RedisSentinels {
     pub fn start() -> RedisSentinels {
         let dir = tempfile::tempdir().expect("temp dir");
         let master = RedisServer::start();
+        // A replica saves what its master sends to its directory: the temporary one, not the
+        // test's working directory (the checkout).
         let replica = RedisServer::start_with(
             free_port(false),
-            &["--replicaof".into(), "127.0.0.1".into(), master.port().to_string()],
+            &[
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                master.port().to_string(),
+                "--dir".into(),
+                dir.path().display().to_string(),
+            ],
         );
         let sentinels = (0..3)
             .map(|i| {
