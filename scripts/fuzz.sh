@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fuzzes everything Sluice parses from outside (issue 25): the check API's JSON body, path
 # normalization, policy YAML through validate and compile, release leases, simulate trace
-# files, the Host a request names, and static token files. cargo fuzz (libFuzzer) on the nightly
-# toolchain; the targets are in scripts/fuzz/fuzz_targets/, each asserting what must hold besides
-# "no panic".
+# files and traffic patterns, the Host a request names, static token files, response bodies read
+# for their cost, Envoy rate limit service requests (domain, descriptors, hits_addend), and the
+# head of a request the sidecar receives. cargo fuzz (libFuzzer) on the nightly toolchain; the
+# targets are in scripts/fuzz/fuzz_targets/, each asserting what must hold besides "no panic".
 #
 #   scripts/fuzz.sh                 # every target for SECONDS_EACH (60) seconds
 #   SECONDS_EACH=5 scripts/fuzz.sh  # the test command's short run
@@ -19,7 +20,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SECONDS_EACH="${SECONDS_EACH:-60}"
 CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 FUZZ_DIR="$ROOT/scripts/fuzz"
-TARGETS=(check_request path_normalize policy_yaml lease_token trace_file request_host token_file usage_meter)
+TARGETS=(check_request path_normalize policy_yaml lease_token trace_file request_host token_file usage_meter
+    rls_descriptors simulate_pattern sidecar_request_head)
 if (($#)); then TARGETS=("$@"); fi
 
 command -v cargo >/dev/null || { echo "fuzz: cargo not found" >&2; exit 1; }

@@ -38,8 +38,9 @@ const LOCAL_MAX_KEYS: usize = 100_000;
 /// Retry-After when refusing because the limiter is unreachable.
 const FAILURE_RETRY_AFTER_SECS: u64 = 1;
 
-/// Most bytes of header values one check carries: with the 8 KiB path bound, a check stays far
-/// below the endpoint's 64 KiB body limit, so the endpoint never refuses one as too large.
+/// Most bytes of header values one check carries: with the 8 KiB path bound, a check stays below
+/// the endpoint's 64 KiB body limit unless its Host is huge (the request head's own limit is
+/// far larger); the endpoint refuses such a check as too large, and the sidecar answers 431.
 pub const MAX_CHECK_HEADER_BYTES: usize = 16 * 1024;
 
 /// Who decided, for metrics.
@@ -583,7 +584,7 @@ impl Decider {
 }
 
 /// The request as the local engine sees it: what the endpoint gets in the check.
-fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
+pub fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
     RequestView {
         namespace: input.namespace,
         labels: input.labels,

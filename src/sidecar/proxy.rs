@@ -504,7 +504,7 @@ fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
 }
 
 /// An HTTP/1.1 `Connection: upgrade` request to `Upgrade: websocket` and nothing else.
-fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
+pub fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
     let mut protocols = request.headers().get_all(header::UPGRADE).iter();
     let only_websocket = match (protocols.next().and_then(|v| v.to_str().ok()), protocols.next()) {
         (Some(value), None) => {

@@ -145,6 +145,11 @@ impl<'a> Item<'a> {
     fn required_time(&self, name: &str) -> Result<Micros, SimulateError> {
         self.time_option(name)?.ok_or_else(|| self.error(format!("missing `{name} DURATION`")))
     }
+    /// The end of `[from, from + length)`, or an error naming both when it is past the last
+    /// representable time (a trace's times are microseconds in a u64).
+    fn end(&self, from: Micros, length: Micros) -> Result<Micros, SimulateError> {
+        from.checked_add(length).ok_or_else(|| self.error("from + for is too far in the future"))
+    }
     fn count(&mut self, what: &str) -> Result<u64, SimulateError> {
         let word = self.positional(what)?;
         word.parse().map_err(|_| self.error(format!("{what} {word:?} is not a whole number")))
@@ -208,7 +213,9 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
             "steady" => {
                 let rate = rate_value(item.positional("R/s")?).map_err(|e| item.error(e))?;
                 item.only_options(&["for", "from", "key", "cost", "hold"])?;
-                steady(item.time_option("from")?.unwrap_or(0), rate, item.required_time("for")?, &mut push)?;
+                let (from, length) = (item.time_option("from")?.unwrap_or(0), item.required_time("for")?);
+                item.end(from, length)?;
+                steady(from, rate, length, &mut push)?;
             }
             "onoff" => {
                 let rate = rate_value(item.positional("R/s")?).map_err(|e| item.error(e))?;
@@ -219,10 +226,14 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
                     return Err(item.error("on must be positive"));
                 }
                 let from = item.time_option("from")?.unwrap_or(0);
+                let end = item.end(from, length)?;
+                let period = on.checked_add(off).ok_or_else(|| item.error("on + off is too long"))?;
                 let mut start = from;
-                while start < from + length {
-                    steady(start, rate, on.min(from + length - start), &mut push)?;
-                    start += on + off;
+                while start < end {
+                    steady(start, rate, on.min(end - start), &mut push)?;
+                    // Past the last representable time there is nothing left of the span.
+                    let Some(next) = start.checked_add(period) else { break };
+                    start = next;
                 }
             }
             "boundary" => {
@@ -243,10 +254,16 @@ pub fn parse_pattern(spec: &str) -> Result<Vec<Arrival>, SimulateError> {
                 item.only_options(&["for", "from", "alpha", "seed", "key", "cost", "hold"])?;
                 let length = item.required_time("for")?;
                 let from = item.time_option("from")?.unwrap_or(0);
+                item.end(from, length)?;
                 let alpha: f64 = match item.option("alpha")? {
                     None => 1.2,
                     Some(a) => a.parse().map_err(|_| item.error(format!("alpha {a:?} is not a number")))?,
                 };
+                // Outside it the weights overflow or vanish (NaN, infinite rates): a trace that
+                // never ends instead of the one the pattern says.
+                if !(0.0..=10.0).contains(&alpha) {
+                    return Err(item.error(format!("alpha {alpha} must be from 0 to 10")));
+                }
                 let seed: u64 = match item.option("seed")? {
                     None => 1,
                     Some(s) => s.parse().map_err(|_| item.error(format!("seed {s:?} is not a whole number")))?,
@@ -369,5 +386,25 @@ mod tests {
         assert!(parse_pattern("burst 3 at").unwrap_err().to_string().contains("needs a value"));
         assert!(parse_pattern("burst 3 sometime 2").unwrap_err().to_string().contains("unexpected"));
         assert!(parse_pattern("steady 100000000/s for 1h").unwrap_err().to_string().contains("more than"));
+    }
+
+    /// Found by reading the parser for the `simulate_pattern` fuzz target: times that wrap past
+    /// the last microsecond looped forever (onoff) and a NaN or huge alpha made rates NaN, so
+    /// the trace ran to MAX_ARRIVALS (1.26 GB) instead of the pattern's few arrivals.
+    #[test]
+    fn patterns_at_the_edges_of_time_and_weight_are_refused_or_bounded() {
+        let huge = "9223372036854.775808"; // 2^63 µs in seconds
+        let error = parse_pattern(&format!("onoff 0.5/s on {huge} off {huge} for 1")).unwrap_err().to_string();
+        assert!(error.contains("on + off"), "{error}");
+        let error = parse_pattern(&format!("steady 1/s from {huge} for {huge}")).unwrap_err().to_string();
+        assert!(error.contains("too far"), "{error}");
+        // A span that reaches the last representable microsecond ends there.
+        let near_end = parse_pattern(&format!("onoff 1/s on 1s off {huge} for {huge}")).unwrap();
+        assert_eq!(near_end.len(), 1);
+        for alpha in ["nan", "-2000", "inf", "10.5"] {
+            let error = parse_pattern(&format!("clients 2 1/s for 1s alpha {alpha}")).unwrap_err().to_string();
+            assert!(error.contains("alpha"), "{alpha}: {error}");
+        }
+        assert!(parse_pattern("clients 2 1/s for 10s alpha 0").is_ok());
     }
 }
