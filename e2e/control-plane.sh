@@ -10,6 +10,8 @@
 #                                         (user "sluice-operator", no groups: only what RBAC grants it);
 #                                         with PID, tear down (and remove DIR) by itself once that process is gone
 #   e2e/control-plane.sh stop DIR         stop what `start DIR` started
+#   e2e/control-plane.sh restart DIR      kill -9 etcd and kube-apiserver and start them again on the
+#                                         same ports and data (a crashed control plane coming back)
 #   e2e/control-plane.sh helm             build (or reuse) helm; print its path
 #
 # Binaries are built from the Go module proxy and cached OUTSIDE the checkout, keyed by version, in
@@ -206,12 +208,7 @@ cmd_start() {
     etcd_port="$(free_port)"; peer_port="$(free_port)"
     while [ "$peer_port" = "$etcd_port" ]; do peer_port="$(free_port)"; done
     rm -rf "$dir/etcd"
-    "$BIN/etcd" --data-dir="$dir/etcd" --name=e2e \
-      --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
-      --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
-      --initial-cluster="e2e=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true \
-      >"$dir/etcd.log" 2>&1 &
-    echo $! > "$dir/etcd.pid"
+    run_etcd "$dir" "$etcd_port" "$peer_port"
     if wait_healthy "$dir/etcd.pid" 30 curl -fsS "http://127.0.0.1:$etcd_port/health"; then break; fi
     log "etcd did not start (attempt $attempt); last log lines:"; tail -5 "$dir/etcd.log" >&2
     kill_pidfile "$dir/etcd.pid"
@@ -220,24 +217,15 @@ cmd_start() {
   for attempt in 1 2 3; do
     api_port="$(free_port)"
     while [ "$api_port" = "$etcd_port" ] || [ "$api_port" = "$peer_port" ]; do api_port="$(free_port)"; done
-    "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_port" --cert-dir="$pki" \
-      --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
-      --secure-port="$api_port" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
-      --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
-      --disable-admission-plugins=ServiceAccount --authorization-mode=RBAC \
-      --service-account-issuer="https://127.0.0.1:$api_port/" --service-account-key-file="$pki/sa.pub" \
-      --service-account-signing-key-file="$pki/sa.key" --token-auth-file="$pki/tokens.csv" \
-      >"$dir/kube-apiserver.log" 2>&1 &
-    echo $! > "$dir/kube-apiserver.pid"
-    # Ready means /readyz answers ok (etcd reachable, post-start hooks such as RBAC bootstrap done).
-    if wait_healthy "$dir/kube-apiserver.pid" 120 curl -fsS --cacert "$pki/ca.crt" \
-        -H "Authorization: Bearer $admin_token" "https://127.0.0.1:$api_port/readyz"; then break; fi
+    run_apiserver "$dir" "$etcd_port" "$api_port"
+    if api_ready "$dir" "$api_port" 120; then break; fi
     log "kube-apiserver did not become ready (attempt $attempt); last log lines:"
     tail -20 "$dir/kube-apiserver.log" >&2
     kill_pidfile "$dir/kube-apiserver.pid"
     if [ "$attempt" = 3 ]; then cmd_stop "$dir"; exit 1; fi
   done
 
+  echo "$etcd_port $peer_port $api_port" > "$dir/ports"
   local ca; ca="$(base64 -w0 < "$pki/ca.crt")"
   write_kubeconfig "$dir/kubeconfig" "https://127.0.0.1:$api_port" admin "$admin_token" "$ca"
   write_kubeconfig "$dir/operator.kubeconfig" "https://127.0.0.1:$api_port" sluice-operator "$operator_token" "$ca"
@@ -252,6 +240,54 @@ cmd_start() {
   echo "$dir/kubeconfig"
 }
 
+run_etcd() {  # run_etcd DIR CLIENT_PORT PEER_PORT: in the background, pid in DIR/etcd.pid
+  local dir="$1" etcd_port="$2" peer_port="$3"
+  "$BIN/etcd" --data-dir="$dir/etcd" --name=e2e \
+    --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
+    --initial-cluster="e2e=http://127.0.0.1:$peer_port" --unsafe-no-fsync=true \
+    >>"$dir/etcd.log" 2>&1 &
+  echo $! > "$dir/etcd.pid"
+}
+
+run_apiserver() {  # run_apiserver DIR ETCD_PORT API_PORT: in the background, pid in DIR/kube-apiserver.pid
+  local dir="$1" etcd_port="$2" api_port="$3" pki="$1/pki"
+  "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_port" --cert-dir="$pki" \
+    --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+    --secure-port="$api_port" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
+    --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+    --disable-admission-plugins=ServiceAccount --authorization-mode=RBAC \
+    --service-account-issuer="https://127.0.0.1:$api_port/" --service-account-key-file="$pki/sa.pub" \
+    --service-account-signing-key-file="$pki/sa.key" --token-auth-file="$pki/tokens.csv" \
+    >>"$dir/kube-apiserver.log" 2>&1 &
+  echo $! > "$dir/kube-apiserver.pid"
+}
+
+# api_ready DIR PORT SECONDS: /readyz answers ok (etcd reachable, post-start hooks such as RBAC
+# bootstrap done), as the admin of DIR/pki/tokens.csv.
+api_ready() {
+  local dir="$1" token
+  token="$(head -n 1 "$dir/pki/tokens.csv" | cut -d, -f1)"
+  wait_healthy "$dir/kube-apiserver.pid" "$3" curl -fsS --cacert "$dir/pki/ca.crt" \
+    -H "Authorization: Bearer $token" "https://127.0.0.1:$2/readyz"
+}
+
+# The API server and etcd killed (SIGKILL) and started again on the same ports and data, as a
+# crashed or rebooted control plane comes back; returns once /readyz is ok again.
+cmd_restart() {
+  local dir="$1" etcd_port peer_port api_port p
+  read -r etcd_port peer_port api_port < "$dir/ports"
+  for p in kube-apiserver etcd; do kill -9 "$(cat "$dir/$p.pid")" 2>/dev/null || true; done
+  for p in kube-apiserver etcd; do
+    while kill -0 "$(cat "$dir/$p.pid")" 2>/dev/null; do sleep 0.05; done
+  done
+  run_etcd "$dir" "$etcd_port" "$peer_port"
+  wait_healthy "$dir/etcd.pid" 30 curl -fsS "http://127.0.0.1:$etcd_port/health" || { log "etcd did not restart"; tail -5 "$dir/etcd.log" >&2; exit 1; }
+  run_apiserver "$dir" "$etcd_port" "$api_port"
+  api_ready "$dir" "$api_port" 120 || { log "kube-apiserver did not restart"; tail -20 "$dir/kube-apiserver.log" >&2; exit 1; }
+  log "restarted at https://127.0.0.1:$api_port"
+}
+
 cmd_stop() {
   local dir="$1" p
   for p in kube-apiserver etcd; do kill_pidfile "$dir/$p.pid"; done
@@ -263,8 +299,9 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     build) cmd_build ;;
     start) shift; cmd_start "$@" ;;
     stop) shift; cmd_stop "$@" ;;
+    restart) shift; cmd_restart "$@" ;;
     bin-dir) echo "$BIN" ;;
     helm) cmd_helm ;;
-    *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | bin-dir | helm" >&2; exit 2 ;;
+    *) echo "usage: $0 build | start DIR [OWNER_PID] | stop DIR | restart DIR | bin-dir | helm" >&2; exit 2 ;;
   esac
 fi

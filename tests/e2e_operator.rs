@@ -541,3 +541,84 @@ async fn a_second_replica_cannot_take_a_held_lease_by_applying_it() {
     drop((leading, watch));
     let _ = task.await;
 }
+
+/// The leader loses the API server (its connections drop, new ones are closed) for longer than
+/// its Lease: it stops acting as leader before the Lease expires, the other replica takes over
+/// and writes status, the cut-off replica goes on enforcing its last snapshot, and once it is
+/// back it follows (its watches resume) without writing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_api_server_steps_down_and_the_other_takes_over() {
+    let cp = cluster();
+    let client = cp.client().await;
+    let (ns, lease) = ("e2e-partition", "e2e-partition");
+    namespace(&client, ns, json!({})).await;
+    let lease_seconds = 6;
+    let args = ["--namespaces", ns, "--lease-name", lease, "--lease-duration", "6s"];
+    let proxy = control_plane::CuttableProxy::start(cp.api_server()).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let through_proxy = control_plane::kubeconfig_via(&cp.operator_kubeconfig, cp.api_server(), proxy.addr, dir.path());
+    let a = Operator::start(&through_proxy, "partition-a", &args);
+    let http = http();
+    ready(&http, &a).await;
+    eventually("partition-a leads", Duration::from_secs(30), || async {
+        match holder(&client, lease).await {
+            Some(h) if h == "partition-a" => Ok(()),
+            other => Err(format!("holder {other:?}")),
+        }
+    })
+    .await;
+    let b = Operator::start(&cp.operator_kubeconfig, "partition-b", &args);
+    ready(&http, &b).await;
+    apply(&client, ns, &policy(ns, "one", "r", 3)).await.expect("applies");
+    settled(&client, ns, "one", "True").await;
+    for op in [&a, &b] {
+        eventually("both replicas enforce", Duration::from_secs(10), || async {
+            check_limit(&http, op, ns, "one").await.filter(|l| *l == 3).ok_or_else(|| "no rule".to_string())
+        })
+        .await;
+    }
+
+    proxy.cut();
+    let cut = Instant::now();
+    let (mut stepped_down, mut taken_over) = (None, None);
+    while (stepped_down.is_none() || taken_over.is_none()) && cut.elapsed() < Duration::from_secs(lease_seconds * 4) {
+        if stepped_down.is_none() && a.logs().contains("stopped leading") {
+            stepped_down = Some(cut.elapsed());
+        }
+        if taken_over.is_none() && holder(&client, lease).await.as_deref() == Some("partition-b") {
+            taken_over = Some(cut.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    report(&format!("leader cut off: stepped down after {stepped_down:?}, the other took over after {taken_over:?}"));
+    let (Some(stepped_down), Some(taken_over)) = (stepped_down, taken_over) else {
+        panic!("stepped down {stepped_down:?}, taken over {taken_over:?}; partition-a's log:\n{}", a.logs());
+    };
+    assert!(
+        stepped_down < taken_over,
+        "the cut-off leader acted until {stepped_down:?}, the other led from {taken_over:?}"
+    );
+    assert!(stepped_down < Duration::from_secs(lease_seconds), "stepped down only after {stepped_down:?}");
+
+    // Cut off, it still enforces what it had; the new leader writes status.
+    assert_eq!(check_limit(&http, &a, ns, "one").await, Some(3), "the last snapshot stays enforced");
+    apply(&client, ns, &policy(ns, "two", "r", 4)).await.expect("applies");
+    settled(&client, ns, "two", "True").await;
+
+    proxy.restore();
+    eventually("partition-a's watches resume", Duration::from_secs(30), || async {
+        check_limit(&http, &a, ns, "two").await.filter(|l| *l == 4).ok_or_else(|| "not yet".to_string())
+    })
+    .await;
+    apply(&client, ns, &policy(ns, "three", "r", 5)).await.expect("applies");
+    settled(&client, ns, "three", "True").await;
+    for name in ["two", "three"] {
+        let seen = eventually("the new leader's Accepted event", Duration::from_secs(10), || async {
+            let r = reporters(&client, ns, name).await;
+            if r.is_empty() { Err("no events".into()) } else { Ok(r) }
+        })
+        .await;
+        assert!(seen.iter().all(|r| r == "partition-b"), "events about {name} from {seen:?}");
+    }
+    assert_eq!(holder(&client, lease).await.as_deref(), Some("partition-b"));
+}

@@ -9,6 +9,11 @@
 #   scripts/reliability/sentinel-failover.sh                  # 40 s per scenario
 #   DURATION=20 FAULT_AT=8 ON_STORE_FAILURE=localFallback scripts/reliability/sentinel-failover.sh kill
 #
+# MIN_REPLICAS_TO_WRITE=1 starts both Redis servers with `min-replicas-to-write 1` and
+# `min-replicas-max-lag 1` (MIN_REPLICAS_MAX_LAG): a master without a replica in sync refuses
+# writes (NOREPLICAS), which closes the window in which a demoted master takes writes that are
+# then lost, at the price of refusing every write while no replica is connected.
+#
 # docs/reliability.md has the figures.
 set -euo pipefail
 # shellcheck source=scripts/reliability/lib.sh
@@ -19,12 +24,18 @@ SCENARIOS=("$@")
 build_tools
 write_policy
 
+GUARD=()
+if [ -n "${MIN_REPLICAS_TO_WRITE:-}" ]; then
+    GUARD=(--min-replicas-to-write "$MIN_REPLICAS_TO_WRITE" --min-replicas-max-lag "${MIN_REPLICAS_MAX_LAG:-1}")
+fi
+
 topology_up() {
     MASTER=$(free_port); REPLICA=$(free_port)
-    redis-server --port "$MASTER" --bind 127.0.0.1 --save '' --appendonly no --loglevel warning --dir "$WORK" >/dev/null 2>&1 &
+    redis-server --port "$MASTER" --bind 127.0.0.1 --save '' --appendonly no --loglevel warning --dir "$WORK" \
+        "${GUARD[@]}" >/dev/null 2>&1 &
     MASTER_PID=$!; PIDS+=("$MASTER_PID")
     redis-server --port "$REPLICA" --bind 127.0.0.1 --save '' --appendonly no --loglevel warning \
-        --replicaof 127.0.0.1 "$MASTER" --dir "$WORK" >/dev/null 2>&1 &
+        --replicaof 127.0.0.1 "$MASTER" --dir "$WORK" "${GUARD[@]}" >/dev/null 2>&1 &
     PIDS+=($!)
     SENTINELS=()
     local i port

@@ -47,7 +47,7 @@ impl Reflectors {
             // managedFields are dropped before they reach the store: they are never read and are
             // the bulk of each object.
             let stream = watcher(api, watcher::Config::default().any_semantic())
-                .default_backoff()
+                .backoff(super::WatchBackoff::default())
                 .modify(|p| {
                     p.managed_fields_mut().clear();
                 })

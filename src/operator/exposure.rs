@@ -262,13 +262,19 @@ async fn lead(
     for api in apis::<PartialObjectMeta<Pod>>(client, &config.namespaces) {
         let (reader, writer) = reflector::store();
         pod_stores.push(reader);
-        streams.push(watcher(api, pod_config.clone()).default_backoff().reflect(writer).map(|e| e.map(|_| ())).boxed());
+        streams.push(
+            watcher(api, pod_config.clone())
+                .backoff(super::WatchBackoff::default())
+                .reflect(writer)
+                .map(|e| e.map(|_| ()))
+                .boxed(),
+        );
     }
     for api in apis::<Service>(client, &config.namespaces) {
         let (reader, writer) = reflector::store();
         service_stores.push(reader);
         let stream = watcher(api, watcher::Config::default().any_semantic())
-            .default_backoff()
+            .backoff(super::WatchBackoff::default())
             .modify(|s| s.managed_fields_mut().clear())
             .reflect(writer);
         streams.push(stream.map(|e| e.map(|_| ())).boxed());

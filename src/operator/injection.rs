@@ -181,11 +181,9 @@ async fn lead(
     // Api<PartialObjectMeta<_>> lists and watches metadata only; lists may come from the API
     // server's watch cache (any semantic): a pod is read afresh before it is reported anyway.
     let watch_config = watcher::Config::default().labels(&selector).any_semantic();
-    let mut events = futures::stream::select_all(
-        apis.into_iter()
-            .enumerate()
-            .map(|(i, api)| watcher(api, watch_config.clone()).default_backoff().map(move |e| (i, e)).boxed()),
-    );
+    let mut events = futures::stream::select_all(apis.into_iter().enumerate().map(|(i, api)| {
+        watcher(api, watch_config.clone()).backoff(super::WatchBackoff::default()).map(move |e| (i, e)).boxed()
+    }));
     let mut tracker = Tracker::default();
     let mut pause: Option<Instant> = None;
     loop {

@@ -141,8 +141,14 @@ pub async fn status_loop(
             written.clear();
             retry = None;
         } else if let Some(outcome) = outcome {
-            let failed = apply_all(&client, &recorder, &outcome, &mut written).await;
-            retry = failed.then(|| tokio::time::Instant::now() + Duration::from_secs(1));
+            // Writes still in flight when leadership ends are dropped: the next leader writes.
+            let mut term = leading.clone();
+            tokio::select! {
+                failed = apply_all(&client, &recorder, &outcome, &mut written) => {
+                    retry = failed.then(|| tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+                _ = term.wait_for(|l| !*l) => {}
+            }
         }
         let retry_at = retry;
         tokio::select! {

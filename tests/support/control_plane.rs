@@ -144,6 +144,92 @@ impl ControlPlane {
     pub async fn client(&self) -> kube::Client {
         client_for(&self.kubeconfig).await
     }
+
+    /// Kills etcd and the API server and starts them again on the same ports and data (the local
+    /// control plane only: a kind cluster's cannot be restarted from here).
+    pub fn restart(&self) {
+        let dir =
+            self._dir.as_ref().expect("restarting the control plane needs the local one, not SLUICE_E2E_KUBECONFIG");
+        let out = Command::new("bash")
+            .arg(repo().join("e2e/control-plane.sh"))
+            .arg("restart")
+            .arg(dir.path())
+            .stderr(Stdio::inherit())
+            .status()
+            .expect("control-plane.sh restart");
+        assert!(out.success(), "the control plane did not restart");
+    }
+
+    /// The API server's address, from the kubeconfig.
+    pub fn api_server(&self) -> SocketAddr {
+        let text = std::fs::read_to_string(&self.kubeconfig).expect("kubeconfig");
+        let server = text.split("server: \"https://").nth(1).and_then(|rest| rest.split('"').next());
+        server.and_then(|s| s.parse().ok()).expect("the kubeconfig's server is https://IP:PORT")
+    }
+}
+
+/// A copy of `kubeconfig` (in `dir`) that reaches the API server through `proxy`: the API
+/// server's certificate names 127.0.0.1, so TLS still verifies.
+pub fn kubeconfig_via(kubeconfig: &Path, api_server: SocketAddr, proxy: SocketAddr, dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(kubeconfig).expect("kubeconfig");
+    let (from, to) = (format!("https://{api_server}\""), format!("https://{proxy}\""));
+    assert!(text.contains(&from), "{} names {api_server}", kubeconfig.display());
+    let path = dir.join(kubeconfig.file_name().expect("file name"));
+    std::fs::write(&path, text.replace(&from, &to)).expect("write kubeconfig");
+    path
+}
+
+/// A TCP relay to `upstream` that can be cut (every open connection dropped, new ones closed on
+/// accept) and restored: a partition between one client and a server.
+pub struct CuttableProxy {
+    pub addr: SocketAddr,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    relays: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl CuttableProxy {
+    pub async fn start(upstream: SocketAddr) -> CuttableProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let relays: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
+        let (is_cut, tasks) = (cut.clone(), relays.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if is_cut.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue;
+                }
+                let relay = tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                let mut tasks = tasks.lock().expect("relays");
+                tasks.retain(|t| !t.is_finished());
+                tasks.push(relay);
+            }
+        });
+        CuttableProxy { addr, cut, relays, accept }
+    }
+
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for relay in self.relays.lock().expect("relays").drain(..) {
+            relay.abort();
+        }
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for CuttableProxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
 }
 
 pub async fn client_for(path: &Path) -> kube::Client {
