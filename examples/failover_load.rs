@@ -11,10 +11,39 @@
 //!
 //! `cargo run --release --example failover_load -- --endpoints 127.0.0.1:8081,127.0.0.1:8082 \
 //!      --paths /fixed,/log --rate 60 --duration 40 --window 10 --run r1`
+//!
+//! `--protocol proxy` sends plain `GET <path>` requests (with `x-run`) to proxies that enforce
+//! (sidecars): a 200 is admitted, a 429 refused, anything else counted as not a 200.
+//!
+//! `--protocol rls` sends the same load to any server of Envoy's rate limit service (gRPC
+//! `ShouldRateLimit`: `sluice serve --grpc-listen`, Limitador, envoyproxy/ratelimit), one HTTP/2
+//! connection per endpoint as Envoy keeps: each check is one descriptor
+//! `[(--descriptor-key, path), (--run-key, --run)]` in domain `--domain` (default: the namespace),
+//! sent with a `grpc-timeout` of `--timeout-ms` (also the client's own deadline). `OK` counts as
+//! admitted, `OVER_LIMIT` as refused; a gRPC error (the deadline passing included) as a
+//! transport error, by code in `errors`, and an `UNKNOWN` overall code as a non-200. The server's
+//! own `onStoreFailure` decisions are not marked in the protocol; Sluice's are recognised by the
+//! status it gives them (a rule's limit with `duration_until_reset` 0, which a decision by the
+//! store never has but at the very end of a window), so `by_store_failure` and
+//! `longest_without_store_ms` mean the same in both modes for Sluice (check them against its
+//! `sluice_store_failure_decisions_total`). `longest_without_decision_ms` is the longest
+//! stretch, on one endpoint, from its first answer that was not a decision (an error) to its
+//! next decision, in both modes.
+//!
+//! `cargo run --release --example failover_load -- --protocol rls --endpoints 127.0.0.1:8081 \
+//!      --paths /fixed --domain failover --descriptor-key path --run-key run --rate 60 \
+//!      --duration 40 --window 10 --run r1 --timeout-ms 1000`
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
 
 struct Args {
     endpoints: Vec<String>,
@@ -24,6 +53,21 @@ struct Args {
     duration: f64,
     window: u64,
     run: String,
+    protocol: Protocol,
+    domain: Option<String>,
+    descriptor_key: String,
+    run_key: String,
+    timeout: Duration,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Protocol {
+    /// `POST /v1/check` of `sluice serve`.
+    Http,
+    /// Envoy's `ShouldRateLimit`.
+    Rls,
+    /// Plain `GET <path>` through a proxy that enforces (the sidecar): 200 admitted, 429 refused.
+    Proxy,
 }
 
 fn parse_args() -> Args {
@@ -35,6 +79,11 @@ fn parse_args() -> Args {
         duration: 30.0,
         window: 10,
         run: "run".into(),
+        protocol: Protocol::Http,
+        domain: None,
+        descriptor_key: "path".into(),
+        run_key: "run".into(),
+        timeout: Duration::from_secs(5),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -48,6 +97,18 @@ fn parse_args() -> Args {
             "--duration" => args.duration = value.parse().expect("--duration: seconds"),
             "--window" => args.window = value.parse().expect("--window: whole seconds"),
             "--run" => args.run = value,
+            "--protocol" => {
+                args.protocol = match value.as_str() {
+                    "http" => Protocol::Http,
+                    "rls" => Protocol::Rls,
+                    "proxy" => Protocol::Proxy,
+                    other => panic!("--protocol: http, rls or proxy, not {other}"),
+                }
+            }
+            "--domain" => args.domain = Some(value),
+            "--descriptor-key" => args.descriptor_key = value,
+            "--run-key" => args.run_key = value,
+            "--timeout-ms" => args.timeout = Duration::from_millis(value.parse().expect("--timeout-ms: milliseconds")),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -59,6 +120,8 @@ fn parse_args() -> Args {
 struct Answer {
     /// Unix time the check was sent, ms.
     sent_ms: u64,
+    /// From sending to the answer (or the error), µs.
+    latency_us: u64,
     endpoint: usize,
     outcome: Outcome,
 }
@@ -71,9 +134,98 @@ enum Outcome {
     Refused {
         store_failure: Option<&'static str>,
     },
-    /// Not a 200 from the check API.
+    /// Not a 200 from the check API; in RLS mode, an `UNKNOWN` overall code.
     Status(u16),
     Transport,
+    /// A gRPC error (RLS mode), the client's deadline passing included: a transport error.
+    Grpc(tonic::Code),
+}
+
+impl Outcome {
+    /// A decision by the server (by its store or by its failure mode), as opposed to an error.
+    fn decided(&self) -> bool {
+        matches!(self, Outcome::Admitted { .. } | Outcome::Refused { .. })
+    }
+}
+
+/// gRPC code names as in the spec.
+fn grpc_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// One `ShouldRateLimit` call, within `timeout` (sent as `grpc-timeout` and enforced here).
+async fn check_rls(
+    mut client: RateLimitServiceClient<Channel>,
+    request: RateLimitRequest,
+    timeout: Duration,
+) -> Outcome {
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(timeout);
+    let response = match tokio::time::timeout(timeout, client.should_rate_limit(request)).await {
+        Err(_) => return Outcome::Grpc(tonic::Code::DeadlineExceeded),
+        // tonic reports its own enforcement of grpc-timeout as CANCELLED "Timeout expired".
+        Ok(Err(status))
+            if status.code() == tonic::Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string() =>
+        {
+            return Outcome::Grpc(tonic::Code::DeadlineExceeded);
+        }
+        Ok(Err(status)) => return Outcome::Grpc(status.code()),
+        Ok(Ok(response)) => response.into_inner(),
+    };
+    // Sluice answers a rule's onStoreFailure with the rule's limit and nothing until reset
+    // (src/server/engine.rs: reset_after 0); a decision by the store counts down to the end of
+    // its window. Limitador sends no statuses.
+    let by_failure = response
+        .statuses
+        .iter()
+        .any(|s| s.current_limit.is_some() && s.duration_until_reset.is_some_and(|d| d.seconds == 0 && d.nanos == 0));
+    match Code::try_from(response.overall_code) {
+        Ok(Code::Ok) => Outcome::Admitted { store_failure: by_failure.then_some("allow") },
+        Ok(Code::OverLimit) => Outcome::Refused { store_failure: by_failure.then_some("deny") },
+        _ => Outcome::Status(0),
+    }
+}
+
+/// The descriptor of one check: `[(key, path), (run_key, run)]` (no run entry if `run_key` is
+/// empty).
+fn rls_request(args: &Args, path: &str) -> RateLimitRequest {
+    let mut entries = vec![Entry { key: args.descriptor_key.clone(), value: path.to_string() }];
+    if !args.run_key.is_empty() {
+        entries.push(Entry { key: args.run_key.clone(), value: args.run.clone() });
+    }
+    RateLimitRequest {
+        domain: args.domain.clone().unwrap_or_else(|| args.namespace.clone()),
+        descriptors: vec![RateLimitDescriptor { entries, ..RateLimitDescriptor::default() }],
+        hits_addend: 1,
+    }
+}
+
+/// Latency quantile `q` of sorted `us`, in ms.
+fn quantile_ms(us: &[u64], q: f64) -> f64 {
+    if us.is_empty() {
+        return 0.0;
+    }
+    let i = ((us.len() as f64 * q).ceil() as usize).clamp(1, us.len()) - 1;
+    (us[i] as f64 / 10.0).round() / 100.0
 }
 
 fn failure_mode(body: &serde_json::Value) -> Option<&'static str> {
@@ -89,11 +241,23 @@ fn failure_mode(body: &serde_json::Value) -> Option<&'static str> {
 #[tokio::main]
 async fn main() {
     let args = parse_args();
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(64)
-        .build()
-        .expect("an HTTP client");
+    let client =
+        reqwest::Client::builder().timeout(args.timeout).pool_max_idle_per_host(64).build().expect("an HTTP client");
+    // One HTTP/2 connection per endpoint, calls multiplexed on it (as Envoy does per worker).
+    let channels: Vec<RateLimitServiceClient<Channel>> = if args.protocol == Protocol::Rls {
+        args.endpoints
+            .iter()
+            .map(|e| {
+                let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{e}"))
+                    .expect("an endpoint host:port")
+                    .tcp_nodelay(true)
+                    .connect_timeout(args.timeout);
+                RateLimitServiceClient::new(endpoint.connect_lazy())
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let answers: Arc<Mutex<BTreeMap<String, Vec<Answer>>>> = Arc::default();
     let started = Instant::now();
     let total = (args.rate * args.duration) as u64;
@@ -103,31 +267,56 @@ async fn main() {
             // Paths are offset within a tick so they do not all fire at once.
             let at = Duration::from_secs_f64((k as f64 + p as f64 / args.paths.len() as f64) / args.rate);
             let endpoint = (k as usize + p) % args.endpoints.len();
-            let url = format!("http://{}/v1/check", args.endpoints[endpoint]);
+            let url = match args.protocol {
+                Protocol::Proxy => format!("http://{}{path}", args.endpoints[endpoint]),
+                _ => format!("http://{}/v1/check", args.endpoints[endpoint]),
+            };
+            let proxied = args.protocol == Protocol::Proxy;
+            let run = args.run.clone();
             let body = serde_json::json!({
                 "namespace": args.namespace, "method": "GET", "path": path,
                 "headers": {"x-run": args.run},
             });
+            let rls = (args.protocol == Protocol::Rls).then(|| (channels[endpoint].clone(), rls_request(&args, path)));
+            let timeout = args.timeout;
             let (client, answers, path) = (client.clone(), answers.clone(), path.clone());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until((started + at).into()).await;
                 let sent_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-                let outcome = match client.post(&url).json(&body).send().await {
-                    Err(_) => Outcome::Transport,
-                    Ok(response) if response.status() != 200 => Outcome::Status(response.status().as_u16()),
-                    Ok(response) => match response.json::<serde_json::Value>().await {
+                let sent = Instant::now();
+                let outcome = match rls {
+                    Some((channel, request)) => check_rls(channel, request, timeout).await,
+                    None if proxied => match client.get(&url).header("x-run", &run).send().await {
                         Err(_) => Outcome::Transport,
-                        Ok(body) => {
-                            let store_failure = failure_mode(&body);
-                            if body["allowed"].as_bool() == Some(true) {
-                                Outcome::Admitted { store_failure }
-                            } else {
-                                Outcome::Refused { store_failure }
+                        Ok(response) => match response.status().as_u16() {
+                            200 => Outcome::Admitted { store_failure: None },
+                            429 => Outcome::Refused { store_failure: None },
+                            other => Outcome::Status(other),
+                        },
+                    },
+                    None => match client.post(&url).json(&body).send().await {
+                        Err(_) => Outcome::Transport,
+                        Ok(response) if response.status() != 200 => Outcome::Status(response.status().as_u16()),
+                        Ok(response) => match response.json::<serde_json::Value>().await {
+                            Err(_) => Outcome::Transport,
+                            Ok(body) => {
+                                let store_failure = failure_mode(&body);
+                                if body["allowed"].as_bool() == Some(true) {
+                                    Outcome::Admitted { store_failure }
+                                } else {
+                                    Outcome::Refused { store_failure }
+                                }
                             }
-                        }
+                        },
                     },
                 };
-                answers.lock().unwrap().entry(path).or_default().push(Answer { sent_ms, endpoint, outcome });
+                let latency_us = sent.elapsed().as_micros() as u64;
+                answers.lock().unwrap().entry(path).or_default().push(Answer {
+                    sent_ms,
+                    latency_us,
+                    endpoint,
+                    outcome,
+                });
             }));
         }
     }
@@ -177,6 +366,38 @@ async fn main() {
                 longest_ms = longest_ms.max(last.sent_ms - from);
             }
         }
+        // The same for answers that were no decision at all (errors), from the first to the
+        // next decision on that endpoint.
+        let mut longest_undecided_ms = 0;
+        for endpoint in 0..args.endpoints.len() {
+            let mut since: Option<u64> = None;
+            for answer in list.iter().filter(|a| a.endpoint == endpoint) {
+                match (answer.outcome.decided(), since) {
+                    (false, None) => since = Some(answer.sent_ms),
+                    (true, Some(from)) => {
+                        longest_undecided_ms = longest_undecided_ms.max(answer.sent_ms - from);
+                        since = None;
+                    }
+                    _ => {}
+                }
+            }
+            if let (Some(from), Some(last)) = (since, list.last()) {
+                longest_undecided_ms = longest_undecided_ms.max(last.sent_ms - from);
+            }
+        }
+        let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+        for answer in &list {
+            let name = match answer.outcome {
+                Outcome::Grpc(code) => grpc_code_name(code).to_string(),
+                Outcome::Status(0) => "UNKNOWN overall_code".to_string(),
+                Outcome::Status(status) => status.to_string(),
+                Outcome::Transport => "transport".to_string(),
+                _ => continue,
+            };
+            *errors.entry(name).or_default() += 1;
+        }
+        let mut latencies: Vec<u64> = list.iter().map(|a| a.latency_us).collect();
+        latencies.sort_unstable();
         report.insert(
             path.clone(),
             serde_json::json!({
@@ -185,10 +406,17 @@ async fn main() {
                 "refused": count(&|o| matches!(o, Outcome::Refused { .. })),
                 "by_store_failure": by_mode,
                 "non_200": count(&|o| matches!(o, Outcome::Status(_))),
-                "transport_errors": count(&|o| matches!(o, Outcome::Transport)),
+                "transport_errors": count(&|o| matches!(o, Outcome::Transport | Outcome::Grpc(_))),
+                "errors": errors,
                 "max_admitted_in_a_window": per_window.values().max().copied().unwrap_or(0),
                 "admitted_per_window": per_window.values().collect::<Vec<_>>(),
                 "longest_without_store_ms": longest_ms,
+                "longest_without_decision_ms": longest_undecided_ms,
+                "latency_ms": {
+                    "p50": quantile_ms(&latencies, 0.5),
+                    "p99": quantile_ms(&latencies, 0.99),
+                    "max": quantile_ms(&latencies, 1.0),
+                },
             }),
         );
     }

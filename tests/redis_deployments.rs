@@ -167,3 +167,47 @@ async fn a_missing_permission_is_refused_at_start_up() {
         other => panic!("expected a refusal at start-up, got {other:?}"),
     }
 }
+
+/// The cluster additions docs/redis.md gives (`On a Redis Cluster add …`), quotes removed.
+fn documented_cluster_additions() -> Vec<String> {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/redis.md")).expect("docs/redis.md");
+    let line = page.lines().find(|l| l.starts_with("On a Redis Cluster add ")).expect("the cluster additions");
+    let list = line.split('`').nth(1).expect("the additions in backticks");
+    list.split_whitespace().map(|item| item.trim_matches('\'').to_string()).collect()
+}
+
+#[tokio::test]
+async fn the_documented_rule_is_enough_on_a_redis_cluster() {
+    let cluster = support::redis_server::RedisCluster::start();
+    let mut rule = support::redis_server::documented_acl_rule();
+    rule.extend(documented_cluster_additions());
+    for node in &cluster.nodes {
+        let mut setuser = vec!["ACL", "SETUSER", "sluice", "on", ">a-password-long-enough"];
+        setuser.extend(rule.iter().map(String::as_str));
+        let out = node.cli(&setuser);
+        assert!(out.contains("OK"), "the documented rule is valid ACL: {out} ({rule:?})");
+    }
+    let urls: Vec<String> =
+        cluster.nodes.iter().map(|n| format!("redis://sluice:a-password-long-enough@127.0.0.1:{}", n.port())).collect();
+    let store = RedisStore::connect(RedisConfig::cluster(urls.clone())).await.expect("store");
+    assert_eq!(store.probe(Duration::from_secs(5)).await, Ok(None), "the documented rule is enough");
+    // Decisions land on every node's slots (one namespace per tag), refused at the limit.
+    let limit = Limit::new(Algorithm::FixedWindow, 2, 3600 * SEC, None, None).unwrap();
+    for tag in ["acl-a", "acl-b", "acl-c", "acl-d", "acl-e", "acl-f"] {
+        let checks = [RuleCheck { rule: 7, limit: &limit, key: b"k", cost: 1, enforce: true, hold: 0 }];
+        let mut admitted = Vec::new();
+        for _ in 0..3 {
+            admitted.push(store.check_tagged(tag, None, &checks).await.expect("decided").allowed);
+        }
+        assert_eq!(admitted, [true, true, false], "{tag}");
+    }
+    // Without a cluster command the client needs, start-up says so.
+    for node in &cluster.nodes {
+        assert!(node.cli(&["ACL", "SETUSER", "sluice", "-cluster|shards", "-cluster|slots"]).contains("OK"));
+    }
+    let refused = match RedisStore::connect(RedisConfig::cluster(urls)).await {
+        Err(error) => error.to_string(),
+        Ok(store) => format!("{:?}", store.probe(Duration::from_secs(5)).await),
+    };
+    assert!(refused.to_lowercase().contains("perm") || refused.contains("lacks"), "{refused}");
+}

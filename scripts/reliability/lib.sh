@@ -75,11 +75,14 @@ replica_resources() {
 }
 
 # start_load RUN: the load in the background from the next 10 s boundary (so the windows of
-# every scenario fall alike); its pid in LOAD_PID, its report in $WORK/load.json.
+# every scenario fall alike), with the extra flags in LOAD_ARGS; its pid in LOAD_PID, its report
+# in $WORK/load.json.
+LOAD_ARGS=()
 start_load() {
     python3 -c 'import time; time.sleep(10 - time.time() % 10 + 0.02)'
     "$LOAD" --endpoints "$(IFS=,; echo "${ENDPOINTS[*]}")" --paths "$(IFS=,; echo "${RULE_PATHS[*]}")" \
-        --namespace failover --rate "$RATE" --duration "$DURATION" --window 10 --run "$1-$$" >"$WORK/load.json" &
+        --namespace failover --rate "$RATE" --duration "$DURATION" --window 10 --run "$1-$$" "${LOAD_ARGS[@]}" \
+        >"$WORK/load.json" &
     LOAD_PID=$!
 }
 
