@@ -9,6 +9,8 @@
 #   reset         every connection reset as soon as it carries data
 #   partition     nothing passes (connections stay open), longer than the deadline
 #   restart       Redis killed and started again at once, empty (no persistence)
+#   restart-aof   the same with the append-only file on (appendfsync everysec): Redis comes back
+#                 with what it had written to the file (the last second may be lost)
 #
 # Each scenario runs on a fresh Redis and replicas with its own keys. Reported per scenario:
 # failover_load's figures, the table against the baseline, and the replicas' memory and open
@@ -22,7 +24,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 FAULT_FOR="${FAULT_FOR:-5}"
 TOXIPROXY_VERSION=v2.5.0
 SCENARIOS=("$@")
-((${#SCENARIOS[@]})) || SCENARIOS=(baseline latency-5ms latency-50ms latency-500ms bandwidth reset partition restart)
+((${#SCENARIOS[@]})) || SCENARIOS=(baseline latency-5ms latency-50ms latency-500ms bandwidth reset partition restart restart-aof)
 
 build_tools
 write_policy
@@ -37,7 +39,11 @@ toxic() { "$TOXIPROXY/cli" --host "http://127.0.0.1:$TOXI_API" toxic "$@" >/dev/
 
 for scenario in "${SCENARIOS[@]}"; do
     REDIS=$(free_port); PROXY=$(free_port); TOXI_API=$(free_port)
-    start_redis "$REDIS" 0-1
+    persistence=()
+    if [ "$scenario" = restart-aof ]; then
+        persistence=(--appendonly yes --appendfsync everysec --dir "$WORK" --appendfilename "aof-$REDIS")
+    fi
+    start_redis "$REDIS" 0-1 "${persistence[@]}"
     PIDS+=("$REDIS_PID")
     "$TOXIPROXY/server" -host 127.0.0.1 -port "$TOXI_API" >/dev/null 2>&1 &
     PIDS+=($!)
@@ -55,14 +61,15 @@ for scenario in "${SCENARIOS[@]}"; do
         bandwidth) toxic add -n fault -t bandwidth -a rate=8 redis ;;
         reset) toxic add -n fault -t reset_peer -a timeout=0 redis ;;
         partition) toxic add -n fault -t timeout -a timeout=0 redis ;;
-        restart)
+        restart|restart-aof)
             kill -9 "$REDIS_PID"
-            start_redis "$REDIS" 0-1
+            while kill -0 "$REDIS_PID" 2>/dev/null; do sleep 0.01; done
+            start_redis "$REDIS" 0-1 "${persistence[@]}"
             PIDS+=("$REDIS_PID")
             ;;
         *) log "unknown scenario $scenario"; exit 1 ;;
     esac
-    if [ "$scenario" != baseline ] && [ "$scenario" != restart ]; then
+    if [ "$scenario" != baseline ] && [ "$scenario" != restart ] && [ "$scenario" != restart-aof ]; then
         sleep "$FAULT_FOR"
         toxic remove -n fault redis
     fi
