@@ -58,8 +58,8 @@ pub struct SidecarMetrics {
     pub overload_limit: Gauge<i64, AtomicI64>,
     pub overload_in_flight: Gauge<i64, AtomicI64>,
     pub overload_latency_ms: Gauge<i64, AtomicI64>,
-    pub overload_shed: Family<super::overload::ClassLabels, Counter>,
-    pub overload_would_shed: Family<super::overload::ClassLabels, Counter>,
+    pub overload_shed: Family<ClassLabels, Counter>,
+    pub overload_would_shed: Family<ClassLabels, Counter>,
 }
 
 impl Default for SidecarMetrics {
@@ -146,13 +146,13 @@ impl SidecarMetrics {
             "Overload protection: the application's long-term latency estimate",
             overload_latency_ms.clone(),
         );
-        let overload_shed = Family::<super::overload::ClassLabels, Counter>::default();
+        let overload_shed = Family::<ClassLabels, Counter>::default();
         registry.register(
             "overload_shed",
             "Overload protection: requests refused with 503 because the application is at its limit, by class",
             overload_shed.clone(),
         );
-        let overload_would_shed = Family::<super::overload::ClassLabels, Counter>::default();
+        let overload_would_shed = Family::<ClassLabels, Counter>::default();
         registry.register(
             "overload_would_shed",
             "Overload protection in shadow mode: requests that would have been refused, by class",
@@ -189,4 +189,11 @@ impl SidecarMetrics {
     pub fn encode(&self) -> String {
         crate::telemetry::encode(&self.registry)
     }
+}
+
+/// The priority class of a request the overload protection shed (or would have).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ClassLabels {
+    /// `critical`, `default` or `sheddable`.
+    pub class: &'static str,
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::metrics::SidecarMetrics;
+use super::metrics::{ClassLabels, SidecarMetrics};
 use crate::duration::{Micros, parse_duration};
 use crate::overload::Class;
 use crate::overload::cgroup::{self, Reading, Thresholds};
@@ -232,12 +232,6 @@ impl Drop for Slot {
     fn drop(&mut self) {
         self.give_back(None);
     }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub struct ClassLabels {
-    /// `critical`, `default` or `sheddable`.
-    pub class: &'static str,
 }
 
 fn active_of(policy: &str, spec: &OverloadSpec) -> Active {

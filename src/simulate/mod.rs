@@ -12,6 +12,7 @@
 pub mod accuracy;
 pub mod arrivals;
 pub mod compare;
+pub mod comparison;
 pub mod plot;
 pub mod replay;
 pub mod stats;

@@ -51,7 +51,7 @@ pub struct SimulationReport {
     pub rules: Vec<RuleReport>,
     /// `--compare`: the same traffic through every algorithm.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub compare: Option<Vec<super::compare::Comparison>>,
+    pub compare: Option<Vec<super::comparison::Comparison>>,
 }
 
 /// One rule's numbers. Request counts are requests; `maxAdmittedInAnyWindow` and `bound` are
@@ -545,7 +545,7 @@ impl SimulationReport {
             );
         }
         if let Some(compare) = &self.compare {
-            out.push_str(&super::compare::to_text(compare));
+            out.push_str(&super::comparison::to_text(compare));
         }
         out
     }
