@@ -238,6 +238,30 @@ fn failure_mode(body: &serde_json::Value) -> Option<&'static str> {
     })
 }
 
+/// The longest stretch, on one endpoint, from the first answer `within` holds for to that
+/// endpoint's next answer it does not (or the last answer sent, if none came), in ms. `list` is
+/// in the order sent.
+fn longest_stretch(list: &[Answer], endpoints: usize, within: impl Fn(&Outcome) -> bool) -> u64 {
+    let mut longest = 0;
+    for endpoint in 0..endpoints {
+        let mut since: Option<u64> = None;
+        for answer in list.iter().filter(|a| a.endpoint == endpoint) {
+            match (within(&answer.outcome), since) {
+                (true, None) => since = Some(answer.sent_ms),
+                (false, Some(from)) => {
+                    longest = longest.max(answer.sent_ms - from);
+                    since = None;
+                }
+                _ => {}
+            }
+        }
+        if let (Some(from), Some(last)) = (since, list.last()) {
+            longest = longest.max(last.sent_ms - from);
+        }
+    }
+    longest
+}
+
 #[tokio::main]
 async fn main() {
     let args = parse_args();
@@ -345,46 +369,12 @@ async fn main() {
         }
         // The longest stretch, on one endpoint, from its first decision by onStoreFailure to its
         // next decision by the store.
-        let mut longest_ms = 0;
-        for endpoint in 0..args.endpoints.len() {
-            let mut since: Option<u64> = None;
-            for answer in list.iter().filter(|a| a.endpoint == endpoint) {
-                let failed = matches!(
-                    answer.outcome,
-                    Outcome::Admitted { store_failure: Some(_) } | Outcome::Refused { store_failure: Some(_) }
-                );
-                match (failed, since) {
-                    (true, None) => since = Some(answer.sent_ms),
-                    (false, Some(from)) => {
-                        longest_ms = longest_ms.max(answer.sent_ms - from);
-                        since = None;
-                    }
-                    _ => {}
-                }
-            }
-            if let (Some(from), Some(last)) = (since, list.last()) {
-                longest_ms = longest_ms.max(last.sent_ms - from);
-            }
-        }
+        let longest_ms = longest_stretch(&list, args.endpoints.len(), |o| {
+            matches!(o, Outcome::Admitted { store_failure: Some(_) } | Outcome::Refused { store_failure: Some(_) })
+        });
         // The same for answers that were no decision at all (errors), from the first to the
         // next decision on that endpoint.
-        let mut longest_undecided_ms = 0;
-        for endpoint in 0..args.endpoints.len() {
-            let mut since: Option<u64> = None;
-            for answer in list.iter().filter(|a| a.endpoint == endpoint) {
-                match (answer.outcome.decided(), since) {
-                    (false, None) => since = Some(answer.sent_ms),
-                    (true, Some(from)) => {
-                        longest_undecided_ms = longest_undecided_ms.max(answer.sent_ms - from);
-                        since = None;
-                    }
-                    _ => {}
-                }
-            }
-            if let (Some(from), Some(last)) = (since, list.last()) {
-                longest_undecided_ms = longest_undecided_ms.max(last.sent_ms - from);
-            }
-        }
+        let longest_undecided_ms = longest_stretch(&list, args.endpoints.len(), |o| !o.decided());
         let mut errors: BTreeMap<String, usize> = BTreeMap::new();
         for answer in &list {
             let name = match answer.outcome {
