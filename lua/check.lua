@@ -16,7 +16,9 @@
 --          6 slidingWindowCounter, 7 concurrency; interval = per/requests rounded up; max_delay -1
 --          when not shaping; enforce 1, or 0 for shadow), followed by ":ttl_us" for a rule whose
 --          cost is known after the response (lua/reservation.lua: the cost is its estimate,
---          reserved under the hold id), then the request's cost for it, decimal.
+--          reserved under the hold id), or by ":L" for a rule whose enforcers may hold quota
+--          leases (the live leases count against the limit: `lease` below), then the request's
+--          cost for it, decimal.
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
 --          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
@@ -54,6 +56,12 @@ local function rule_params(text)
   end
   local algo, requests, per, burst, interval, max_delay, enforce, ttl =
     string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01]):(%d+)$')
+  local leased = false
+  if algo == nil then
+    algo, requests, per, burst, interval, max_delay, enforce =
+      string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01]):L$')
+    leased = algo ~= nil
+  end
   if algo == nil then
     algo, requests, per, burst, interval, max_delay, enforce =
       string.match(text, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%-?%d+):([01])$')
@@ -70,6 +78,7 @@ local function rule_params(text)
     max_delay = tonumber(max_delay),
     enforce = enforce == '1',
     ttl = ttl and tonumber(ttl),
+    leased = leased,
   }
   l.module = modules[l.algo]
   if l.module == nil or l.requests < 1 or l.per < 1000 or l.burst < 1 or l.interval < 1 then
@@ -78,6 +87,13 @@ local function rule_params(text)
   if l.ttl ~= nil then
     -- A reservation: only for the counting algorithms, never shaping (Limit::reserving).
     if l.ttl < 1000000 or l.algo == 5 or l.algo == 7 or l.max_delay >= 0 then
+      return nil
+    end
+    l.module = sluice.reserving(l.module)
+  end
+  if leased then
+    -- Quota leases: only for the counting algorithms, never shaping (Limit::leasing).
+    if l.algo == 5 or l.algo == 7 or l.max_delay >= 0 then
       return nil
     end
     l.module = sluice.reserving(l.module)
@@ -300,4 +316,51 @@ local function settle(KEYS, ARGV)
     end
   end
   return found
+end
+
+-- Quota leases for one holder (src/algorithm/lease.rs; src/store/mod.rs `LeaseOp`), at ARGV[1]
+-- ("" for the server's clock). Per key i (KEYS[i], the state key of a leased rule) seven
+-- arguments from ARGV[7i - 5]: the rule's parameters as for `decide` (ending in ":L"), the hold
+-- id of the lease to settle ("" for none), the units spent from it, the hold id of the lease to
+-- grant ("" for none), the units wanted, the cap on the key's live holds (the rule's overshoot
+-- bound) and the lease's longest life in µs. Settles first (as `settle` does: idempotent, a
+-- lease already settled or ended charges nothing), then grants what fits. Each key on its own:
+-- keys need not share a slot's request, only the call's slot. Every argument is checked before
+-- anything is written.
+-- Returns four integers per key: units granted (0: none), the lease's end in µs (now when none),
+-- and the key's remaining and reset_after_us once granted.
+local function lease(KEYS, ARGV)
+  local now = instant(ARGV[1], {})
+  if now == nil or #ARGV ~= 1 + 7 * #KEYS then
+    return redis.error_reply('sluice: lease takes now ("" or µs), then per key seven arguments (rule parameters, settle hold, spent, grant hold, want, cap, ttl_us)')
+  end
+  local ops = {}
+  for i = 1, #KEYS do
+    local a = 7 * i - 5
+    local op = {
+      l = rule_params(ARGV[a]),
+      settle = hold_id(ARGV[a + 1]),
+      used = int(ARGV[a + 2]),
+      grant = hold_id(ARGV[a + 3]),
+      want = int(ARGV[a + 4]),
+      cap = int(ARGV[a + 5]),
+      ttl = int(ARGV[a + 6]),
+    }
+    if op.l == nil or not op.l.leased or op.settle == nil or op.used == nil or op.grant == nil or op.want == nil
+      or op.cap == nil or op.ttl == nil then
+      return redis.error_reply('sluice: bad lease arguments for key ' .. i)
+    end
+    ops[i] = op
+  end
+  local out = {}
+  for i, key in ipairs(KEYS) do
+    local op = ops[i]
+    if op.settle ~= '' then
+      op.l.module.settle(key, op.l, now, op.settle, op.used)
+    end
+    local amount, until_, remaining, reset_after = op.l.module.grant(key, op.l, now, op.grant, op.want, op.cap, op.ttl)
+    local b = #out
+    out[b + 1], out[b + 2], out[b + 3], out[b + 4] = amount, until_, remaining, reset_after
+  end
+  return out
 end

@@ -1,7 +1,8 @@
--- Reservations: costs known only after the response (an LLM's tokens). Mirrors
--- src/algorithm/reservation.rs. A rule that reserves (its parameters end in ":ttl_us") is
--- decided by its algorithm's module wrapped by `sluice.reserving(inner)`, with the same
--- read/check/consume interface.
+-- Holds against a rate algorithm: reservations of costs known only after the response (an LLM's
+-- tokens; src/algorithm/reservation.rs) and quota leases held by enforcers
+-- (src/algorithm/lease.rs). A rule that reserves (its parameters end in ":ttl_us") or is leased
+-- (":L") is decided by its algorithm's module wrapped by `sluice.reserving(inner)`, with the
+-- same read/check/consume interface, plus `settle` and, for leases, `grant`.
 --
 -- State: the algorithm's own state at the key, as for any rule (what settled costs consumed),
 -- plus the live reservations in a hash at the reservation key (the state key with "}:" made
@@ -135,6 +136,65 @@ function sluice.reserving(inner)
       inner.consume(key, ktype, counted, l, now, actual, '')
     end
     return 1
+  end
+
+  -- Grants a lease under `hold` at `key` (lua/check.lua `lease`; mirrors `grant` in
+  -- src/algorithm/lease.rs): what fits of `want`, within `cap` with the key's live holds and
+  -- within what the algorithm admits beside them; a window lease ends with its window. Returns
+  -- the amount granted (0: nothing written), the lease's end, and the key's remaining and
+  -- reset_after once granted.
+  function m.grant(key, l, now, hold, want, cap, ttl)
+    local s, ktype = m.read(key)
+    local outstanding = 0
+    for _, h in ipairs(s.holds) do
+      if h.until_ > now then
+        outstanding = outstanding + h.amount
+      end
+    end
+    local room = math.min(math.max(cap - outstanding, 0), want)
+    local ok, remaining, reset_after = m.check(l, s, now, 0)
+    local amount = 0
+    if ok then
+      amount = math.min(room, remaining)
+    end
+    if amount > 0 and not m.check(l, s, now, amount) then
+      amount = 0
+    end
+    -- The holder stops at `stop`; the store holds the units until `until_` (the window's end for
+    -- the window algorithms, so a vanished holder's units never come back inside their window).
+    local stop = now + ttl
+    local until_ = stop
+    if l.algo == 4 or l.algo == 6 then
+      until_ = idiv(now, l.per) * l.per + l.per
+      stop = math.min(stop, until_)
+    end
+    if amount == 0 or hold == '' or stop <= now then
+      return 0, now, remaining, reset_after
+    end
+    if s.rtype == 'other' then
+      redis.call('DEL', s.rkey)
+    end
+    local latest, stored = until_, amount
+    local live = {}
+    for _, h in ipairs(s.holds) do
+      if h.until_ <= now then
+        redis.call('HDEL', s.rkey, h.id)
+      else
+        if h.id == hold then
+          -- A second grant under one id adds to the first, keeping its end (as in Rust).
+          stored, until_ = stored + h.amount, h.until_
+        else
+          live[#live + 1] = h
+        end
+        latest = math.max(latest, h.until_)
+      end
+    end
+    redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(stored))
+    redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
+    live[#live + 1] = { id = hold, until_ = until_, amount = stored }
+    s.holds = live
+    local _, left, reset = m.check(l, s, now, 0)
+    return amount, stop, left, reset
   end
 
   reserving_by_inner[inner] = m

@@ -14,6 +14,7 @@
 pub mod concurrency;
 mod fixed_window;
 mod gcra;
+pub mod lease;
 pub mod reservation;
 mod sliding_counter;
 mod sliding_log;
@@ -163,6 +164,12 @@ pub enum LimitError {
     ReservationWithShaping,
     #[error("the reservation's ttl must be between 1s and 1d")]
     ReservationTtlOutOfRange,
+    #[error("{0} cannot be leased: a lease hands out units of a count, and {0} admits by {1}; use consistency: exact")]
+    LeaseNotApplicable(Algorithm, &'static str),
+    #[error(
+        "a cost known after the response cannot be leased: its holder would not know what it spent; use consistency: exact"
+    )]
+    LeaseWithReservation,
 }
 
 /// A validated limit, ready for the algorithms. Build it with [`Limit::new`].
@@ -179,6 +186,9 @@ pub struct Limit {
     /// Set when a request's cost is known only after its response ([`reservation`]): how long an
     /// unsettled reservation holds its estimate.
     reservation_ttl: Option<Micros>,
+    /// Set when enforcers may hold quota leases of this limit ([`lease`]): the store counts the
+    /// leases held against it.
+    leased: bool,
 }
 
 impl Limit {
@@ -235,7 +245,7 @@ impl Limit {
         if burst.saturating_mul(interval) > MAX_EXACT / 4 {
             return Err(LimitError::BucketTooLarge);
         }
-        Ok(Limit { algorithm, requests, per, burst, max_delay, interval, reservation_ttl: None })
+        Ok(Limit { algorithm, requests, per, burst, max_delay, interval, reservation_ttl: None, leased: false })
     }
 
     /// This limit for costs known only after the response: admission reserves an estimate for at
@@ -247,11 +257,37 @@ impl Limit {
         if self.max_delay.is_some() {
             return Err(LimitError::ReservationWithShaping);
         }
+        if self.leased {
+            return Err(LimitError::LeaseWithReservation);
+        }
         if !(1_000_000..=86_400_000_000).contains(&ttl) {
             return Err(LimitError::ReservationTtlOutOfRange);
         }
         self.reservation_ttl = Some(ttl);
         Ok(self)
+    }
+
+    /// This limit with quota leases ([`lease`]): enforcers may hold slices of a key's quota.
+    pub fn leasing(mut self) -> Result<Limit, LimitError> {
+        let why = match self.algorithm {
+            Algorithm::SlidingWindowLog => Some("the time of each request it admitted"),
+            Algorithm::Concurrency => Some("the requests in progress"),
+            Algorithm::LeakyBucket if self.max_delay.is_some() => Some("delaying each request (maxDelay)"),
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(LimitError::LeaseNotApplicable(self.algorithm, why));
+        }
+        if self.reservation_ttl.is_some() {
+            return Err(LimitError::LeaseWithReservation);
+        }
+        self.leased = true;
+        Ok(self)
+    }
+
+    /// Whether enforcers may hold quota leases of this limit.
+    pub fn leased(&self) -> bool {
+        self.leased
     }
 
     /// How long an unsettled reservation lasts; `None` for a limit whose cost is known up front.
@@ -352,7 +388,9 @@ pub enum State {
 
 /// Decides whether `cost` may pass now, without changing anything.
 pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> Decision {
-    if limit.reservation_ttl.is_some() {
+    // Holds count whatever the limit says now: leases and reservations taken before an edit
+    // still hold their units until they end.
+    if limit.reservation_ttl.is_some() || matches!(state, Some(State::Reserved(_))) {
         return reservation::check(limit, state, now, cost);
     }
     check_counted(limit, reservation::counted(state), now, cost)

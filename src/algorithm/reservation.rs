@@ -110,16 +110,25 @@ fn take(state: &mut Option<State>) -> (Option<State>, Vec<Hold>) {
 /// Admits `estimate` under `hold` (a reservation for the limit's ttl); with hold 0, consumes it
 /// at once. Returns when the key is pristine again.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estimate: u64, hold: HoldId) -> Micros {
-    let (mut counted, mut holds) = take(state);
-    holds.retain(|h| h.until > now);
     match limit.reservation_ttl() {
-        Some(ttl) if hold != 0 => match holds.iter_mut().find(|h| h.id == hold) {
-            Some(held) => held.amount = held.amount.saturating_add(estimate),
-            None => holds.push(Hold { id: hold, until: now + ttl, amount: estimate }),
-        },
+        Some(ttl) if hold != 0 => hold_units(limit, state, now, Hold { id: hold, until: now + ttl, amount: estimate }),
         _ => {
+            let (mut counted, mut holds) = take(state);
+            holds.retain(|h| h.until > now);
             super::apply_counted(limit, &mut counted, now, estimate, 0);
+            store(limit, state, counted, holds, now)
         }
+    }
+}
+
+/// Adds `new` to the key's holds (a second hold under one id adds its amount to the first,
+/// keeping the first's end), dropping those that ran out. Returns when the key is pristine.
+pub(super) fn hold_units(limit: &Limit, state: &mut Option<State>, now: Micros, new: Hold) -> Micros {
+    let (counted, mut holds) = take(state);
+    holds.retain(|h| h.until > now);
+    match holds.iter_mut().find(|h| h.id == new.id) {
+        Some(held) => held.amount = held.amount.saturating_add(new.amount),
+        None => holds.push(new),
     }
     store(limit, state, counted, holds, now)
 }

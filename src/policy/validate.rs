@@ -272,6 +272,7 @@ pub(crate) fn build_limit(
                     LimitError::ReservationNotApplicable(_) => "algorithm",
                     LimitError::ReservationWithShaping => "maxDelay",
                     LimitError::ReservationTtlOutOfRange => "responseCost.reservationTtl",
+                    LimitError::LeaseNotApplicable(..) | LimitError::LeaseWithReservation => "consistency",
                 };
                 errs.push(format!("{path}.{field}"), e.to_string());
                 match e {

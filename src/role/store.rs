@@ -256,6 +256,18 @@ impl Store for Backend {
         }
     }
 
+    async fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[crate::store::LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
+        match self {
+            Backend::Memory(store) => store.lease_for(namespace, now, ops).await,
+            Backend::Redis(store) => Store::lease_for(&**store, namespace, now, ops).await,
+        }
+    }
+
     fn status(&self) -> StoreStatus {
         match self {
             Backend::Memory(store) => store.status(),

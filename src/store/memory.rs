@@ -660,6 +660,65 @@ impl MemoryStore {
         found
     }
 
+    /// Runs each of `ops` at `now` (see [`super::LeaseOp`]): settles the lease the holder had,
+    /// then grants it a new one; each key under its own shard's lock. New keys are charged to
+    /// `namespace` under the key cap.
+    pub fn lease_at(
+        &self,
+        namespace: &str,
+        now: Micros,
+        ops: &[super::LeaseOp<'_>],
+    ) -> Vec<algorithm::lease::LeaseGrant> {
+        let scope = self.scope(namespace);
+        ops.iter()
+            .map(|op| {
+                let slot = self.slot_key(scope, op.rule, op.key);
+                let mut table = self.shards[self.shard_of(slot)].table.lock();
+                let table = &mut *table;
+                let mut state = None;
+                let mut before = 0;
+                if let Some(entry) = table.slots.get_mut(&slot) {
+                    before = units_of(&entry.state);
+                    state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
+                }
+                if let Some((hold, used)) = op.settle {
+                    algorithm::settle(op.limit, &mut state, now, hold, used);
+                }
+                let granted = match op.ask {
+                    Some(ask) => algorithm::lease::grant(op.limit, &mut state, now, ask).0,
+                    None => algorithm::lease::LeaseGrant {
+                        amount: 0,
+                        until: now,
+                        after: algorithm::check(op.limit, state.as_ref(), now, 0),
+                    },
+                };
+                // Whatever the operations left, kept until it is pristine (a settle of the
+                // last lease may leave nothing).
+                let pristine_at = state.as_ref().map(|s| {
+                    let mut probe = Some(s.clone());
+                    algorithm::apply(op.limit, &mut probe, now, 0).max(algorithm::lease::holds_end(s))
+                });
+                match (state, pristine_at) {
+                    (Some(state), Some(expires_at)) if expires_at > now => {
+                        let after = units_of(&state);
+                        let existed = table.slots.contains_key(&slot);
+                        if !existed && table.units + after > self.shard_capacity {
+                            self.make_room(table, now, slot.scope(), after);
+                        }
+                        table.slots.insert(slot, Entry { state, expires_at });
+                        table.units = (table.units + after).saturating_sub(if existed { before } else { 0 });
+                    }
+                    _ => {
+                        if table.slots.remove(&slot).is_some() {
+                            table.units = table.units.saturating_sub(before);
+                        }
+                    }
+                }
+                granted
+            })
+            .collect()
+    }
+
     /// Drops every entry whose state is pristine at `now`; returns how many. Run periodically so
     /// idle keys do not linger until their shard fills.
     pub fn sweep_expired(&self, now: Micros) -> usize {
@@ -781,6 +840,15 @@ impl Store for MemoryStore {
         hold: algorithm::HoldId,
     ) -> Result<u64, StoreError> {
         Ok(self.settle_at(now.unwrap_or_else(|| self.clock.now()), settles, hold))
+    }
+
+    async fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[super::LeaseOp<'_>],
+    ) -> Result<Vec<algorithm::lease::LeaseGrant>, StoreError> {
+        Ok(self.lease_at(namespace, now.unwrap_or_else(|| self.clock.now()), ops))
     }
 
     fn status(&self) -> super::StoreStatus {

@@ -17,6 +17,7 @@ pub mod tenants;
 
 use std::future::Future;
 
+use crate::algorithm::lease::{LeaseAsk, LeaseGrant};
 use crate::algorithm::{Decision, HoldId, Limit, Micros};
 
 pub use crate::rule::{RuleCheck, RuleId};
@@ -30,6 +31,17 @@ pub struct Settle<'a> {
     pub key: &'a [u8],
     /// A reservation's actual cost; ignored for a concurrency slot, which is given back.
     pub cost: u64,
+}
+
+/// One key's quota-lease operation for a holder ([`crate::algorithm::lease`]): settle the lease it
+/// had (hold id, units spent), then ask for a new one. Either may be absent.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseOp<'a> {
+    pub rule: RuleId,
+    pub limit: &'a Limit,
+    pub key: &'a [u8],
+    pub settle: Option<(HoldId, u64)>,
+    pub ask: Option<LeaseAsk>,
 }
 
 /// The decision for a whole request.
@@ -135,6 +147,22 @@ pub trait Store: Send + Sync + 'static {
         hold: HoldId,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Runs each of `ops` in `namespace` (each key atomically, the keys independently): the
+    /// lease it settles is settled as [`Store::settle_for`] would (idempotent: a lease already
+    /// settled or ended charges nothing), then a new one is granted
+    /// ([`crate::algorithm::lease::grant`]). One grant per op, `amount` 0 where none was asked
+    /// or none fits. `now` as for [`Store::check`]. A store that cannot lease (the default)
+    /// grants nothing, so every decision of its leased rules stays exact.
+    fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[LeaseOp<'_>],
+    ) -> impl Future<Output = Result<Vec<LeaseGrant>, StoreError>> + Send {
+        let _ = (namespace, now);
+        std::future::ready(Ok(vec![LeaseGrant::default(); ops.len()]))
+    }
+
     /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
     fn status(&self) -> StoreStatus {
         StoreStatus::default()
@@ -236,6 +264,15 @@ impl<T: Store> Store for std::sync::Arc<T> {
         hold: HoldId,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send {
         (**self).settle_for(namespace, now, settles, hold)
+    }
+
+    fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[LeaseOp<'_>],
+    ) -> impl Future<Output = Result<Vec<LeaseGrant>, StoreError>> + Send {
+        (**self).lease_for(namespace, now, ops)
     }
 
     fn status(&self) -> StoreStatus {

@@ -31,8 +31,8 @@ use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
 use super::redis_batches::{self, Batches, Decide, Outcome};
 pub use super::redis_library::{
-    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE,
-    SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
+    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE, LIBRARY_SOURCE,
+    MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
 };
 use super::redis_library::{function_missing, functions_unsupported};
 pub use super::redis_primary::SentinelEndpoint;
@@ -45,6 +45,7 @@ use crate::clock::{Clock, SystemClock};
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
 static SETTLE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SETTLE_SCRIPT_SOURCE));
+static LEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&LEASE_SCRIPT_SOURCE));
 
 /// Where Redis is.
 #[derive(Clone, PartialEq, Eq)]
@@ -434,6 +435,48 @@ impl RedisStore {
         }
     }
 
+    /// Runs a holder's quota-lease operations in the slot of `tag` (see `lease` in
+    /// lua/check.lua). Bounded by the store's deadline and, like decisions, by the namespace's
+    /// breaker: a holder whose store is down spends what it holds, then its rules'
+    /// `onStoreFailure` decide.
+    pub async fn lease_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        ops: &[super::LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<Vec<u8>> = ops.iter().map(|op| keys::state_key(tag, op.rule, op.key)).collect();
+        let tenant = self.tenants.of(tag, self.clock.now());
+        let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
+            return Err(StoreError::Unavailable("circuit breaker open".into()));
+        };
+        let _lane = tenant.enter(ops.len(), self.timeout).await?;
+        let args = lease_args(now, ops);
+        let outcome =
+            tokio::time::timeout(self.timeout, self.call(&LEASE_FUNCTION_NAME, &LEASE_SCRIPT, &keys, &args)).await;
+        let reply = match outcome {
+            Err(_) => {
+                let error = StoreError::Timeout(self.timeout.as_millis() as u64);
+                self.tell(tag, permit.failure(self.clock.now()), &error);
+                return Err(error);
+            }
+            Ok(Err(error)) => {
+                let (error, store_down) = classify(&error);
+                let now = self.clock.now();
+                self.tell(tag, if store_down { permit.failure(now) } else { permit.success(now) }, &error);
+                return Err(error);
+            }
+            Ok(Ok(reply)) => {
+                self.tell(tag, permit.success(self.clock.now()), &StoreError::Unavailable(String::new()));
+                reply
+            }
+        };
+        parse_lease_reply(&reply, ops.len())
+    }
+
     /// Says so in the log when the breaker opens (the store just became unusable: every rule's
     /// `onStoreFailure` decides now) or closes again; metrics and `/v1/snapshot` show the state,
     /// but someone reading the log must not have to guess.
@@ -520,6 +563,15 @@ impl RedisStore {
             args.push("1".into());
         }
         self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args).await?;
+        // A quota lease granted and returned, as an enforcer does.
+        if let Some(leased) = limit(Algorithm::FixedWindow).ok().and_then(|l| l.leasing().ok()) {
+            let ask = crate::algorithm::lease::LeaseAsk { hold, want: 1, cap: 1, ttl: MICROS_PER_SECOND };
+            let op = |settle, ask| super::LeaseOp { rule: 99, limit: &leased, key: b"probe", settle, ask };
+            let keys = vec![keys::state_key(keys::PROBE_TAG, 99, b"probe")];
+            self.call(&LEASE_FUNCTION_NAME, &LEASE_SCRIPT, &keys, &lease_args(None, &[op(None, Some(ask))])).await?;
+            self.call(&LEASE_FUNCTION_NAME, &LEASE_SCRIPT, &keys, &lease_args(None, &[op(Some((hold, 0)), None)]))
+                .await?;
+        }
         Ok(())
     }
 
@@ -722,6 +774,15 @@ impl Store for RedisStore {
         self.settle_tagged(namespace, now, settles, hold).await
     }
 
+    async fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[super::LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
+        self.lease_tagged(namespace, now, ops).await
+    }
+
     fn status(&self) -> super::StoreStatus {
         let breakers_by_namespace = self.tenants.open_breakers(self.clock.now());
         super::StoreStatus {
@@ -818,7 +879,55 @@ pub fn rule_params(limit: &crate::algorithm::Limit, enforce: bool) -> String {
     if let Some(ttl) = limit.reservation_ttl() {
         let _ = write!(params, ":{ttl}");
     }
+    if limit.leased() {
+        params.push_str(":L");
+    }
     params
+}
+
+/// ARGV of the lease call (lua/check.lua `lease`): `now`, then seven per key.
+pub fn lease_args(now: Option<Micros>, ops: &[super::LeaseOp<'_>]) -> Vec<String> {
+    let hold = |h: crate::algorithm::HoldId| if h == 0 { String::new() } else { h.to_string() };
+    let mut args = Vec::with_capacity(1 + 7 * ops.len());
+    args.push(now.map_or_else(String::new, |n| n.to_string()));
+    for op in ops {
+        args.push(rule_params(op.limit, true));
+        let (settled, used) = op.settle.unwrap_or((0, 0));
+        args.push(hold(settled));
+        args.push(used.to_string());
+        let ask = op.ask.unwrap_or(crate::algorithm::lease::LeaseAsk { hold: 0, want: 0, cap: 0, ttl: 0 });
+        args.push(hold(ask.hold));
+        args.push(ask.want.to_string());
+        args.push(ask.cap.to_string());
+        args.push(ask.ttl.to_string());
+    }
+    args
+}
+
+/// Interprets the lease call's reply: four integers per key (granted, until_us, remaining,
+/// reset_after_us).
+pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("expected an array reply to lease, got {}", value_kind(reply))));
+    };
+    if items.len() != 4 * ops {
+        return Err(StoreError::Protocol(format!("lease answered {} values for {ops} keys", items.len())));
+    }
+    let int = |v: &Value| match v {
+        Value::Int(n) if *n >= 0 => Ok(*n as u64),
+        other => Err(StoreError::Protocol(format!("lease answered {}", value_kind(other)))),
+    };
+    items
+        .chunks(4)
+        .map(|c| {
+            let remaining = int(&c[2])?;
+            Ok(crate::algorithm::lease::LeaseGrant {
+                amount: int(&c[0])?,
+                until: int(&c[1])?,
+                after: Decision { allowed: true, remaining, reset_after: int(&c[3])?, retry_after: None, delay: 0 },
+            })
+        })
+        .collect()
 }
 
 /// Interprets the script's reply: `{allowed, then per rule: allowed, remaining, reset_after_us,
@@ -1058,7 +1167,7 @@ mod tests {
         assert!(
             LIBRARY_SOURCE
                 .trim_end()
-                .ends_with(&format!("redis.register_function('{}_settle', settle)", &*FUNCTION_NAME))
+                .ends_with(&format!("redis.register_function('{}_lease', lease)", &*FUNCTION_NAME))
         );
         assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
     }

@@ -32,14 +32,18 @@ pub static MANY_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_m
 /// [`FUNCTION_NAME`] with `_settle`: `settle`, a request's holds given back or settled.
 pub static SETTLE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_settle", &*FUNCTION_NAME));
 
+/// [`FUNCTION_NAME`] with `_lease`: `lease`, a holder's quota leases settled and granted.
+pub static LEASE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_lease", &*FUNCTION_NAME));
+
 /// What FUNCTION LOAD takes: the code registering `decide` as [`FUNCTION_NAME`], `decide_many`
 /// as [`MANY_FUNCTION_NAME`] and `settle` as [`SETTLE_FUNCTION_NAME`].
 pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
     let name = &*FUNCTION_NAME;
     let many = &*MANY_FUNCTION_NAME;
     let settle = &*SETTLE_FUNCTION_NAME;
+    let lease = &*LEASE_FUNCTION_NAME;
     format!(
-        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\n"
+        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\nredis.register_function('{lease}', lease)\n"
     )
 });
 
@@ -55,6 +59,13 @@ pub static SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
 pub static SETTLE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn settle(KEYS, ARGV)\n"
+    )
+});
+
+/// `lease` as a script, for Redis before 7.0.
+pub static LEASE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn lease(KEYS, ARGV)\n"
     )
 });
 

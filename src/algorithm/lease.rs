@@ -1,0 +1,195 @@
+//! Quota leases: a slice of a key's remaining quota handed to an enforcer, which spends it with no
+//! store call and settles what it spent.
+//!
+//! The third use of the stores' holds (after [`super::concurrency`]'s slots and
+//! [`super::reservation`]'s estimates), and a thin one: a lease is a reservation whose holder is
+//! an enforcer instead of a request. A lease of `amount` under hold id `h` counts against the
+//! limit from its grant like any reservation (`used + reserved` must fit); the holder admits up
+//! to `amount` requests locally before `until`; settling `h` with what it spent consumes that
+//! from the algorithm's state and frees the rest. What a lease adds to a reservation:
+//!
+//! - **A bound on what is out.** A grant never takes the live holds of the key past `cap`, the
+//!   rule's declared overshoot bound: whatever happens to the holders, at most `cap` units are
+//!   spent outside the store's view at any moment.
+//! - **An end inside the window.** For the window algorithms a lease ends with the window it was
+//!   granted in, so a lease never carries one window's quota into the next; and the store holds
+//!   its units until that window ends unless it is settled, so a holder that vanished can cost
+//!   capacity, never admit over the limit.
+//! - **A partial grant.** A holder asks for what its observed rate needs; it gets what fits,
+//!   possibly less, possibly nothing (then its requests are decided by the store, exactly).
+//!
+//! Why the bound holds. While the holders settle before their leases end, every unit they spend
+//! was held by a live lease when it was spent, so `used + spent-but-unsettled ≤ used + reserved`,
+//! which the admission rule keeps within the limit: leased decisions admit what exact ones would
+//! (for the bucket algorithms, held units are subtracted from a level capped at the burst, which
+//! is at least as strict as consuming them at the grant). Units are lost from the count only
+//! when a lease ends unsettled after its holder spent from it (a crash, a partition, a pause
+//! longer than the holder's margin): those units were held, and the holds of a key never exceed
+//! `cap`. For the fixed window even that costs nothing (the units stay held to the window's end); for the
+//! sliding counter the next window's estimate misses at most `cap`; for the token bucket and
+//! GCRA at most `cap` per lease lifetime. docs/leasing.md gives the argument per algorithm.
+
+use super::{Algorithm, Decision, Hold, HoldId, Limit, Micros, State, check, reservation};
+
+/// What a holder asks of one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseAsk {
+    /// The new lease's id (never 0), chosen by the holder.
+    pub hold: HoldId,
+    /// Units wanted.
+    pub want: u64,
+    /// The most the key's live holds may add up to: the rule's overshoot bound.
+    pub cap: u64,
+    /// The longest a lease lasts (the rule's staleness); window algorithms end it sooner.
+    pub ttl: Micros,
+}
+
+/// What a grant gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LeaseGrant {
+    /// Units granted (0: none, and nothing was written).
+    pub amount: u64,
+    /// When the holder must stop spending the lease, on the store's clock (`now` when nothing
+    /// was granted).
+    pub until: Micros,
+    /// The key's state after the grant, as a decision of cost 0 (what a caller would be told).
+    pub after: Decision,
+}
+
+/// When a lease granted at `now` ends for its holder, and when the store lets its units go
+/// unless settled sooner: `now + ttl` for both, except that for the window algorithms the holder
+/// stops by the end of `now`'s window and the store holds the units until then, so a lease whose
+/// holder vanished never frees its window's units inside that window.
+pub fn lease_end(limit: &Limit, now: Micros, ttl: Micros) -> (Micros, Micros) {
+    let end = now.saturating_add(ttl);
+    match limit.algorithm() {
+        Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => {
+            let window_end = now - now % limit.per() + limit.per();
+            (end.min(window_end), window_end)
+        }
+        _ => (end, end),
+    }
+}
+
+/// Grants what fits of `ask` at `now`: at most `want`, within `cap` with the key's other live
+/// holds, and within what the algorithm would admit beside them. Returns the grant and, when it
+/// wrote, when the key is pristine again.
+pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAsk) -> (LeaseGrant, Option<Micros>) {
+    let outstanding = reservation::reserved(state.as_ref(), now);
+    let room = ask.cap.saturating_sub(outstanding).min(ask.want);
+    let free = check(limit, state.as_ref(), now, 0);
+    let mut amount = if free.allowed { room.min(free.remaining) } else { 0 };
+    // `remaining` is what costs of 1 may still take; one lease of that much must fit too.
+    if amount > 0 && !check(limit, state.as_ref(), now, amount).allowed {
+        amount = 0;
+    }
+    let (until, held_until) = lease_end(limit, now, ask.ttl);
+    if amount == 0 || ask.hold == 0 || until <= now {
+        return (LeaseGrant { amount: 0, until: now, after: free }, None);
+    }
+    let pristine = reservation::hold_units(limit, state, now, Hold { id: ask.hold, until: held_until, amount });
+    let after = check(limit, state.as_ref(), now, 0);
+    (LeaseGrant { amount, until, after }, Some(pristine))
+}
+
+/// The latest end of the holds in `state` (0 when none): the key must live until then.
+pub fn holds_end(state: &State) -> Micros {
+    match state {
+        State::Reserved(r) => r.holds.iter().map(|h| h.until).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::{apply, decide, settle};
+
+    const T0: Micros = 1_699_920_000_000_000; // a whole minute
+    const SEC: Micros = 1_000_000;
+
+    const LEASABLE: [Algorithm; 5] = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowCounter,
+    ];
+
+    fn limit(algorithm: Algorithm, requests: u64) -> Limit {
+        Limit::new(algorithm, requests, 60 * SEC, None, None).unwrap().leasing().unwrap()
+    }
+
+    fn ask(hold: HoldId, want: u64) -> LeaseAsk {
+        LeaseAsk { hold, want, cap: 100, ttl: 10 * SEC }
+    }
+
+    #[test]
+    fn a_grant_takes_what_fits_within_the_cap_and_counts_until_settled() {
+        for algorithm in LEASABLE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            let (g, _) = grant(&l, &mut state, T0, ask(1, 70));
+            assert_eq!(g.amount, 70, "{algorithm}");
+            let (g, _) = grant(&l, &mut state, T0, ask(2, 70));
+            assert_eq!(g.amount, 30, "{algorithm}: the cap of 100 holds 70 already");
+            assert_eq!(grant(&l, &mut state, T0, ask(3, 1)).0.amount, 0, "{algorithm}: the cap is full");
+            assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 900, "{algorithm}: held units count");
+            // The first holder spent 50 of its 70: 50 are consumed, 20 come back.
+            assert!(settle(&l, &mut state, T0 + SEC, 1, 50).0, "{algorithm}");
+            assert!(!settle(&l, &mut state, T0 + SEC, 1, 50).0, "{algorithm}: a second settle charges nothing");
+            assert_eq!(check(&l, state.as_ref(), T0 + SEC, 0).remaining, 1000 - 50 - 30, "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn a_grant_never_takes_more_than_the_limit_has_left() {
+        for algorithm in LEASABLE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            apply(&l, &mut state, T0, 960);
+            let (g, _) = grant(&l, &mut state, T0, ask(1, 100));
+            assert_eq!(g.amount, 40, "{algorithm}");
+            assert_eq!(g.after.remaining, 0, "{algorithm}");
+            assert!(!check(&l, state.as_ref(), T0, 1).allowed, "{algorithm}: the lease holds the rest");
+            assert!(!decide(&l, &mut state, T0, 1).allowed, "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn a_window_lease_ends_with_its_window() {
+        for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            let (g, _) = grant(&l, &mut state, T0 + 55 * SEC, ask(1, 10));
+            assert_eq!(g.until, T0 + 60 * SEC, "{algorithm}");
+        }
+        let l = limit(Algorithm::TokenBucket, 1000);
+        assert_eq!(grant(&l, &mut None, T0 + 55 * SEC, ask(1, 10)).0.until, T0 + 65 * SEC);
+    }
+
+    #[test]
+    fn an_unsettled_lease_frees_its_units_when_it_ends() {
+        let l = limit(Algorithm::TokenBucket, 1000);
+        let mut state = None;
+        grant(&l, &mut state, T0, ask(1, 100));
+        assert_eq!(check(&l, state.as_ref(), T0 + 10 * SEC - 1, 0).remaining, 900);
+        assert_eq!(check(&l, state.as_ref(), T0 + 10 * SEC, 0).remaining, 1000);
+        assert!(!settle(&l, &mut state, T0 + 10 * SEC, 1, 100).0, "a settle after the end charges nothing");
+    }
+
+    #[test]
+    fn hold_zero_or_nothing_left_grants_nothing_and_writes_nothing() {
+        let l = limit(Algorithm::FixedWindow, 10);
+        let mut state = None;
+        assert_eq!(grant(&l, &mut state, T0, ask(0, 5)).0.amount, 0);
+        assert_eq!(state, None);
+        apply(&l, &mut state, T0, 10);
+        let before = state.clone();
+        assert_eq!(
+            grant(&l, &mut state, T0, ask(1, 5)),
+            (LeaseGrant { amount: 0, until: T0, after: check(&l, before.as_ref(), T0, 0) }, None)
+        );
+        assert_eq!(state, before);
+    }
+}
