@@ -327,8 +327,8 @@ end
 -- lease already settled or ended charges nothing), then grants what fits. Each key on its own:
 -- keys need not share a slot's request, only the call's slot. Every argument is checked before
 -- anything is written.
--- Returns four integers per key: units granted (0: none), the lease's end in µs (now when none),
--- and the key's remaining and reset_after_us once granted.
+-- Returns four integers per key: units granted (0: none), how long the holder may spend them
+-- (µs from now; 0 when none), and the key's remaining and reset_after_us once granted.
 local function lease(KEYS, ARGV)
   local now = instant(ARGV[1], {})
   if now == nil or #ARGV ~= 1 + 7 * #KEYS then
@@ -358,9 +358,9 @@ local function lease(KEYS, ARGV)
     if op.settle ~= '' then
       op.l.module.settle(key, op.l, now, op.settle, op.used)
     end
-    local amount, until_, remaining, reset_after = op.l.module.grant(key, op.l, now, op.grant, op.want, op.cap, op.ttl)
+    local amount, lasts, remaining, reset_after = op.l.module.grant(key, op.l, now, op.grant, op.want, op.cap, op.ttl)
     local b = #out
-    out[b + 1], out[b + 2], out[b + 3], out[b + 4] = amount, until_, remaining, reset_after
+    out[b + 1], out[b + 2], out[b + 3], out[b + 4] = amount, lasts, remaining, reset_after
   end
   return out
 end

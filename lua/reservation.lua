@@ -141,8 +141,8 @@ function sluice.reserving(inner)
   -- Grants a lease under `hold` at `key` (lua/check.lua `lease`; mirrors `grant` in
   -- src/algorithm/lease.rs): what fits of `want`, within `cap` with the key's live holds and
   -- within what the algorithm admits beside them; a window lease ends with its window. Returns
-  -- the amount granted (0: nothing written), the lease's end, and the key's remaining and
-  -- reset_after once granted.
+  -- the amount granted (0: nothing written), how long the holder may spend it (µs from now, 0
+  -- when none), and the key's remaining and reset_after once granted.
   function m.grant(key, l, now, hold, want, cap, ttl)
     local s, ktype = m.read(key)
     local outstanding = 0
@@ -169,7 +169,7 @@ function sluice.reserving(inner)
       stop = math.min(stop, until_)
     end
     if amount == 0 or hold == '' or stop <= now then
-      return 0, now, remaining, reset_after
+      return 0, 0, remaining, reset_after
     end
     if s.rtype == 'other' then
       redis.call('DEL', s.rkey)
@@ -194,7 +194,7 @@ function sluice.reserving(inner)
     live[#live + 1] = { id = hold, until_ = until_, amount = stored }
     s.holds = live
     local _, left, reset = m.check(l, s, now, 0)
-    return amount, stop, left, reset
+    return amount, stop - now, left, reset
   end
 
   reserving_by_inner[inner] = m

@@ -290,6 +290,7 @@ fn rule_for(
         refusal: None,
         retry_after_jitter: None,
         response_cost: None,
+        consistency: None,
     })
 }
 

@@ -15,6 +15,7 @@ pub mod duration;
 pub mod operator;
 pub mod overload;
 pub mod policy;
+pub mod quota_leases;
 pub mod redirect;
 pub mod request;
 pub mod role;

@@ -297,6 +297,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
+    let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let auth = Auth::new(verifiers);
     let grpc_server = grpc_listener.map(|listener| {
@@ -320,7 +321,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(grpc_server) = grpc_server {
         grpc_server.await?.context("gRPC server failed")?;
     }
-    let _ = tokio::join!(watcher, sweeper);
+    let _ = tokio::join!(watcher, sweeper, lease_keeper);
     if let Some(token_watcher) = token_watcher {
         let _ = token_watcher.await;
     }

@@ -26,6 +26,15 @@ pub fn long_key_digest(key: &[u8]) -> String {
     })
 }
 
+/// A leased rule's terms (`consistency: leased`; [`crate::algorithm::lease`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leasing {
+    /// The most units of a key out in slices at once: the most it can admit over its limit.
+    pub max_overshoot: u64,
+    /// The longest a slice is decided from without asking the store (µs).
+    pub staleness: crate::algorithm::Micros,
+}
+
 /// One rule's part in a request.
 #[derive(Clone, Copy, Debug)]
 pub struct RuleCheck<'a> {

@@ -127,6 +127,15 @@ pub struct Metrics {
     /// Rules that hold capacity (concurrency) matched where nothing can release it, so not
     /// decided there, by entry point.
     pub holding_rules_skipped: Family<ApiLabels, Counter>,
+    /// Quota leases (`consistency: leased`): requests of leased rules by who decided them
+    /// (`admitted_locally`, `refused_locally`, `store`), renewals by outcome (`granted`,
+    /// `empty`, `failed`), units by what became of them (`granted`, `spent`, `returned`), and
+    /// the slices held now with their unspent units.
+    pub lease_requests: Family<KindLabels, Counter>,
+    pub lease_renewals: Family<ResultLabels, Counter>,
+    pub lease_units: Family<KindLabels, Counter>,
+    pub leases_held: Gauge,
+    pub lease_units_held: Gauge,
     /// Serializes [`Metrics::record_store_status`] so concurrent scrapes add each eviction once.
     record_lock: parking_lot::Mutex<()>,
     /// (policy, rule) of the decision series in `decisions`, for [`Metrics::retain_rules`].
@@ -340,9 +349,40 @@ impl Metrics {
             "NetworkPolicies admitting ingress to injected pods only on the sidecar's ports, applied by this replica",
             network_policies_applied.clone(),
         );
+        let lease_requests = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "quota_lease_requests",
+            "Requests whose every rule is consistency: leased, by who decided them (kind: admitted_locally from a slice held here, refused_locally because the store had nothing left, store)",
+            lease_requests.clone(),
+        );
+        let lease_renewals = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "quota_lease_renewals",
+            "Store calls asking for slices of hot keys' quota, by result (granted, empty: nothing granted, failed)",
+            lease_renewals.clone(),
+        );
+        let lease_units = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "quota_lease_units",
+            "Units of quota by what became of them (kind: granted to this replica, spent from slices, returned unspent)",
+            lease_units.clone(),
+        );
+        let leases_held = Gauge::default();
+        registry.register("quota_leases_held", "Slices of quota this replica holds now", leases_held.clone());
+        let lease_units_held = Gauge::default();
+        registry.register(
+            "quota_lease_units_held",
+            "Units of quota held in slices here and not yet spent: with every replica's, at most the rules' maxOvershoot per key",
+            lease_units_held.clone(),
+        );
         let responses_ok = responses.get_or_create_owned(&StatusLabels { status: 200 });
         Metrics {
             registry,
+            lease_requests,
+            lease_renewals,
+            lease_units,
+            leases_held,
+            lease_units_held,
             decisions,
             reservation_cost,
             responses,
@@ -395,6 +435,27 @@ impl Metrics {
         if let Some(batches) = status.batches {
             self.redis_batched_calls.inc_by(batches.calls.saturating_sub(self.redis_batched_calls.get()));
             self.redis_batched_decisions.inc_by(batches.decisions.saturating_sub(self.redis_batched_decisions.get()));
+        }
+        if let Some(leases) = status.quota_leases {
+            let bring_up = |counter: &Counter, total: u64| counter.inc_by(total.saturating_sub(counter.get()));
+            for (kind, total) in [
+                ("admitted_locally", leases.admitted_locally),
+                ("refused_locally", leases.refused_locally),
+                ("store", leases.to_store),
+            ] {
+                bring_up(&self.lease_requests.get_or_create(&KindLabels { kind }), total);
+            }
+            let failed = leases.renewal_failures;
+            for (result, total) in [("granted", leases.grants), ("empty", leases.empty_grants), ("failed", failed)] {
+                bring_up(&self.lease_renewals.get_or_create(&ResultLabels { result }), total);
+            }
+            for (kind, total) in
+                [("granted", leases.units_granted), ("spent", leases.units_spent), ("returned", leases.units_returned)]
+            {
+                bring_up(&self.lease_units.get_or_create(&KindLabels { kind }), total);
+            }
+            self.leases_held.set(leases.held as i64);
+            self.lease_units_held.set(leases.units_held as i64);
         }
         // Namespaces no longer counted lose their series.
         self.redis_keys.clear();

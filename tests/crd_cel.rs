@@ -193,3 +193,23 @@ fn response_cost_policies_pass_cel_and_their_mistakes_are_caught() {
         cel_errors(&rule("{fields: [a], estimate: {constant: 1}, reservationTtl: soon}")).contains("reservationTtl")
     );
 }
+
+#[test]
+fn leased_policies_pass_cel_and_their_mistakes_are_caught() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/leasing");
+    for loaded in sluice::policy::load_paths(&[dir]).expect("examples load") {
+        if let Err(e) = validate_cel(&loaded.policy) {
+            panic!("{}: {e:?}", loaded.file.display());
+        }
+    }
+    let rule = |consistency: &str| {
+        format!(
+            "  rules:\n  - name: t\n    algorithm: fixedWindow\n    limit: {{requests: 1000, per: 1m}}\n    consistency: {consistency}\n"
+        )
+    };
+    assert_eq!(cel_errors(&rule("{mode: leased, maxOvershoot: '2%'}")), "");
+    assert_eq!(cel_errors(&rule("{mode: exact}")), "");
+    assert!(cel_errors(&rule("{mode: leased}")).contains("leased needs maxOvershoot"));
+    assert!(cel_errors(&rule("{mode: exact, maxOvershoot: '5'}")).contains("apply to consistency: leased only"));
+    assert!(cel_errors(&rule("{mode: leased, maxOvershoot: '2%', maxStaleness: soon}")).contains("maxStaleness"));
+}

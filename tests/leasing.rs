@@ -77,7 +77,7 @@ async fn redis_grants_and_decides_as_the_rust_algorithms_do() {
                 let ops = [LeaseOp { rule, limit, key: key.as_bytes(), settle, ask }];
                 let from_memory = memory.lease_for("default", Some(now), &ops).await.unwrap();
                 let from_redis = redis.lease_for("default", Some(now), &ops).await.unwrap();
-                let visible = |g: &LeaseGrant| (g.amount, g.until, g.after.remaining, g.after.reset_after);
+                let visible = |g: &LeaseGrant| (g.amount, g.lasts, g.after.remaining, g.after.reset_after);
                 assert_eq!(
                     visible(&from_redis[0]),
                     visible(&from_memory[0]),
@@ -215,7 +215,7 @@ fn play(limit: &Limit, cap: u64, ttl: Micros, skew: Micros, holders: usize, even
                 let ask = LeaseAsk { hold: next_hold, want, cap, ttl };
                 let grant = store.lease_at("default", now, &[op(settle, Some(ask))])[0];
                 if grant.amount > 0 {
-                    hs[holder].lease = Some((next_hold, grant.amount, 0, grant.until));
+                    hs[holder].lease = Some((next_hold, grant.amount, 0, now + grant.lasts));
                 }
             }
         }

@@ -49,9 +49,10 @@ pub struct LeaseAsk {
 pub struct LeaseGrant {
     /// Units granted (0: none, and nothing was written).
     pub amount: u64,
-    /// When the holder must stop spending the lease, on the store's clock (`now` when nothing
-    /// was granted).
-    pub until: Micros,
+    /// How long from the grant the holder may spend it (0 when nothing was granted): relative,
+    /// so the holder measures it on its own clock from when it asked, which can only end it
+    /// early, whatever the clocks' offset.
+    pub lasts: Micros,
     /// The key's state after the grant, as a decision of cost 0 (what a caller would be told).
     pub after: Decision,
 }
@@ -85,11 +86,11 @@ pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAs
     }
     let (until, held_until) = lease_end(limit, now, ask.ttl);
     if amount == 0 || ask.hold == 0 || until <= now {
-        return (LeaseGrant { amount: 0, until: now, after: free }, None);
+        return (LeaseGrant { amount: 0, lasts: 0, after: free }, None);
     }
     let pristine = reservation::hold_units(limit, state, now, Hold { id: ask.hold, until: held_until, amount });
     let after = check(limit, state.as_ref(), now, 0);
-    (LeaseGrant { amount, until, after }, Some(pristine))
+    (LeaseGrant { amount, lasts: until - now, after }, Some(pristine))
 }
 
 /// The latest end of the holds in `state` (0 when none): the key must live until then.
@@ -162,10 +163,10 @@ mod tests {
             let l = limit(algorithm, 1000);
             let mut state = None;
             let (g, _) = grant(&l, &mut state, T0 + 55 * SEC, ask(1, 10));
-            assert_eq!(g.until, T0 + 60 * SEC, "{algorithm}");
+            assert_eq!(g.lasts, 5 * SEC, "{algorithm}");
         }
         let l = limit(Algorithm::TokenBucket, 1000);
-        assert_eq!(grant(&l, &mut None, T0 + 55 * SEC, ask(1, 10)).0.until, T0 + 65 * SEC);
+        assert_eq!(grant(&l, &mut None, T0 + 55 * SEC, ask(1, 10)).0.lasts, 10 * SEC);
     }
 
     #[test]
@@ -188,7 +189,7 @@ mod tests {
         let before = state.clone();
         assert_eq!(
             grant(&l, &mut state, T0, ask(1, 5)),
-            (LeaseGrant { amount: 0, until: T0, after: check(&l, before.as_ref(), T0, 0) }, None)
+            (LeaseGrant { amount: 0, lasts: 0, after: check(&l, before.as_ref(), T0, 0) }, None)
         );
         assert_eq!(state, before);
     }

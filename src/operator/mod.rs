@@ -331,6 +331,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         }
         _ => tokio::spawn(serve::serve_http(listener, router, limits, stopped.clone())),
     };
+    let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped));
 
     shutdown.await;
@@ -354,7 +355,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     {
         tracing::error!(%error, "gRPC server failed");
     }
-    let _ = tokio::join!(compiler, sweeper, reflectors.task);
+    let _ = tokio::join!(compiler, sweeper, lease_keeper, reflectors.task);
     if let Some(token_watcher) = token_watcher {
         let _ = token_watcher.await;
     }

@@ -95,6 +95,8 @@ pub struct CompiledRule {
     pub(super) retry_after_jitter: Micros,
     /// `responseCost`: the cost is read from the response; admission reserves an estimate.
     pub(super) response_cost: Option<std::sync::Arc<super::response_cost::ResponseCost>>,
+    /// `consistency: leased`: enforcers may decide hot keys from slices of their quota.
+    pub(super) leasing: Option<super::consistency::Leasing>,
 }
 
 #[derive(Debug, Default)]
@@ -251,6 +253,10 @@ impl CompiledRule {
     /// `responseCost`: how the cost is read from the response, and the estimate reserved.
     pub fn response_cost(&self) -> Option<&std::sync::Arc<super::response_cost::ResponseCost>> {
         self.response_cost.as_ref()
+    }
+    /// The rule's lease terms, when it is `consistency: leased`.
+    pub fn leasing(&self) -> Option<super::consistency::Leasing> {
+        self.leasing
     }
     pub fn retry_after_jitter(&self) -> Micros {
         self.retry_after_jitter
@@ -494,6 +500,14 @@ fn compile_rule(
             response_cost = Some(std::sync::Arc::new(cost));
         }
     }
+    let mut leasing = None;
+    if let Some(spec) = &rule.consistency
+        && let Some((leased, terms)) =
+            super::consistency::compile(spec, limit.as_ref(), &format!("{path}.consistency"), &mut errs)
+    {
+        limit = Some(leased);
+        leasing = Some(terms);
+    }
     let matcher = match &rule.matches {
         Some(m) => compile_match(m, &format!("{path}.match"), validated, &mut errs),
         None => RuleMatch::default(),
@@ -521,6 +535,7 @@ fn compile_rule(
         refusal: rule.refusal.as_ref().map(|r| std::sync::Arc::new(DeclaredRefusal::from(r))),
         retry_after_jitter: rule.retry_after_jitter.as_deref().and_then(|j| parse_duration(j).ok()).unwrap_or(0),
         response_cost,
+        leasing,
     })
 }
 

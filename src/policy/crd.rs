@@ -399,6 +399,54 @@ pub struct PolicyRule {
     /// slidingWindowCounter, leakyBucket without maxDelay. See docs/llm.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_cost: Option<ResponseCostSpec>,
+
+    /// How the enforcers (endpoint replicas) share this rule's counters. Absent, or
+    /// `mode: exact`: every decision asks the shared store, and the limit is never exceeded.
+    /// `mode: leased`: an enforcer that sees a key often takes a slice of the key's remaining
+    /// quota from the store and decides from it without a round trip, settling what it spent;
+    /// cold keys stay exact. The units out in slices never exceed `maxOvershoot`, so that is the
+    /// most a key can admit over its limit, and only when enforcers crash or lose the store
+    /// while holding slices (healthy ones settle in time and admit exactly what exact decisions
+    /// would). See docs/leasing.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<ConsistencySpec>,
+}
+
+/// Exact or leased decisions, and the bound of a leased rule.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[x_kube(validation = CelRule::new("self.mode != 'leased' || has(self.maxOvershoot)").message("consistency: leased needs maxOvershoot, the most a key may admit over its limit"))]
+#[x_kube(validation = CelRule::new("self.mode == 'leased' || (!has(self.maxOvershoot) && !has(self.maxStaleness))").message("maxOvershoot and maxStaleness apply to consistency: leased only"))]
+#[serde(rename_all = "camelCase")]
+pub struct ConsistencySpec {
+    /// `exact` (the default) or `leased`.
+    pub mode: ConsistencyMode,
+
+    /// leased: the most units a key may admit over its limit, as a number of requests (`20`) or
+    /// a percentage of the limit (`requests`, or `burst` for the bucket algorithms: `2%`). It
+    /// caps the units out in slices at any moment, so it must come to at least one request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16), regex(pattern = r"^[0-9]{1,10}(\.[0-9]{1,4})?%?$"))]
+    pub max_overshoot: Option<String>,
+
+    /// leased: the longest an enforcer decides from a slice without asking the store, a
+    /// duration between 50ms and 1m; default 1s. A slice of a window algorithm also ends with
+    /// its window. Longer means fewer store calls for a steady key and capacity held longer by
+    /// an enforcer that stops using it.
+    #[x_kube(validation = duration_rule("maxStaleness"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub max_staleness: Option<String>,
+}
+
+/// How a rule's decisions use the shared store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum ConsistencyMode {
+    /// Every decision asks the store.
+    #[default]
+    Exact,
+    /// Hot keys are decided from slices of their quota held by the enforcers.
+    Leased,
 }
 
 /// Most JSON fields a response cost sums.

@@ -5,6 +5,7 @@
 //! Pure: specs in, snapshot out. Nothing here talks HTTP or to the Kubernetes API.
 
 pub mod compile;
+pub mod consistency;
 pub mod crd;
 pub mod explain;
 pub mod load;

@@ -171,12 +171,19 @@ fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: 
         validate_key_part(part, &format!("{path}.key[{j}]"), errs);
     }
     validate_descriptor_keys(rule, path, errs);
-    let limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs);
+    let mut limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs);
     if let Some(spec) = &rule.response_cost {
-        super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), errs);
+        if let Some((reserving, _)) =
+            super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), errs)
+        {
+            limit = Some(reserving);
+        }
         if rule.cost != 1 {
             errs.push(format!("{path}.cost"), "responseCost replaces cost: remove cost".to_string());
         }
+    }
+    if let Some(spec) = &rule.consistency {
+        super::consistency::compile(spec, limit.as_ref(), &format!("{path}.consistency"), errs);
     }
     if let Some(limit) = limit
         && rule.cost > limit.capacity()

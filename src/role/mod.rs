@@ -25,6 +25,9 @@ pub async fn engine(
     let mut engine = Engine::new(built.backend, clock, metrics);
     if args.uses_redis() {
         engine = engine.with_local_fallback(memory.clone(), args.fallback_replicas);
+        if args.quota_lease_keys > 0 {
+            engine = engine.with_quota_leases(args.quota_lease_keys);
+        }
     }
     Ok((Arc::new(engine), memory))
 }

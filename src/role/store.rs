@@ -71,6 +71,11 @@ pub struct StoreArgs {
     /// 1/N of every limit in its own memory until Redis is back.
     #[arg(long, env = "SLUICE_FALLBACK_REPLICAS", default_value_t = 1)]
     pub fallback_replicas: u32,
+    /// Keys of `consistency: leased` rules this replica follows to decide the hot ones from
+    /// slices of their quota (docs/leasing.md); past it, new keys are decided exactly. 0: no
+    /// leases here, every rule exact.
+    #[arg(long, env = "SLUICE_QUOTA_LEASE_KEYS", default_value_t = crate::quota_leases::DEFAULT_MAX_KEYS)]
+    pub quota_lease_keys: usize,
     /// (rule, key) denials kept to answer repeats without Redis until their retry-after (exact:
     /// such a request could not be admitted there either); 0 turns the cache off.
     #[arg(long, env = "SLUICE_REDIS_DENIAL_CACHE", default_value_t = RedisConfig::DEFAULT_DENIAL_CACHE)]

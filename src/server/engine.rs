@@ -17,8 +17,9 @@ use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
+use crate::quota_leases::{Due, LeasedCheck, Local, QuotaLeases};
 use crate::store::memory::MemoryStore;
-use crate::store::{RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
+use crate::store::{LeaseOp, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// Headers to add to the response, in order: Sluice's own (static names) and declared ones.
@@ -202,6 +203,9 @@ pub struct Engine<S> {
     last_error: Mutex<Option<ReloadError>>,
     store: S,
     fallback: Option<LocalFallback>,
+    /// Slices of hot keys' quota held here, for `consistency: leased` rules; `None` when the
+    /// store is this process's memory (every decision is local already).
+    leases: Option<QuotaLeases>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -217,9 +221,17 @@ impl<S: Store> Engine<S> {
             last_error: Mutex::new(None),
             store,
             fallback: None,
+            leases: None,
             clock,
             metrics,
         }
+    }
+
+    /// Lets `consistency: leased` rules decide hot keys from slices of their quota held here
+    /// (following at most `max_keys` keys). Without this every rule is decided exactly.
+    pub fn with_quota_leases(mut self, max_keys: usize) -> Engine<S> {
+        self.leases = Some(QuotaLeases::new(max_keys));
+        self
     }
 
     /// Rules with `onStoreFailure: localFallback` are decided in `store` while the shared store
@@ -243,6 +255,9 @@ impl<S: Store> Engine<S> {
             status.live_units = memory.live_units;
             status.evicted_keys = memory.evicted_keys;
             status.evicted_keys_by_namespace = memory.evicted_keys_by_namespace;
+        }
+        if let Some(leases) = &self.leases {
+            status.quota_leases = Some(leases.status());
         }
         status
     }
@@ -517,17 +532,26 @@ impl<S: Store> Engine<S> {
         let hold = if leased && matched.iter().any(|m| m.rule.limit().holds()) { rand::random::<u64>() | 1 } else { 0 };
         let checks: Vec<RuleCheck<'_>> =
             matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
-        let deciding = self.store.check_for(namespace, None, &checks);
-        let outcome = match store_budget {
-            None => deciding.await,
-            Some(budget) => tokio::time::timeout(budget, deciding)
-                .await
-                .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
+        let from_leases = match &self.leases {
+            Some(leases) if hold == 0 => self.decide_from_leases(leases, namespace, matched, store_budget).await,
+            _ => None,
         };
-        let now = self.clock.now();
-        let (verdict, failed) = match outcome {
-            Ok(verdict) => (verdict, false),
-            Err(error) => (self.on_store_failure(live, namespace, matched, &checks, &error, now), true),
+        let (verdict, failed, now) = match from_leases {
+            Some(verdict) => (verdict, false, self.clock.now()),
+            None => {
+                let deciding = self.store.check_for(namespace, None, &checks);
+                let outcome = match store_budget {
+                    None => deciding.await,
+                    Some(budget) => tokio::time::timeout(budget, deciding)
+                        .await
+                        .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
+                };
+                let now = self.clock.now();
+                match outcome {
+                    Ok(verdict) => (verdict, false, now),
+                    Err(error) => (self.on_store_failure(live, namespace, matched, &checks, &error, now), true, now),
+                }
+            }
         };
 
         let mut header_inputs = Vec::with_capacity(matched.len());
@@ -627,6 +651,125 @@ impl<S: Store> Engine<S> {
             snapshot: live.version.clone(),
             lease: lease.flatten(),
         }
+    }
+
+    /// The verdict of a request whose every rule is `consistency: leased` and enforcing, from
+    /// the slices held here ([`QuotaLeases`]), renewing them once if the table asks; `None`
+    /// when the store must decide.
+    async fn decide_from_leases(
+        &self,
+        leases: &QuotaLeases,
+        namespace: &str,
+        matched: &[Matched<'_>],
+        store_budget: Option<Duration>,
+    ) -> Option<Verdict> {
+        let mut checks = Vec::with_capacity(matched.len());
+        for m in matched {
+            let leasing = m.rule.leasing().filter(|_| m.rule.enforce())?;
+            checks.push(LeasedCheck {
+                rule: m.rule.id(),
+                limit: m.rule.limit(),
+                key: m.key.as_bytes(),
+                cost: m.cost,
+                leasing,
+            });
+        }
+        let mut local = leases.decide(namespace, &checks, self.clock.now(), true);
+        if let Local::Renew(renewals) = &local {
+            let ops: Vec<LeaseOp<'_>> = renewals
+                .iter()
+                .map(|r| {
+                    let c = &checks[r.index];
+                    LeaseOp { rule: c.rule, limit: c.limit, key: c.key, settle: r.settle, ask: Some(r.ask) }
+                })
+                .collect();
+            let sent_at = self.clock.now();
+            let asking = self.store.lease_for(namespace, None, &ops);
+            let outcome = match store_budget {
+                None => asking.await,
+                Some(budget) => tokio::time::timeout(budget, asking)
+                    .await
+                    .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
+            };
+            if let Err(error) = &outcome {
+                tracing::debug!(namespace, %error, "quota lease renewal failed; the store decides");
+            }
+            let grants = outcome.as_deref().map_err(|_| ());
+            leases.renewed(&checks, renewals, grants, sent_at, self.clock.now());
+            local = leases.decide(namespace, &checks, self.clock.now(), false);
+        }
+        match local {
+            Local::Admitted(decisions) => Some(Verdict { allowed: true, decisions, cached_denial: None }),
+            Local::Refused { by, decision } => {
+                let decisions = checks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        if i == by {
+                            decision
+                        } else {
+                            // Not asked: nothing refused by it, nothing known of its state.
+                            Decision {
+                                allowed: true,
+                                remaining: c.limit.capacity(),
+                                reset_after: 0,
+                                retry_after: None,
+                                delay: 0,
+                            }
+                        }
+                    })
+                    .collect();
+                Some(Verdict { allowed: false, decisions, cached_denial: Some(by) })
+            }
+            Local::Renew(_) | Local::Store => None,
+        }
+    }
+
+    /// Settles the slices at their end (or all of them: `all`, when the process stops). Run
+    /// every few milliseconds by [`Engine::keep_leases`].
+    pub async fn settle_due_leases(&self, all: bool) {
+        let Some(leases) = &self.leases else { return };
+        let due = leases.due(self.clock.now(), all);
+        if due.is_empty() {
+            return;
+        }
+        let mut by_namespace: std::collections::BTreeMap<&str, Vec<&Due>> = std::collections::BTreeMap::new();
+        for d in &due {
+            by_namespace.entry(&d.namespace).or_default().push(d);
+        }
+        for (namespace, due) in by_namespace {
+            let ops: Vec<LeaseOp<'_>> = due
+                .iter()
+                .map(|d| LeaseOp {
+                    rule: d.rule,
+                    limit: &d.limit,
+                    key: &d.key,
+                    settle: Some((d.hold, d.spent)),
+                    ask: None,
+                })
+                .collect();
+            // A settle that fails leaves the slice to end in the store by itself: its unspent
+            // units come back then, its spent ones are not counted (the bound covers them).
+            if let Err(error) = self.store.lease_for(namespace, None, &ops).await {
+                tracing::debug!(namespace, %error, slices = ops.len(), "settling quota leases failed");
+            }
+        }
+    }
+
+    /// Settles slices as they end, until `shutdown`; then gives back every slice held.
+    pub async fn keep_leases(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        if self.leases.is_none() {
+            return;
+        }
+        let mut ticker = tokio::time::interval(Duration::from_millis(10));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => self.settle_due_leases(false).await,
+                _ = shutdown.changed() => break,
+            }
+        }
+        self.settle_due_leases(true).await;
     }
 
     /// Each rule decides by its `onStoreFailure` when the store could not: `allow` admits,

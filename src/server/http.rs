@@ -759,6 +759,8 @@ fn store_status_for(caller: &Caller, mut status: crate::store::StoreStatus) -> c
         status.evicted_keys = status.evicted_keys_by_namespace.values().sum();
         status.breakers_by_namespace.retain(|namespace, _| own(namespace));
         status.redis_keys_by_namespace.retain(|namespace, _| own(namespace));
+        // Counts over every namespace's leased keys: another tenant's traffic.
+        status.quota_leases = None;
         if status.breaker.is_some() {
             status.breaker = Some(crate::store::tenants::overall_breaker(&status.breakers_by_namespace));
         }

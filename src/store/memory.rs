@@ -688,7 +688,7 @@ impl MemoryStore {
                     Some(ask) => algorithm::lease::grant(op.limit, &mut state, now, ask).0,
                     None => algorithm::lease::LeaseGrant {
                         amount: 0,
-                        until: now,
+                        lasts: 0,
                         after: algorithm::check(op.limit, state.as_ref(), now, 0),
                     },
                 };

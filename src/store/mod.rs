@@ -213,6 +213,10 @@ pub struct StoreStatus {
     /// Calls that carried several requests' decisions (single Redis), and those decisions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batches: Option<BatchStatus>,
+    /// The quota leases this process holds for `consistency: leased` rules (filled by the
+    /// engine).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quota_leases: Option<crate::quota_leases::QuotaLeaseStatus>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

@@ -904,7 +904,7 @@ pub fn lease_args(now: Option<Micros>, ops: &[super::LeaseOp<'_>]) -> Vec<String
     args
 }
 
-/// Interprets the lease call's reply: four integers per key (granted, until_us, remaining,
+/// Interprets the lease call's reply: four integers per key (granted, lasts_us, remaining,
 /// reset_after_us).
 pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
     let Value::Array(items) = reply else {
@@ -923,7 +923,7 @@ pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorit
             let remaining = int(&c[2])?;
             Ok(crate::algorithm::lease::LeaseGrant {
                 amount: int(&c[0])?,
-                until: int(&c[1])?,
+                lasts: int(&c[1])?,
                 after: Decision { allowed: true, remaining, reset_after: int(&c[3])?, retry_after: None, delay: 0 },
             })
         })
