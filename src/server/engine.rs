@@ -17,9 +17,9 @@ use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
-use crate::quota_leases::{Due, LeasedCheck, Local, QuotaLeases};
+use crate::quota_leases::QuotaLeases;
 use crate::store::memory::MemoryStore;
-use crate::store::{LeaseOp, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
+use crate::store::{LeaseStore, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// Headers to add to the response, in order: Sluice's own (static names) and declared ones.
@@ -533,7 +533,9 @@ impl<S: Store> Engine<S> {
         let checks: Vec<RuleCheck<'_>> =
             matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
         let from_leases = match &self.leases {
-            Some(leases) if hold == 0 => self.decide_from_leases(leases, namespace, matched, store_budget).await,
+            Some(leases) if hold == 0 => {
+                super::leasing::decide(leases, &self.store, &*self.clock, namespace, matched, store_budget).await
+            }
             _ => None,
         };
         let (verdict, failed, now) = match from_leases {
@@ -553,11 +555,48 @@ impl<S: Store> Engine<S> {
                 }
             }
         };
+        self.respond(live, namespace, matched, &checks, &verdict, failed, now)
+    }
 
+    /// Decides `request` from the quota leases in `leases` (renewed through `store`), if every
+    /// rule it matches is `consistency: leased` and the slices held (or a dry key) can answer;
+    /// `None` when the request must be asked of the store. The sidecar's fast path: a request
+    /// of a hot key costs no call at all.
+    pub async fn check_leased<L: LeaseStore>(
+        &self,
+        request: &RequestView<'_>,
+        leases: &QuotaLeases,
+        store: &L,
+    ) -> Option<CheckResponse> {
+        let live = self.live.load();
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        live.snapshot.resolve(request, &mut matched);
+        if matched.is_empty() {
+            return None;
+        }
+        let verdict =
+            super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, None).await?;
+        let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
+        Some(self.respond(&live, request.namespace, &matched, &checks, &verdict, false, self.clock.now()))
+    }
+
+    /// The answer to a request from its rules' verdict.
+    #[allow(clippy::too_many_arguments)]
+    fn respond(
+        &self,
+        live: &Live,
+        namespace: &str,
+        matched: &[Matched<'_>],
+        checks: &[RuleCheck<'_>],
+        verdict: &Verdict,
+        failed: bool,
+        now: Micros,
+    ) -> CheckResponse {
+        let hold = checks.first().map_or(0, |c| c.hold);
         let mut header_inputs = Vec::with_capacity(matched.len());
         let mut rules = Vec::with_capacity(matched.len());
         let mut delay = 0;
-        for (i, ((m, check), decision)) in matched.iter().zip(&checks).zip(&verdict.decisions).enumerate() {
+        for (i, ((m, check), decision)) in matched.iter().zip(checks).zip(&verdict.decisions).enumerate() {
             let extras = live.extras.get(&m.rule.id());
             let shadow = !check.enforce;
             // Refused from the denial cache by another rule: this one was not asked, so it is
@@ -627,7 +666,7 @@ impl<S: Store> Engine<S> {
             .collect();
         // The first enforcing rule that refused says what the refused request gets.
         let refusing = (!allowed)
-            .then(|| matched.iter().zip(&checks).zip(&verdict.decisions).find(|((_, c), d)| c.enforce && !d.allowed))
+            .then(|| matched.iter().zip(checks).zip(&verdict.decisions).find(|((_, c), d)| c.enforce && !d.allowed))
             .flatten()
             .map(|((m, _), _)| m.rule);
         let retry_after_ms = if allowed { None } else { retry_after(&header_inputs).map(ceil_ms) };
@@ -653,123 +692,11 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// The verdict of a request whose every rule is `consistency: leased` and enforcing, from
-    /// the slices held here ([`QuotaLeases`]), renewing them once if the table asks; `None`
-    /// when the store must decide.
-    async fn decide_from_leases(
-        &self,
-        leases: &QuotaLeases,
-        namespace: &str,
-        matched: &[Matched<'_>],
-        store_budget: Option<Duration>,
-    ) -> Option<Verdict> {
-        let mut checks = Vec::with_capacity(matched.len());
-        for m in matched {
-            let leasing = m.rule.leasing().filter(|_| m.rule.enforce())?;
-            checks.push(LeasedCheck {
-                rule: m.rule.id(),
-                limit: m.rule.limit(),
-                key: m.key.as_bytes(),
-                cost: m.cost,
-                leasing,
-            });
+    /// Settles the slices at their end, until `shutdown`; then gives back every slice held.
+    pub async fn keep_leases(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
+        if let Some(leases) = &self.leases {
+            super::leasing::keep(leases, &self.store, &*self.clock, shutdown).await;
         }
-        let mut local = leases.decide(namespace, &checks, self.clock.now(), true);
-        if let Local::Renew(renewals) = &local {
-            let ops: Vec<LeaseOp<'_>> = renewals
-                .iter()
-                .map(|r| {
-                    let c = &checks[r.index];
-                    LeaseOp { rule: c.rule, limit: c.limit, key: c.key, settle: r.settle, ask: Some(r.ask) }
-                })
-                .collect();
-            let sent_at = self.clock.now();
-            let asking = self.store.lease_for(namespace, None, &ops);
-            let outcome = match store_budget {
-                None => asking.await,
-                Some(budget) => tokio::time::timeout(budget, asking)
-                    .await
-                    .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
-            };
-            if let Err(error) = &outcome {
-                tracing::debug!(namespace, %error, "quota lease renewal failed; the store decides");
-            }
-            let grants = outcome.as_deref().map_err(|_| ());
-            leases.renewed(&checks, renewals, grants, sent_at, self.clock.now());
-            local = leases.decide(namespace, &checks, self.clock.now(), false);
-        }
-        match local {
-            Local::Admitted(decisions) => Some(Verdict { allowed: true, decisions, cached_denial: None }),
-            Local::Refused { by, decision } => {
-                let decisions = checks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        if i == by {
-                            decision
-                        } else {
-                            // Not asked: nothing refused by it, nothing known of its state.
-                            Decision {
-                                allowed: true,
-                                remaining: c.limit.capacity(),
-                                reset_after: 0,
-                                retry_after: None,
-                                delay: 0,
-                            }
-                        }
-                    })
-                    .collect();
-                Some(Verdict { allowed: false, decisions, cached_denial: Some(by) })
-            }
-            Local::Renew(_) | Local::Store => None,
-        }
-    }
-
-    /// Settles the slices at their end (or all of them: `all`, when the process stops). Run
-    /// every few milliseconds by [`Engine::keep_leases`].
-    pub async fn settle_due_leases(&self, all: bool) {
-        let Some(leases) = &self.leases else { return };
-        let due = leases.due(self.clock.now(), all);
-        if due.is_empty() {
-            return;
-        }
-        let mut by_namespace: std::collections::BTreeMap<&str, Vec<&Due>> = std::collections::BTreeMap::new();
-        for d in &due {
-            by_namespace.entry(&d.namespace).or_default().push(d);
-        }
-        for (namespace, due) in by_namespace {
-            let ops: Vec<LeaseOp<'_>> = due
-                .iter()
-                .map(|d| LeaseOp {
-                    rule: d.rule,
-                    limit: &d.limit,
-                    key: &d.key,
-                    settle: Some((d.hold, d.spent)),
-                    ask: None,
-                })
-                .collect();
-            // A settle that fails leaves the slice to end in the store by itself: its unspent
-            // units come back then, its spent ones are not counted (the bound covers them).
-            if let Err(error) = self.store.lease_for(namespace, None, &ops).await {
-                tracing::debug!(namespace, %error, slices = ops.len(), "settling quota leases failed");
-            }
-        }
-    }
-
-    /// Settles slices as they end, until `shutdown`; then gives back every slice held.
-    pub async fn keep_leases(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-        if self.leases.is_none() {
-            return;
-        }
-        let mut ticker = tokio::time::interval(Duration::from_millis(10));
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => self.settle_due_leases(false).await,
-                _ = shutdown.changed() => break,
-            }
-        }
-        self.settle_due_leases(true).await;
     }
 
     /// Each rule decides by its `onStoreFailure` when the store could not: `allow` admits,

@@ -6,6 +6,7 @@ pub mod engine;
 pub mod headers;
 pub mod http;
 pub mod lease;
+pub mod leasing;
 pub mod listen;
 pub mod reload;
 pub mod request;

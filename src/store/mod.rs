@@ -169,6 +169,27 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// Where quota leases come from: a [`Store`] (the endpoint's Redis), or the endpoint itself for a
+/// sidecar that holds slices for its pod.
+pub trait LeaseStore: Send + Sync {
+    /// As [`Store::lease_for`].
+    fn lease(
+        &self,
+        namespace: &str,
+        ops: &[LeaseOp<'_>],
+    ) -> impl Future<Output = Result<Vec<LeaseGrant>, StoreError>> + Send;
+}
+
+impl<S: Store> LeaseStore for S {
+    fn lease(
+        &self,
+        namespace: &str,
+        ops: &[LeaseOp<'_>],
+    ) -> impl Future<Output = Result<Vec<LeaseGrant>, StoreError>> + Send {
+        self.lease_for(namespace, None, ops)
+    }
+}
+
 /// A store's self-description.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
