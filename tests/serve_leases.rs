@@ -40,6 +40,11 @@ spec:
       match: {paths: [{prefix: /exact}]}
       algorithm: fixedWindow
       limit: {requests: 500, per: 1h}
+    - name: through-sidecars
+      match: {paths: [{prefix: /app}]}
+      algorithm: fixedWindow
+      limit: {requests: 1000, per: 1h}
+      consistency: {mode: leased, maxOvershoot: "10%"}
 "#;
 
 fn replicas(dir: &std::path::Path, redis: &RedisServer, n: usize) -> Vec<SluiceProcess> {
@@ -180,4 +185,107 @@ async fn a_replica_killed_holding_slices_costs_at_most_the_bound() {
     // from them is not counted, at most the bound.
     assert!((3000 - 2 * 150..=3000).contains(&window), "window {window}");
     assert!((2000 - 2 * 100..=2000 + 100).contains(&bucket), "bucket {bucket}");
+}
+
+/// Sidecars hold slices for their own pods: a hot key's requests are decided in the sidecar with
+/// no call to the endpoint, and two sidecars together never pass the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_decide_hot_keys_from_slices_the_endpoint_grants() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
+    let endpoint = replicas(dir.path(), &redis, 1).remove(0);
+    let upstream = {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().fallback(|| async { "ok" });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    };
+    let endpoint_url = format!("http://{}", endpoint.addr);
+    let sidecars: Vec<SluiceProcess> = (0..2)
+        .map(|_| {
+            SluiceProcess::sidecar(&upstream.to_string(), &endpoint_url, "tenant-a", &["--endpoint-timeout", "5s"])
+        })
+        .collect();
+    let c = client();
+    // Each sidecar has the endpoint's snapshot before the traffic starts.
+    for sidecar in &sidecars {
+        let admin = sidecar.logged_address("admin");
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let page = c.get(format!("http://{admin}/readyz")).send().await.unwrap();
+            if page.status() == 200 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "sidecar never ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // What a holder may ask for is checked against the endpoint's own snapshot.
+    let lease = |rule: String, ask: Value| {
+        let c = c.clone();
+        let url = endpoint.url("/v1/leases");
+        async move {
+            let body = json!({"namespace": "tenant-a", "leases": [{"rule": rule, "key": "k", "ask": ask}]});
+            let r = c.post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let id = |rule: &str| sluice::policy::compile::rule_id(&format!("tenant-a/leased/{rule}")).to_string();
+    let (status, body) = lease(id("exact"), json!({"hold": "7", "want": 5})).await;
+    assert_eq!((status, body.contains("tenant-a/leased/exact is not consistency: leased")), (400, true), "{body}");
+    let (status, body) = lease("12".into(), json!({"hold": "7", "want": 5})).await;
+    assert_eq!((status, body.contains("no rule 12 in namespace tenant-a")), (400, true), "{body}");
+    let (status, body) = lease(id("through-sidecars"), json!({"hold": "x", "want": 5})).await;
+    assert_eq!((status, body.contains("leases[0].ask.hold: expected a decimal id")), (400, true), "{body}");
+    // A holder asking for the whole limit gets at most a quarter of the bound (100 here).
+    let (status, body) = lease(id("through-sidecars"), json!({"hold": "7", "want": 1000})).await;
+    assert_eq!(status, 200, "{body}");
+    let granted: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(granted["grants"][0]["amount"], 25, "{body}");
+    let settle = json!({"namespace": "tenant-a", "leases": [{"rule": id("through-sidecars"), "key": "k", "settle": {"hold": "7", "spent": 0}}]});
+    assert_eq!(c.post(endpoint.url("/v1/leases")).json(&settle).send().await.unwrap().status(), 200);
+
+    let urls: Arc<Vec<String>> = Arc::new(sidecars.iter().map(|s| s.url("/app/orders")).collect());
+    let before = fcalls(&redis);
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (urls, admitted) = (urls.clone(), admitted.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            for n in 0..125 {
+                let r = c.get(&urls[(i + n) % urls.len()]).send().await.unwrap();
+                match r.status().as_u16() {
+                    200 => {
+                        admitted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    429 => {}
+                    other => panic!("status {other}: {}", r.text().await.unwrap_or_default()),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let admitted = admitted.load(Ordering::SeqCst);
+    let calls = fcalls(&redis) - before;
+    let mut from_slices = 0;
+    for sidecar in &sidecars {
+        let admin = sidecar.logged_address("admin");
+        let metrics = c.get(format!("http://{admin}/metrics")).send().await.unwrap().text().await.unwrap();
+        from_slices += metrics
+            .lines()
+            .filter(|l| l.starts_with("sluice_sidecar_decisions_total{") && l.contains("source=\"lease\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    eprintln!(
+        "e2e measurement: 2000 requests through 2 sidecars: {admitted} admitted of 1000, {from_slices} decided from slices in the sidecars, {calls} Redis calls"
+    );
+    assert!((900..=1000).contains(&admitted), "{admitted} admitted of 1000 (bound 100)");
+    assert!(from_slices > 1000, "the sidecars decided most requests themselves: {from_slices}");
+    assert!(calls < 400, "{calls} Redis calls for 2000 requests");
 }

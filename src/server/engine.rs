@@ -19,11 +19,31 @@ use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
 use crate::quota_leases::QuotaLeases;
 use crate::store::memory::MemoryStore;
-use crate::store::{LeaseStore, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
+use crate::store::{LeaseOp, LeaseStore, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// Headers to add to the response, in order: Sluice's own (static names) and declared ones.
 pub type ResponseHeaders = Vec<(std::borrow::Cow<'static, str>, String)>;
+
+/// One key's lease operation asked by a holder elsewhere ([`Engine::lease_for_holder`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderLease {
+    pub rule: RuleId,
+    pub key: String,
+    /// The slice to settle: its hold id and the units spent from it.
+    pub settle: Option<(crate::algorithm::HoldId, u64)>,
+    /// The slice wanted: its hold id (never 0) and units.
+    pub ask: Option<(crate::algorithm::HoldId, u64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HolderLeaseError {
+    /// What the holder asked for is not a lease it may have.
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Store(StoreError),
+}
 
 /// What the check API answers.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -567,6 +587,7 @@ impl<S: Store> Engine<S> {
         request: &RequestView<'_>,
         leases: &QuotaLeases,
         store: &L,
+        budget: Option<Duration>,
     ) -> Option<CheckResponse> {
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
@@ -574,8 +595,7 @@ impl<S: Store> Engine<S> {
         if matched.is_empty() {
             return None;
         }
-        let verdict =
-            super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, None).await?;
+        let verdict = super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, budget).await?;
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
         Some(self.respond(&live, request.namespace, &matched, &checks, &verdict, false, self.clock.now()))
     }
@@ -690,6 +710,43 @@ impl<S: Store> Engine<S> {
             snapshot: live.version.clone(),
             lease: lease.flatten(),
         }
+    }
+
+    /// Settles and grants quota leases for a holder elsewhere (a sidecar holding slices for its
+    /// pod: `POST /v1/leases`), in `namespace`, which the caller was verified to act in. The
+    /// terms come from this endpoint's snapshot, never from the holder: each rule must be a
+    /// `consistency: leased` rule of `namespace`, its bound caps the key's slices, its staleness
+    /// their life, and one slice is at most a quarter of the bound.
+    pub async fn lease_for_holder(
+        &self,
+        namespace: &str,
+        asks: &[HolderLease],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, HolderLeaseError> {
+        let live = self.live.load();
+        let policies = live.snapshot.namespace_policies(namespace);
+        let mut ops = Vec::with_capacity(asks.len());
+        for (i, ask) in asks.iter().enumerate() {
+            let rule = policies.iter().flat_map(|p| p.rules()).find(|r| r.id() == ask.rule).ok_or_else(|| {
+                HolderLeaseError::Refused(format!("leases[{i}].rule: no rule {} in namespace {namespace}", ask.rule))
+            })?;
+            let leasing = rule.leasing().ok_or_else(|| {
+                HolderLeaseError::Refused(format!("leases[{i}].rule: {} is not consistency: leased", rule.identity()))
+            })?;
+            let ask_terms = ask.ask.map(|(hold, want)| crate::algorithm::lease::LeaseAsk {
+                hold,
+                want: want.clamp(1, leasing.max_overshoot.div_ceil(4)),
+                cap: leasing.max_overshoot,
+                ttl: leasing.staleness,
+            });
+            ops.push(LeaseOp {
+                rule: rule.id(),
+                limit: rule.limit(),
+                key: ask.key.as_bytes(),
+                settle: ask.settle,
+                ask: ask_terms,
+            });
+        }
+        self.store.lease_for(namespace, None, &ops).await.map_err(HolderLeaseError::Store)
     }
 
     /// Settles the slices at their end, until `shutdown`; then gives back every slice held.

@@ -86,6 +86,7 @@ pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
         .route("/v1/checks", post(checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
         .route("/v1/release", post(settle::<S>))
         .route("/v1/settle", post(settle::<S>))
+        .route("/v1/leases", post(leases::<S>))
         .route("/v1/explain", post(explain::<S>))
         .route("/v1/authz", any(authz::<S>))
         .route("/v1/authz/", any(authz::<S>))
@@ -266,6 +267,135 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                     "the settle did not reach the store ({error}); the holds run out by themselves, and retrying is safe"
                 ),
             )
+        }
+    }
+}
+
+/// `POST /v1/leases` body: `{"namespace": "…", "leases": [{"rule": "<rule id>", "key": "…",
+/// "settle": {"hold": "<id>", "spent": N}, "ask": {"hold": "<id>", "want": N}}, …]}`; hold and
+/// rule ids are decimal strings (64 bits do not survive a JSON number).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeasesBody {
+    namespace: String,
+    leases: Vec<LeaseEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseEntry {
+    rule: String,
+    key: String,
+    #[serde(default)]
+    settle: Option<LeaseSettle>,
+    #[serde(default)]
+    ask: Option<LeaseWant>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseSettle {
+    hold: String,
+    spent: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseWant {
+    hold: String,
+    want: u64,
+}
+
+/// Most lease operations in one `POST /v1/leases`, and the longest key.
+const MAX_LEASE_OPS: usize = 64;
+const MAX_LEASE_KEY_BYTES: usize = 1024;
+
+/// `POST /v1/leases`: a holder elsewhere (a sidecar) settles the quota leases it held and asks
+/// for new ones, for `consistency: leased` rules of a namespace it may act in. 200
+/// `{"grants": [{"amount", "lastsUs", "remaining", "resetAfterUs"}, …]}` in order (amount 0:
+/// none), 400 naming what is wrong, 403 for another namespace, 503 when the store did not
+/// answer.
+async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
+    let engine = &state.engine;
+    let metrics = engine.metrics();
+    let caller = match state.auth.caller(&headers).await {
+        Ok(caller) => caller,
+        Err(error) => return auth_failure(metrics, error),
+    };
+    let body = match read_body(metrics, body, 256 * 1024).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let parsed = match serde_json::from_slice::<LeasesBody>(&body) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            return bad_request(
+                metrics,
+                BadRequest(format!(
+                    "expected {{\"namespace\": \"…\", \"leases\": [{{\"rule\", \"key\", \"settle\", \"ask\"}}]}}: {error}"
+                )),
+            );
+        }
+    };
+    if parsed.leases.len() > MAX_LEASE_OPS {
+        return bad_request(metrics, BadRequest(format!("leases: at most {MAX_LEASE_OPS} per call")));
+    }
+    if let Err(error) = caller.namespace_of(Some(&parsed.namespace)) {
+        return forbidden(metrics, error, StatusCode::FORBIDDEN);
+    }
+    let id = |text: &str, field: String| -> Result<u64, BadRequest> {
+        text.parse::<u64>().map_err(|_| BadRequest(format!("{field}: expected a decimal id, got {text:?}")))
+    };
+    let mut asks = Vec::with_capacity(parsed.leases.len());
+    for (i, entry) in parsed.leases.iter().enumerate() {
+        let parsed_entry = (|| {
+            if entry.key.len() > MAX_LEASE_KEY_BYTES {
+                return Err(BadRequest(format!("leases[{i}].key: longer than {MAX_LEASE_KEY_BYTES} bytes")));
+            }
+            let settle = match &entry.settle {
+                Some(s) => Some((id(&s.hold, format!("leases[{i}].settle.hold"))?, s.spent.min(MAX_COST))),
+                None => None,
+            };
+            let ask = match &entry.ask {
+                Some(a) => match id(&a.hold, format!("leases[{i}].ask.hold"))? {
+                    0 => return Err(BadRequest(format!("leases[{i}].ask.hold: 0 is no hold id"))),
+                    hold => Some((hold, a.want)),
+                },
+                None => None,
+            };
+            Ok(super::engine::HolderLease {
+                rule: id(&entry.rule, format!("leases[{i}].rule"))?,
+                key: entry.key.clone(),
+                settle,
+                ask,
+            })
+        })();
+        match parsed_entry {
+            Ok(ask) => asks.push(ask),
+            Err(error) => return bad_request(metrics, error),
+        }
+    }
+    match engine.lease_for_holder(&parsed.namespace, &asks).await {
+        Ok(grants) => {
+            metrics.responses_ok.inc();
+            let grants: Vec<serde_json::Value> = grants
+                .iter()
+                .map(|g| {
+                    json!({
+                        "amount": g.amount,
+                        "lastsUs": g.lasts,
+                        "remaining": g.after.remaining,
+                        "resetAfterUs": g.after.reset_after,
+                    })
+                })
+                .collect();
+            (StatusCode::OK, axum::Json(json!({ "grants": grants }))).into_response()
+        }
+        Err(super::engine::HolderLeaseError::Refused(message)) => bad_request(metrics, BadRequest(message)),
+        Err(super::engine::HolderLeaseError::Store(error)) => {
+            metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
+            metrics.responses.get_or_create(&StatusLabels { status: 503 }).inc();
+            error_response(StatusCode::SERVICE_UNAVAILABLE, format!("the leases did not reach the store ({error})"))
         }
     }
 }

@@ -24,7 +24,13 @@ pub async fn decide<L: LeaseStore>(
     let mut checks = Vec::with_capacity(matched.len());
     for m in matched {
         let leasing = m.rule.leasing().filter(|_| m.rule.enforce())?;
-        checks.push(LeasedCheck { rule: m.rule.id(), limit: m.rule.limit(), key: m.key.as_bytes(), cost: m.cost, leasing });
+        checks.push(LeasedCheck {
+            rule: m.rule.id(),
+            limit: m.rule.limit(),
+            key: m.key.as_bytes(),
+            cost: m.cost,
+            leasing,
+        });
     }
     let mut local = leases.decide(namespace, &checks, clock.now(), true);
     if let Local::Renew(renewals) = &local {
@@ -64,7 +70,13 @@ pub async fn decide<L: LeaseStore>(
                         decision
                     } else {
                         // Not asked: nothing refused by it, nothing known of its state.
-                        Decision { allowed: true, remaining: c.limit.capacity(), reset_after: 0, retry_after: None, delay: 0 }
+                        Decision {
+                            allowed: true,
+                            remaining: c.limit.capacity(),
+                            reset_after: 0,
+                            retry_after: None,
+                            delay: 0,
+                        }
                     }
                 })
                 .collect();

@@ -35,6 +35,8 @@ use crate::telemetry::Metrics;
 
 /// Keys the local fallback may hold: a sidecar sees one pod's traffic.
 const LOCAL_MAX_KEYS: usize = 100_000;
+/// Keys of leased rules a sidecar follows for slices (its pod's hot keys are few).
+const LOCAL_LEASE_KEYS: usize = 16_384;
 /// Retry-After when refusing because the limiter is unreachable.
 const FAILURE_RETRY_AFTER_SECS: u64 = 1;
 
@@ -47,6 +49,8 @@ pub const MAX_CHECK_HEADER_BYTES: usize = 16 * 1024;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
     Endpoint,
+    /// A slice of the key's quota held here (`consistency: leased`): no call at all.
+    Lease,
     Local,
     FailureMode,
     /// No rule of the live snapshot applies: allowed without asking (see `Decider::without_endpoint`).
@@ -57,6 +61,7 @@ impl Source {
     fn name(self) -> &'static str {
         match self {
             Source::Endpoint => "endpoint",
+            Source::Lease => "lease",
             Source::Local => "local",
             Source::FailureMode => "failure_mode",
             Source::NoRule => "no_rule",
@@ -137,6 +142,9 @@ pub struct Decider {
     first_snapshot: tokio::sync::Mutex<()>,
     /// The last snapshot fetched, enforced locally while the endpoint is away.
     local: Engine<Arc<MemoryStore>>,
+    /// Slices of hot keys' quota held for this pod (`consistency: leased` rules), granted by
+    /// the endpoint.
+    leases: crate::quota_leases::QuotaLeases,
     /// The cached snapshot compiled to the endpoint's own version (nothing rejected here).
     local_is_exact: AtomicBool,
     /// The last snapshot request succeeded and the endpoint holds unchanged-snapshot requests
@@ -167,6 +175,7 @@ impl Decider {
             check_uri: config.check_uri.clone(),
             checks_uri: config.checks_uri.clone(),
             settle_uri: config.settle_uri.clone(),
+            leases_uri: config.leases_uri.clone(),
             snapshot_uri: config.snapshot_uri.clone(),
             snapshot_wait_uri: format!("{}?wait={}s", config.snapshot_uri, SNAPSHOT_WAIT.as_secs())
                 .parse()
@@ -186,6 +195,7 @@ impl Decider {
             header_filter: ArcSwap::from_pointee(HeaderFilter::Unknown),
             first_snapshot: tokio::sync::Mutex::new(()),
             local: Engine::new(store, clock.clone(), Arc::new(Metrics::new())),
+            leases: crate::quota_leases::QuotaLeases::new(LOCAL_LEASE_KEYS),
             local_is_exact: AtomicBool::new(false),
             snapshot_is_pushed: AtomicBool::new(false),
             installed: parking_lot::Mutex::new(None),
@@ -351,6 +361,10 @@ impl Decider {
             self.count(Source::NoRule, &decision);
             return decision;
         }
+        if let Some(decision) = self.decide_from_leases(input).await {
+            self.count(Source::Lease, &decision);
+            return decision;
+        }
         let started = self.clock.now();
         let error = match self.breaker.try_acquire(started) {
             None => {
@@ -421,6 +435,28 @@ impl Decider {
             return None;
         }
         Some(Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None })
+    }
+
+    /// A request whose every rule is `consistency: leased` decided from the slices held here
+    /// (renewed from the endpoint when the table asks), while the cached snapshot is exactly
+    /// the endpoint's; `None` sends it to the endpoint as usual.
+    async fn decide_from_leases(&self, input: &CheckInput<'_>) -> Option<Decision> {
+        if !self.local_is_exact.load(Ordering::Acquire) || crate::server::request::check_path(input.path).is_err() {
+            return None;
+        }
+        let response =
+            self.local.check_leased(&view_of(input), &self.leases, &*self.endpoint, Some(self.timeout)).await?;
+        Some(from_engine(response))
+    }
+
+    /// Settles this pod's slices as they end, until `shutdown`; then gives every one back.
+    pub async fn keep_leases(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+        crate::server::leasing::keep(&self.leases, &*self.endpoint, &*self.clock, shutdown).await;
+    }
+
+    /// What the slices held here have done.
+    pub fn lease_status(&self) -> crate::quota_leases::QuotaLeaseStatus {
+        self.leases.status()
     }
 
     fn count(&self, source: Source, decision: &Decision) {

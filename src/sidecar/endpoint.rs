@@ -29,6 +29,7 @@ pub(super) struct Endpoint {
     pub check_uri: Uri,
     pub checks_uri: Uri,
     pub settle_uri: Uri,
+    pub leases_uri: Uri,
     pub snapshot_uri: Uri,
     /// `snapshot_uri` with `?wait=`: held by the endpoint while the snapshot is unchanged.
     pub snapshot_wait_uri: Uri,
@@ -72,6 +73,77 @@ impl Endpoint {
         let answer: Answer = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
         answer.decision()
     }
+}
+
+/// The endpoint grants this pod's slices of hot keys' quota (`POST /v1/leases`): the sidecar
+/// holds them for its own pod's requests ([`crate::quota_leases`]).
+impl crate::store::LeaseStore for Endpoint {
+    async fn lease(
+        &self,
+        namespace: &str,
+        ops: &[crate::store::LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, crate::store::StoreError> {
+        use crate::store::StoreError;
+        let leases: Vec<serde_json::Value> = ops
+            .iter()
+            .map(|op| {
+                let mut entry = serde_json::json!({
+                    "rule": op.rule.to_string(),
+                    "key": String::from_utf8_lossy(op.key),
+                });
+                if let Some((hold, spent)) = op.settle {
+                    entry["settle"] = serde_json::json!({ "hold": hold.to_string(), "spent": spent });
+                }
+                if let Some(ask) = op.ask {
+                    entry["ask"] = serde_json::json!({ "hold": ask.hold.to_string(), "want": ask.want });
+                }
+                entry
+            })
+            .collect();
+        let body = serde_json::to_vec(&serde_json::json!({ "namespace": namespace, "leases": leases }))
+            .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let (status, answer) =
+            self.post(&self.leases_uri, Bytes::from(body)).await.map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        if !status.is_success() {
+            return Err(StoreError::Unavailable(format!(
+                "POST /v1/leases answered {status}: {}",
+                String::from_utf8_lossy(&answer).chars().take(200).collect::<String>()
+            )));
+        }
+        let granted: Granted = serde_json::from_slice(&answer).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        if granted.grants.len() != ops.len() {
+            return Err(StoreError::Protocol(format!("{} grants for {} leases", granted.grants.len(), ops.len())));
+        }
+        Ok(granted
+            .grants
+            .into_iter()
+            .map(|g| crate::algorithm::lease::LeaseGrant {
+                amount: g.amount,
+                lasts: g.lasts_us,
+                after: crate::algorithm::Decision {
+                    allowed: true,
+                    remaining: g.remaining,
+                    reset_after: g.reset_after_us,
+                    retry_after: None,
+                    delay: 0,
+                },
+            })
+            .collect())
+    }
+}
+
+#[derive(Deserialize)]
+struct Granted {
+    grants: Vec<Grant>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Grant {
+    amount: u64,
+    lasts_us: u64,
+    remaining: u64,
+    reset_after_us: u64,
 }
 
 /// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of

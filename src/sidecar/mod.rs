@@ -104,6 +104,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
     let pressure = tokio::spawn(decider.protection.clone().watch_pressure(stopped.clone()));
+    let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
     let admin_server = tokio::spawn(crate::server::listen::serve(
         admin,
         admin_router(metrics, app_health, decider.protection.clone()),
@@ -117,7 +118,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     let _ = proxy_server.await;
-    let _ = tokio::join!(poller, sweeper, pressure);
+    let _ = tokio::join!(poller, sweeper, pressure, lease_keeper);
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),
         _ => Ok(()),
