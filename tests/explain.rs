@@ -190,3 +190,32 @@ fn the_cli_prints_the_contract_fields() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("warning: ") && stderr.contains("policies.yaml") && stderr.contains(".key["), "{stderr}");
 }
+
+#[test]
+fn the_cli_says_whether_a_rule_is_exact_or_leased() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/leasing");
+    let request = json!({"namespace": "default", "path": "/api/orders", "headers": {"x-api-key": "k1"}});
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["explain", "--json", "--policies"])
+        .arg(&examples)
+        .args(["--request", &request.to_string()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        rule(&report, "per-key")["consistency"],
+        "leased: at most 1200 over the limit, slices decided for up to 1s",
+        "2% of 60000"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["explain", "--json", "--policies"])
+        .arg(dir.path())
+        .args(["--request", &order().to_string()])
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(rule(&report, "per-api-key")["consistency"], "exact");
+}

@@ -316,8 +316,17 @@ impl<'s> Explanation<'s> {
                     Err(reason) => (false, Some(reason.clone()), None, Vec::new(), None, None),
                 };
                 let reserves = r.rule.response_cost().map(|rc| describe_response_cost(rc));
+                let consistency = match r.rule.leasing() {
+                    None => "exact".to_string(),
+                    Some(l) => format!(
+                        "leased: at most {} over the limit, slices decided for up to {}",
+                        l.max_overshoot,
+                        crate::duration::HumanDuration(l.staleness)
+                    ),
+                };
                 rules.push(RuleReport {
                     reserves,
+                    consistency,
                     policy: r.rule.policy().to_string(),
                     rule: r.rule.name().to_string(),
                     algorithm: r.rule.algorithm().name(),
@@ -416,9 +425,11 @@ impl ExplainReport {
                     Some(how) => format!("reserves {} ({how})", rule.cost.unwrap_or(0)),
                     None => format!("cost {}", rule.cost.unwrap_or(0)),
                 };
+                let consistency =
+                    if rule.consistency == "exact" { String::new() } else { format!("; {}", rule.consistency) };
                 let _ = writeln!(
                     out,
-                    "  + {} ({}{shadow}): matches; key {key} (encoded {:?}); {cost}; {decision}",
+                    "  + {} ({}{shadow}): matches; key {key} (encoded {:?}); {cost}; {decision}{consistency}",
                     rule.rule,
                     rule.algorithm,
                     rule.key.as_deref().unwrap_or("")
@@ -498,6 +509,9 @@ pub struct RuleReport {
     /// For a cost known after the response: where the actual cost is read, what settles it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reserves: Option<String>,
+    /// `exact`, or `leased` with its bound and staleness (`consistency`): how its decisions use
+    /// the shared store.
+    pub consistency: String,
     /// What this rule would decide now (when matched and the store can tell).
     pub decision: Option<RuleDecision>,
 }
