@@ -327,8 +327,9 @@ end
 -- lease already settled or ended charges nothing), then grants what fits. Each key on its own:
 -- keys need not share a slot's request, only the call's slot. Every argument is checked before
 -- anything is written.
--- Returns four integers per key: units granted (0: none), how long the holder may spend them
--- (µs from now; 0 when none), and the key's remaining and reset_after_us once granted.
+-- Returns five integers per key: units granted (0: none), how long the holder may spend them
+-- (µs from now; 0 when none), the key's remaining and reset_after_us once granted, and how many
+-- live holds (holders) the key has.
 local function lease(KEYS, ARGV)
   local now = instant(ARGV[1], {})
   if now == nil or #ARGV ~= 1 + 7 * #KEYS then
@@ -358,9 +359,10 @@ local function lease(KEYS, ARGV)
     if op.settle ~= '' then
       op.l.module.settle(key, op.l, now, op.settle, op.used)
     end
-    local amount, lasts, remaining, reset_after = op.l.module.grant(key, op.l, now, op.grant, op.want, op.cap, op.ttl)
+    local amount, lasts, remaining, reset_after, holders =
+      op.l.module.grant(key, op.l, now, op.grant, op.want, op.cap, op.ttl)
     local b = #out
-    out[b + 1], out[b + 2], out[b + 3], out[b + 4] = amount, lasts, remaining, reset_after
+    out[b + 1], out[b + 2], out[b + 3], out[b + 4], out[b + 5] = amount, lasts, remaining, reset_after, holders
   end
   return out
 end

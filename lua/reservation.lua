@@ -142,7 +142,7 @@ function sluice.reserving(inner)
   -- src/algorithm/lease.rs): what fits of `want`, within `cap` with the key's live holds and
   -- within what the algorithm admits beside them; a window lease ends with its window. Returns
   -- the amount granted (0: nothing written), how long the holder may spend it (µs from now, 0
-  -- when none), and the key's remaining and reset_after once granted.
+  -- when none), the key's remaining and reset_after once granted, and its live holds.
   function m.grant(key, l, now, hold, want, cap, ttl)
     local s, ktype = m.read(key)
     local outstanding = 0
@@ -168,8 +168,43 @@ function sluice.reserving(inner)
       until_ = idiv(now, l.per) * l.per + l.per
       stop = math.min(stop, until_)
     end
-    if amount == 0 or hold == '' or stop <= now then
-      return 0, 0, remaining, reset_after
+    if hold == '' or stop <= now then
+      amount = -1
+    end
+    if amount <= 0 then
+      -- Nothing granted. When the key has room but the bound is out in others' slices, the asker
+      -- is counted as a holder (a hold of nothing), as in Rust.
+      local waiting = amount == 0 and room == 0 and ok and remaining > 0
+      local live, found = 0, false
+      for _, h in ipairs(s.holds) do
+        if h.until_ > now then
+          live = live + 1
+          found = found or h.id == hold
+        end
+      end
+      if waiting then
+        if s.rtype == 'other' then
+          redis.call('DEL', s.rkey)
+        end
+        local latest = until_
+        local kept_until = until_
+        for _, h in ipairs(s.holds) do
+          if h.until_ <= now then
+            redis.call('HDEL', s.rkey, h.id)
+          else
+            if h.id == hold then
+              kept_until = h.until_
+            end
+            latest = math.max(latest, h.until_)
+          end
+        end
+        if not found then
+          redis.call('HSET', s.rkey, hold, fmt(kept_until) .. ':0')
+          live = live + 1
+        end
+        redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
+      end
+      return 0, 0, remaining, reset_after, live
     end
     if s.rtype == 'other' then
       redis.call('DEL', s.rkey)
@@ -194,7 +229,7 @@ function sluice.reserving(inner)
     live[#live + 1] = { id = hold, until_ = until_, amount = stored }
     s.holds = live
     local _, left, reset = m.check(l, s, now, 0)
-    return amount, stop - now, left, reset
+    return amount, stop - now, left, reset, #live
   end
 
   reserving_by_inner[inner] = m

@@ -77,6 +77,11 @@ struct Entry {
     dry_until: Micros,
     /// Until then the key is decided by the store: the bound was taken, or the store failed.
     exact_until: Micros,
+    /// Holders sharing the key's bound, as the last grant said.
+    holders: u64,
+    /// The hold of nothing the store keeps for this holder while the bound is out in others'
+    /// slices (it counts this holder in), given back with the next renewal.
+    waiting: Option<HoldId>,
     seen_at: Micros,
 }
 
@@ -264,6 +269,8 @@ impl QuotaLeases {
                     renewing: false,
                     dry_until: 0,
                     exact_until: 0,
+                    holders: 4,
+                    waiting: None,
                     seen_at: now,
                 }),
             };
@@ -296,9 +303,11 @@ impl QuotaLeases {
                 renewals.clear();
                 continue;
             }
-            let want = (entry.demand().saturating_mul(check.leasing.staleness) / (4 * SECOND))
-                .min(check.leasing.max_overshoot.div_ceil(4))
-                .max(check.cost);
+            // What the key's demand here spends in a quarter of the staleness, and no more than
+            // this holder's share of the bound among the holders the store last counted.
+            let share = check.leasing.max_overshoot / entry.holders.max(1);
+            let want =
+                (entry.demand().saturating_mul(check.leasing.staleness) / (4 * SECOND)).min(share).max(check.cost);
             renewals.push(Renewal {
                 index,
                 settle: None,
@@ -342,10 +351,13 @@ impl QuotaLeases {
             entry.renewing = true;
             // The old slice is done: no more spending from it; its spent units are settled with
             // the new one's asking.
-            renewal.settle = entry.held.take().map(|h| {
-                self.counters.units_returned.fetch_add(h.amount - h.spent, Ordering::Relaxed);
-                (h.hold, h.spent)
-            });
+            renewal.settle = match (entry.held.take(), entry.waiting.take()) {
+                (Some(h), _) => {
+                    self.counters.units_returned.fetch_add(h.amount - h.spent, Ordering::Relaxed);
+                    Some((h.hold, h.spent))
+                }
+                (None, waiting) => waiting.map(|hold| (hold, 0)),
+            };
             renewal.ask.hold = rand::random::<u64>() >> 11 | 1;
         }
         Local::Renew(renewals)
@@ -374,7 +386,10 @@ impl QuotaLeases {
             let check = &checks[renewal.index];
             let Some(entry) = entries.get_mut(&self.digest(check.rule, check.key)) else { continue };
             entry.renewing = false;
+            // A dry key waits a quarter of the staleness; a key whose bound others hold asks
+            // again sooner (slices of a hot key turn over quickly).
             let pause = (check.leasing.staleness / 4).max(1_000);
+            let busy_pause = (check.leasing.staleness / 50).max(1_000);
             let grant = match grants {
                 Ok(grants) => grants.get(i).copied(),
                 Err(()) => None,
@@ -398,10 +413,15 @@ impl QuotaLeases {
                 } else if grant.after.remaining < check.cost {
                     entry.dry_until = now + pause.min(grant.after.reset_after.max(1_000));
                 } else {
-                    entry.exact_until = now + pause;
+                    // The store counted this holder in (a hold of nothing): the others leave
+                    // it a share at their next renewals.
+                    entry.holders = grant.holders.max(1);
+                    entry.waiting = Some(renewal.ask.hold);
+                    entry.exact_until = now + busy_pause;
                 }
                 continue;
             }
+            entry.holders = grant.holders.max(1);
             self.counters.grants.fetch_add(1, Ordering::Relaxed);
             self.counters.units_granted.fetch_add(grant.amount, Ordering::Relaxed);
             entry.held = Some(Held {
@@ -419,14 +439,15 @@ impl QuotaLeases {
     }
 
     /// Slices at their end (or `all` of them, when the process stops), taken out to be settled,
-    /// and keys idle long enough forgotten. Run every few milliseconds: a slice must be settled
+    /// and keys idle long enough forgotten. A slice spent out is settled with the renewal that
+    /// follows it, or here at its end: one call either way. Run every few milliseconds: a slice must be settled
     /// within its margin.
     pub fn due(&self, now: Micros, all: bool) -> Vec<Due> {
         let mut out = std::mem::take(&mut *self.pending.lock());
         let mut entries = self.entries.lock();
         entries.retain(|_, entry| {
             if let Some(held) = entry.held
-                && (all || held.stop_at <= now || held.spent == held.amount)
+                && (all || held.stop_at <= now)
             {
                 entry.held = None;
                 self.counters.units_returned.fetch_add(held.amount - held.spent, Ordering::Relaxed);
@@ -470,6 +491,7 @@ mod tests {
             amount,
             lasts: SECOND,
             after: Decision { allowed: true, remaining, reset_after: 30 * SECOND, retry_after: None, delay: 0 },
+            holders: 1,
         }
     }
 

@@ -77,7 +77,7 @@ async fn redis_grants_and_decides_as_the_rust_algorithms_do() {
                 let ops = [LeaseOp { rule, limit, key: key.as_bytes(), settle, ask }];
                 let from_memory = memory.lease_for("default", Some(now), &ops).await.unwrap();
                 let from_redis = redis.lease_for("default", Some(now), &ops).await.unwrap();
-                let visible = |g: &LeaseGrant| (g.amount, g.lasts, g.after.remaining, g.after.reset_after);
+                let visible = |g: &LeaseGrant| (g.amount, g.lasts, g.after.remaining, g.after.reset_after, g.holders);
                 assert_eq!(
                     visible(&from_redis[0]),
                     visible(&from_memory[0]),

@@ -33,7 +33,7 @@ fn snapshot(yaml: &str) -> Snapshot {
 fn simulate(yaml: &str, pattern: &str, bucket: Option<u64>) -> SimulationReport {
     let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
     let arrivals = parse_pattern(pattern).expect("pattern parses");
-    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket, hold: None })
+    replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { start_offset: 0, bucket, hold: None, holders: 0 })
         .expect("replays")
 }
 
@@ -76,7 +76,7 @@ fn fixed_window_admits_two_n_across_a_boundary() {
         &snapshot(&policy("fixedWindow", "{requests: 100, per: 1m}")),
         &template,
         &parse_pattern("boundary 150 at 1m").unwrap(),
-        &ReplayOptions { start_offset: 30_000_000, bucket: None, hold: None },
+        &ReplayOptions { start_offset: 30_000_000, bucket: None, hold: None, holders: 0 },
     )
     .unwrap();
     assert_eq!(only(&shifted).admitted, 100);
@@ -104,7 +104,7 @@ fn sliding_counter_book_example_is_admitted() {
         &snapshot(&policy("slidingWindowCounter", "{requests: 7, per: 1m}")),
         &template,
         &parse_trace(trace).unwrap(),
-        &ReplayOptions { start_offset: 0, bucket: Some(1_000_000), hold: None },
+        &ReplayOptions { start_offset: 0, bucket: Some(1_000_000), hold: None, holders: 0 },
     )
     .unwrap();
     let rule = only(&report);
@@ -371,7 +371,7 @@ fn concurrency_rules_replay_with_service_times() {
     // A trace says it per line (4th field, seconds); --hold for the rest.
     let trace = parse_trace("0 k 1 0.5\n0 k\n0 k\n0.6 k\n").unwrap();
     let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
-    let options = ReplayOptions { start_offset: 0, bucket: None, hold: Some(2_000_000) };
+    let options = ReplayOptions { start_offset: 0, bucket: None, hold: Some(2_000_000), holders: 0 };
     let report = replay(&snapshot(&yaml), &template, &trace, &options).unwrap();
     // 0 s: the first (0.5 s) and the second (2 s) start, the third is refused; 0.6 s: one slot free.
     assert_eq!(only(&report).admitted, 3);
@@ -430,4 +430,42 @@ spec:
     let error =
         replay(&snapshot(yaml), &template, &parse_trace("0\n").unwrap(), &ReplayOptions::default()).unwrap_err();
     assert!(error.to_string().contains("--hold"), "{error}");
+}
+
+/// `--holders`: the arrivals spread over enforcers holding quota leases of a leased rule; every
+/// fixed window stays within the limit, most requests are decided from slices, and the store is
+/// asked about a hundredth as often as there are requests.
+#[test]
+fn holders_decide_from_slices_and_keep_every_window_within_the_limit() {
+    let yaml = r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: api, namespace: default}
+spec:
+  rules:
+    - name: window
+      algorithm: fixedWindow
+      limit: {requests: 6000, per: 1s}
+      consistency: {mode: leased, maxOvershoot: "2%"}
+"#;
+    let template = CheckRequest::from_json(br#"{"path": "/"}"#).unwrap();
+    let arrivals = parse_pattern("steady 60000/s for 5s").unwrap();
+    let options = ReplayOptions { start_offset: 0, bucket: Some(1_000_000), hold: None, holders: 8 };
+    let report = replay(&snapshot(yaml), &template, &arrivals, &options).unwrap();
+    let rule = only(&report);
+    assert_eq!(rule.lease_bound, Some(120));
+    for (second, &admitted) in rule.timeline.admitted.iter().enumerate().take(5) {
+        assert!((6000 - 120..=6000).contains(&admitted), "second {second}: {admitted} admitted of 6000");
+    }
+    let leases = report.leases.as_ref().expect("a lease report");
+    assert_eq!(leases.holders, 8);
+    assert!(leases.admitted_locally > 20_000, "{leases:?}");
+    assert!(leases.store_calls * 100 < 300_000, "{} store calls for 300000 requests", leases.store_calls);
+    let text = report.to_text();
+    assert!(text.contains("across 8 holders: "), "{text}");
+    assert!(text.contains("default/api/window: leased, maxOvershoot 120: most in a window "), "{text}");
+    // The same traffic decided exactly admits the same, with a store call per request.
+    let exact = replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions { holders: 0, ..options }).unwrap();
+    assert_eq!(only(&exact).admitted, 30_000);
+    assert!(exact.leases.is_none());
 }

@@ -17,6 +17,8 @@
 //!   capacity, never admit over the limit.
 //! - **A partial grant.** A holder asks for what its observed rate needs; it gets what fits,
 //!   possibly less, possibly nothing (then its requests are decided by the store, exactly).
+//!   When the bound is out in others' slices, the asker is recorded as a holder of nothing, so
+//!   the key's holder count, which every grant reports, tells each holder its share.
 //!
 //! Why the bound holds. While the holders settle before their leases end, every unit they spend
 //! was held by a live lease when it was spent, so `used + spent-but-unsettled ≤ used + reserved`,
@@ -55,6 +57,9 @@ pub struct LeaseGrant {
     pub lasts: Micros,
     /// The key's state after the grant, as a decision of cost 0 (what a caller would be told).
     pub after: Decision,
+    /// Live holds of the key after the grant (this one included): how many holders share its
+    /// bound, for the next slice's size.
+    pub holders: u64,
 }
 
 /// When a lease granted at `now` ends for its holder, and when the store lets its units go
@@ -85,12 +90,31 @@ pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAs
         amount = 0;
     }
     let (until, held_until) = lease_end(limit, now, ask.ttl);
-    if amount == 0 || ask.hold == 0 || until <= now {
-        return (LeaseGrant { amount: 0, lasts: 0, after: free }, None);
+    if ask.hold == 0 || until <= now {
+        let holders = live_holds(state.as_ref(), now);
+        return (LeaseGrant { amount: 0, lasts: 0, after: free, holders }, None);
+    }
+    if amount == 0 {
+        // The key has room but the bound is out in others' slices: the asker is counted as a
+        // holder (a hold of nothing) so the others size their next slices to leave it a share.
+        let waiting = room == 0 && free.allowed && free.remaining > 0;
+        let pristine = waiting
+            .then(|| reservation::hold_units(limit, state, now, Hold { id: ask.hold, until: held_until, amount: 0 }));
+        let holders = live_holds(state.as_ref(), now);
+        return (LeaseGrant { amount: 0, lasts: 0, after: free, holders }, pristine);
     }
     let pristine = reservation::hold_units(limit, state, now, Hold { id: ask.hold, until: held_until, amount });
     let after = check(limit, state.as_ref(), now, 0);
-    (LeaseGrant { amount, lasts: until - now, after }, Some(pristine))
+    let holders = live_holds(state.as_ref(), now);
+    (LeaseGrant { amount, lasts: until - now, after, holders }, Some(pristine))
+}
+
+/// How many holds of `state` are live at `now`.
+pub fn live_holds(state: Option<&State>, now: Micros) -> u64 {
+    match state {
+        Some(State::Reserved(r)) => r.holds.iter().filter(|h| h.until > now).count() as u64,
+        _ => 0,
+    }
 }
 
 /// The latest end of the holds in `state` (0 when none): the key must live until then.
@@ -189,7 +213,7 @@ mod tests {
         let before = state.clone();
         assert_eq!(
             grant(&l, &mut state, T0, ask(1, 5)),
-            (LeaseGrant { amount: 0, lasts: 0, after: check(&l, before.as_ref(), T0, 0) }, None)
+            (LeaseGrant { amount: 0, lasts: 0, after: check(&l, before.as_ref(), T0, 0), holders: 0 }, None)
         );
         assert_eq!(state, before);
     }

@@ -312,7 +312,7 @@ const MAX_LEASE_KEY_BYTES: usize = 1024;
 
 /// `POST /v1/leases`: a holder elsewhere (a sidecar) settles the quota leases it held and asks
 /// for new ones, for `consistency: leased` rules of a namespace it may act in. 200
-/// `{"grants": [{"amount", "lastsUs", "remaining", "resetAfterUs"}, …]}` in order (amount 0:
+/// `{"grants": [{"amount", "lastsUs", "remaining", "resetAfterUs", "holders"}, …]}` in order (amount 0:
 /// none), 400 naming what is wrong, 403 for another namespace, 503 when the store did not
 /// answer.
 async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
@@ -386,6 +386,7 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                         "lastsUs": g.lasts,
                         "remaining": g.after.remaining,
                         "resetAfterUs": g.after.reset_after,
+                        "holders": g.holders,
                     })
                 })
                 .collect();

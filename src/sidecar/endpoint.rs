@@ -120,6 +120,7 @@ impl crate::store::LeaseStore for Endpoint {
             .map(|g| crate::algorithm::lease::LeaseGrant {
                 amount: g.amount,
                 lasts: g.lasts_us,
+                holders: g.holders,
                 after: crate::algorithm::Decision {
                     allowed: true,
                     remaining: g.remaining,
@@ -144,6 +145,8 @@ struct Grant {
     lasts_us: u64,
     remaining: u64,
     reset_after_us: u64,
+    #[serde(default)]
+    holders: u64,
 }
 
 /// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of

@@ -78,6 +78,12 @@ pub struct SimulateArgs {
     /// Also run the traffic through all six algorithms with the same parameters.
     #[arg(long)]
     pub compare: bool,
+    /// Spread the arrivals over this many enforcers (round robin), each holding quota leases of
+    /// the `consistency: leased` rules as an endpoint replica does: the report says how many
+    /// requests the slices decided, the store calls made, and each leased rule's most admitted
+    /// in a window against its bound plus its maxOvershoot (docs/leasing.md).
+    #[arg(long, default_value_t = 0)]
+    pub holders: usize,
     /// Draw the timeline to this SVG file.
     #[arg(long)]
     pub svg: Option<PathBuf>,
@@ -127,7 +133,11 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
         (None, Some(pattern)) => parse_pattern(pattern)?,
         (None, None) => unreachable!("checked above"),
     };
-    let options = ReplayOptions { start_offset: args.start, bucket: args.bucket, hold: args.hold };
+    if args.holders > 1024 {
+        return Err(SimulateError::Usage("--holders: at most 1024".into()));
+    }
+    let options =
+        ReplayOptions { start_offset: args.start, bucket: args.bucket, hold: args.hold, holders: args.holders };
     let mut report = replay(&snapshot, &template, &arrivals, &options)?;
     if args.compare {
         report.compare = Some(compare::compare(snapshot.sources(), &template, &arrivals, &options)?);

@@ -12,11 +12,13 @@ use super::SimulateError;
 use super::arrivals::Arrival;
 use super::stats::{Bound, max_admitted_in_any_window, theoretical_bound};
 use crate::algorithm::{Decision, HoldId, Micros};
+use crate::clock::FakeClock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
+use crate::quota_leases::QuotaLeases;
 use crate::server::request::CheckRequest;
 use crate::store::memory::MemoryStore;
-use crate::store::{RuleCheck, Settle};
+use crate::store::{LeaseOp, LeaseStore, RuleCheck, Settle, Store};
 
 /// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
 /// that trace time 0 is a window boundary of every rule and timestamps look like real ones.
@@ -33,6 +35,10 @@ pub struct ReplayOptions {
     /// How long each request is in progress when its arrival does not say (`--hold`): what a
     /// `concurrency` rule's slot is held for.
     pub hold: Option<Micros>,
+    /// Enforcers the arrivals are spread over, round robin (`--holders`): each holds quota
+    /// leases of `consistency: leased` rules as an endpoint replica does; 0 decides every
+    /// request at the store, as one exact enforcer.
+    pub holders: usize,
 }
 
 /// What one simulation measured.
@@ -52,6 +58,23 @@ pub struct SimulationReport {
     /// `--compare`: the same traffic through every algorithm.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compare: Option<Vec<super::comparison::Comparison>>,
+    /// `--holders`: how the leased rules' requests were decided across the holders.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leases: Option<LeaseReplay>,
+}
+
+/// What the holders of a `--holders` replay did.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseReplay {
+    pub holders: usize,
+    /// Requests of leased rules decided from a slice held, refused by a holder (the store had
+    /// nothing left), and decided by the store.
+    pub admitted_locally: u64,
+    pub refused_locally: u64,
+    pub to_store: u64,
+    /// Store calls: exact decisions, renewals and settles.
+    pub store_calls: u64,
 }
 
 /// One rule's numbers. Request counts are requests; `maxAdmittedInAnyWindow` and `bound` are
@@ -96,6 +119,10 @@ pub struct RuleReport {
     /// Its theoretical limit for this algorithm as Sluice implements it; `null` if none.
     pub bound: Option<u64>,
     pub bound_formula: &'static str,
+    /// For a `consistency: leased` rule: its declared `maxOvershoot`, which the holders may
+    /// add to `bound` (only when a holder fails to settle; a replay's holders never do).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_bound: Option<u64>,
     /// Most consecutive refusals of one key.
     pub longest_denial_run: u64,
     /// From the first to the last refusal of that run.
@@ -316,6 +343,7 @@ impl RuleTally<'_> {
             max_admitted_in_any_window: max_in_window,
             bound: value,
             bound_formula: formula,
+            lease_bound: self.rule.leasing().map(|l| l.max_overshoot),
             longest_denial_run: self.longest_run.0,
             longest_denial_run_ms: ms(self.longest_run.1),
             recovery_ms: self.recovery.map(ms),
@@ -391,8 +419,13 @@ pub fn replay(
         })
         .collect();
 
-    // The store's own clock is never read: every decision passes its simulated `now`.
-    let store = MemoryStore::new(1 << 40);
+    // Every decision passes its simulated `now`; the holders and their grants read `clock`,
+    // set to each arrival's time.
+    let clock = FakeClock::new(start);
+    let store = MemoryStore::with_clock(1 << 40, std::sync::Arc::new(clock.clone()));
+    let holders: Vec<QuotaLeases> = (0..options.holders).map(|_| QuotaLeases::new(1 << 20)).collect();
+    let leasing = CountedStore { store: &store, calls: std::sync::atomic::AtomicU64::new(0) };
+    let mut exact_calls = 0u64;
     let mut matched: Vec<Matched<'_>> = Vec::new();
     let mut decisions: Vec<Decision> = Vec::new();
     // Requests in progress that hold a concurrency slot: when each ends, and what it holds.
@@ -401,6 +434,10 @@ pub fn replay(
     let mut holding: HashMap<HoldId, Vec<(usize, &CompiledRule, String, u64)>> = HashMap::new();
     for (n, arrival) in arrivals.iter().enumerate() {
         let now = start + arrival.at;
+        clock.set(now);
+        for holder in &holders {
+            futures::executor::block_on(crate::server::leasing::settle_due(holder, &leasing, &clock, false));
+        }
         while let Some(&Reverse((end, hold))) = ending.peek()
             && end <= now
         {
@@ -437,7 +474,22 @@ pub fn replay(
         // A request's hold id (odd, never 0), as the engine gives one to a request that holds.
         let hold = ((n as u64) << 1) | 1;
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| RuleCheck { hold, ..m.check() }).collect();
-        let allowed = store.check_into(now, &checks, &mut decisions);
+        let from_slices = holders.get(n % holders.len().max(1)).and_then(|holder| {
+            futures::executor::block_on(crate::server::leasing::decide(
+                holder, &leasing, &clock, namespace, &matched, None,
+            ))
+        });
+        let allowed = match from_slices {
+            Some(verdict) => {
+                decisions.clear();
+                decisions.extend(verdict.decisions);
+                verdict.allowed
+            }
+            None => {
+                exact_calls += 1;
+                store.check_into(now, &checks, &mut decisions)
+            }
+        };
         let slot = (arrival.at / bucket) as usize;
         let mut held = Vec::new();
         for (m, decision) in matched.iter().zip(&decisions) {
@@ -474,7 +526,34 @@ pub fn replay(
         bucket_ms: bucket as f64 / MICROS_PER_MS as f64,
         rules: tallies.into_iter().map(RuleTally::report).collect(),
         compare: None,
+        leases: (!holders.is_empty()).then(|| {
+            let total = |f: fn(&QuotaLeases) -> u64| holders.iter().map(f).sum::<u64>();
+            LeaseReplay {
+                holders: holders.len(),
+                admitted_locally: total(|h| h.status().admitted_locally),
+                refused_locally: total(|h| h.status().refused_locally),
+                to_store: total(|h| h.status().to_store),
+                store_calls: exact_calls + leasing.calls.load(std::sync::atomic::Ordering::Relaxed),
+            }
+        }),
     })
+}
+
+/// The replay's store as the holders see it: the memory store, its calls counted.
+struct CountedStore<'a> {
+    store: &'a MemoryStore,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl LeaseStore for CountedStore<'_> {
+    async fn lease(
+        &self,
+        namespace: &str,
+        ops: &[LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, crate::store::StoreError> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.store.lease_for(namespace, None, ops).await
+    }
 }
 
 impl SimulationReport {
@@ -543,6 +622,30 @@ impl SimulationReport {
                 r.max_admitted_in_any_window,
                 r.requests,
             );
+        }
+        if let Some(leases) = &self.leases {
+            let _ = writeln!(
+                out,
+                "across {} holders: {} admitted from slices, {} refused by a holder, {} decided by the store; {} store calls for {} arrivals",
+                leases.holders,
+                leases.admitted_locally,
+                leases.refused_locally,
+                leases.to_store,
+                leases.store_calls,
+                self.arrivals
+            );
+            for r in self.rules.iter().filter(|r| r.lease_bound.is_some()) {
+                let allowed = r.bound.map(|b| b + r.lease_bound.unwrap_or(0));
+                let _ = writeln!(
+                    out,
+                    "{}/{}: leased, maxOvershoot {}: most in a window {} against {} allowed",
+                    r.policy,
+                    r.rule,
+                    r.lease_bound.unwrap_or(0),
+                    r.max_admitted_in_any_window,
+                    allowed.map_or_else(|| "-".to_string(), |a| a.to_string()),
+                );
+            }
         }
         if let Some(compare) = &self.compare {
             out.push_str(&super::comparison::to_text(compare));

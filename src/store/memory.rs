@@ -689,6 +689,7 @@ impl MemoryStore {
                     None => algorithm::lease::LeaseGrant {
                         amount: 0,
                         lasts: 0,
+                        holders: algorithm::lease::live_holds(state.as_ref(), now),
                         after: algorithm::check(op.limit, state.as_ref(), now, 0),
                     },
                 };

@@ -904,13 +904,13 @@ pub fn lease_args(now: Option<Micros>, ops: &[super::LeaseOp<'_>]) -> Vec<String
     args
 }
 
-/// Interprets the lease call's reply: four integers per key (granted, lasts_us, remaining,
-/// reset_after_us).
+/// Interprets the lease call's reply: five integers per key (granted, lasts_us, remaining,
+/// reset_after_us, live holds).
 pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array reply to lease, got {}", value_kind(reply))));
     };
-    if items.len() != 4 * ops {
+    if items.len() != 5 * ops {
         return Err(StoreError::Protocol(format!("lease answered {} values for {ops} keys", items.len())));
     }
     let int = |v: &Value| match v {
@@ -918,12 +918,13 @@ pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorit
         other => Err(StoreError::Protocol(format!("lease answered {}", value_kind(other)))),
     };
     items
-        .chunks(4)
+        .chunks(5)
         .map(|c| {
             let remaining = int(&c[2])?;
             Ok(crate::algorithm::lease::LeaseGrant {
                 amount: int(&c[0])?,
                 lasts: int(&c[1])?,
+                holders: int(&c[4])?,
                 after: Decision { allowed: true, remaining, reset_after: int(&c[3])?, retry_after: None, delay: 0 },
             })
         })
