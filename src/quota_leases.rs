@@ -16,9 +16,10 @@
 //!   early. A lease spent out, or at its end, is settled with what it spent, in the renewal
 //!   that asks for the next slice or by the keeper ([`QuotaLeases::due`]).
 //! - **Dry keys.** When the store grants nothing because the key has nothing left, the holder
-//!   refuses that key's requests itself for a while (the window's rest, capped at a quarter of
-//!   the staleness) instead of asking again for each: units given back meanwhile by other
-//!   holders wait that long (an undershoot, never an overshoot). When the store grants nothing
+//!   refuses that key's requests itself for a while (the window's rest, at most the staleness;
+//!   a quarter of it for the bucket algorithms, which refill all the time) instead of asking
+//!   again for each: units given back meanwhile by other holders wait that long (an
+//!   undershoot, never an overshoot). When the store grants nothing
 //!   because the bound is taken by others' slices, the key is decided by the store meanwhile.
 
 use std::collections::HashMap;
@@ -386,9 +387,16 @@ impl QuotaLeases {
             let check = &checks[renewal.index];
             let Some(entry) = entries.get_mut(&self.digest(check.rule, check.key)) else { continue };
             entry.renewing = false;
-            // A dry key waits a quarter of the staleness; a key whose bound others hold asks
-            // again sooner (slices of a hot key turn over quickly).
+            // A key the store had nothing left of is refused here until its window ends, for at
+            // most the staleness (a bucket, which refills all the time: a quarter of it); a key
+            // whose bound others hold asks again sooner (slices of a hot key turn over quickly).
             let pause = (check.leasing.staleness / 4).max(1_000);
+            let dry_pause = match check.limit.algorithm() {
+                crate::algorithm::Algorithm::FixedWindow | crate::algorithm::Algorithm::SlidingWindowCounter => {
+                    check.leasing.staleness
+                }
+                _ => pause,
+            };
             let busy_pause = (check.leasing.staleness / 50).max(1_000);
             let grant = match grants {
                 Ok(grants) => grants.get(i).copied(),
@@ -411,7 +419,7 @@ impl QuotaLeases {
                     self.counters.units_returned.fetch_add(grant.amount, Ordering::Relaxed);
                     returned.push(due(entry, renewal.ask.hold, 0));
                 } else if grant.after.remaining < check.cost {
-                    entry.dry_until = now + pause.min(grant.after.reset_after.max(1_000));
+                    entry.dry_until = now + dry_pause.min(grant.after.reset_after.max(1_000));
                 } else {
                     // The store counted this holder in (a hold of nothing): the others leave
                     // it a share at their next renewals.
@@ -543,7 +551,11 @@ mod tests {
         match table.decide("default", &checks, now + MS, true) {
             Local::Refused { by: 0, decision } => {
                 assert!(!decision.allowed);
-                assert_eq!(decision.retry_after, Some(SECOND / 4 - MS), "a quarter of the staleness");
+                assert_eq!(
+                    decision.retry_after,
+                    Some(SECOND - MS),
+                    "a window key: the staleness (the window ends later)"
+                );
             }
             other => panic!("{other:?}"),
         }
