@@ -42,6 +42,7 @@ const PAGES: &[(&str, usize)] = &[
     ("docs/overload.md", 2),
     ("docs/llm.md", 4),
     ("docs/redis.md", 8),
+    ("docs/leasing.md", 6),
 ];
 
 /// The longest any one documented command may take (the debug binary, a loaded machine).
@@ -357,6 +358,11 @@ fn llm_page() {
 #[test]
 fn redis_page() {
     check("docs/redis.md");
+}
+
+#[test]
+fn leasing_page() {
+    check("docs/leasing.md");
 }
 
 #[test]
