@@ -12,6 +12,9 @@
 //! `cargo run --release --example failover_load -- --endpoints 127.0.0.1:8081,127.0.0.1:8082 \
 //!      --paths /fixed,/log --rate 60 --duration 40 --window 10 --run r1`
 //!
+//! `--cold-keys N --cold-rate R` adds, per path, R checks a second spread over N other keys
+//! (`<run>-cold-<i>`), reported apart as `<path> cold`: a hot key among many cold ones.
+//!
 //! `--protocol proxy` sends plain `GET <path>` requests (with `x-run`) to proxies that enforce
 //! (sidecars): a 200 is admitted, a 429 refused, anything else counted as not a 200.
 //!
@@ -58,6 +61,10 @@ struct Args {
     descriptor_key: String,
     run_key: String,
     timeout: Duration,
+    /// Besides each path's one key (`--run`), this many other keys (`<run>-cold-<i>`), taking
+    /// `--cold-rate` checks per second between them, reported as `<path> cold`.
+    cold_keys: u64,
+    cold_rate: f64,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -84,6 +91,8 @@ fn parse_args() -> Args {
         descriptor_key: "path".into(),
         run_key: "run".into(),
         timeout: Duration::from_secs(5),
+        cold_keys: 0,
+        cold_rate: 0.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -109,6 +118,8 @@ fn parse_args() -> Args {
             "--descriptor-key" => args.descriptor_key = value,
             "--run-key" => args.run_key = value,
             "--timeout-ms" => args.timeout = Duration::from_millis(value.parse().expect("--timeout-ms: milliseconds")),
+            "--cold-keys" => args.cold_keys = value.parse().expect("--cold-keys: a count"),
+            "--cold-rate" => args.cold_rate = value.parse().expect("--cold-rate: a number"),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -207,10 +218,10 @@ async fn check_rls(
 
 /// The descriptor of one check: `[(key, path), (run_key, run)]` (no run entry if `run_key` is
 /// empty).
-fn rls_request(args: &Args, path: &str) -> RateLimitRequest {
+fn rls_request(args: &Args, path: &str, run: &str) -> RateLimitRequest {
     let mut entries = vec![Entry { key: args.descriptor_key.clone(), value: path.to_string() }];
     if !args.run_key.is_empty() {
-        entries.push(Entry { key: args.run_key.clone(), value: args.run.clone() });
+        entries.push(Entry { key: args.run_key.clone(), value: run.to_string() });
     }
     RateLimitRequest {
         domain: args.domain.clone().unwrap_or_else(|| args.namespace.clone()),
@@ -284,26 +295,36 @@ async fn main() {
     };
     let answers: Arc<Mutex<BTreeMap<String, Vec<Answer>>>> = Arc::default();
     let started = Instant::now();
-    let total = (args.rate * args.duration) as u64;
     let mut tasks = Vec::new();
+    // Each path's one key at --rate, and its cold keys at --cold-rate.
+    let mut streams: Vec<(usize, String, String, f64, bool)> = Vec::new();
     for (p, path) in args.paths.iter().enumerate() {
+        streams.push((p, path.clone(), path.clone(), args.rate, false));
+        if args.cold_keys > 0 && args.cold_rate > 0.0 {
+            streams.push((p, format!("{path} cold"), path.clone(), args.cold_rate, true));
+        }
+    }
+    for (p, label, path, rate, cold) in &streams {
+        let (p, rate) = (*p, *rate);
+        let total = (rate * args.duration) as u64;
         for k in 0..total {
             // Paths are offset within a tick so they do not all fire at once.
-            let at = Duration::from_secs_f64((k as f64 + p as f64 / args.paths.len() as f64) / args.rate);
+            let at = Duration::from_secs_f64((k as f64 + p as f64 / args.paths.len() as f64) / rate);
+            let run = if *cold { format!("{}-cold-{}", args.run, k % args.cold_keys) } else { args.run.clone() };
             let endpoint = (k as usize + p) % args.endpoints.len();
             let url = match args.protocol {
                 Protocol::Proxy => format!("http://{}{path}", args.endpoints[endpoint]),
                 _ => format!("http://{}/v1/check", args.endpoints[endpoint]),
             };
             let proxied = args.protocol == Protocol::Proxy;
-            let run = args.run.clone();
             let body = serde_json::json!({
                 "namespace": args.namespace, "method": "GET", "path": path,
-                "headers": {"x-run": args.run},
+                "headers": {"x-run": run},
             });
-            let rls = (args.protocol == Protocol::Rls).then(|| (channels[endpoint].clone(), rls_request(&args, path)));
+            let rls =
+                (args.protocol == Protocol::Rls).then(|| (channels[endpoint].clone(), rls_request(&args, path, &run)));
             let timeout = args.timeout;
-            let (client, answers, path) = (client.clone(), answers.clone(), path.clone());
+            let (client, answers, path) = (client.clone(), answers.clone(), label.clone());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until((started + at).into()).await;
                 let sent_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);

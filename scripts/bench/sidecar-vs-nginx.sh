@@ -18,6 +18,9 @@
 #   sidecar-single  the same with --endpoint-batches 0: one POST /v1/check per request
 #   sidecar-norule  the batched sidecar on paths no rule applies to: decided without the endpoint
 #                 while it pushes the snapshot
+#   nginx-auth-leased, sidecar-leased  nginx auth_request and the batched sidecar on HOT_KEYS hot
+#                 keys of a `consistency: leased` rule (docs/leasing.md): the sidecar decides them
+#                 from slices the endpoint grants, with no exchange per request
 # The endpoint's policy is one fixedWindow rule per X-API-Key on /orders that the run never reaches;
 # wrk sends KEYS distinct keys. Each process's CPU (utime + stime from /proc) is divided by the requests wrk
 # completed, so the figures do not depend on how the processes shared the core. Prints Markdown.
@@ -27,6 +30,7 @@ cd "$(dirname "$0")/../.."
 DURATION=${DURATION:-10s}
 CONNS=${CONNS:-64}
 KEYS=${KEYS:-10000}
+HOT_KEYS=${HOT_KEYS:-10}
 ROUNDS=${ROUNDS:-3}
 need() { command -v "$1" >/dev/null 2>&1 || { echo "missing $1 (apt-get install -y $2)" >&2; exit 1; }; }
 need wrk wrk
@@ -116,6 +120,12 @@ spec:
       key: [{header: X-API-Key}]
       algorithm: fixedWindow
       limit: {requests: 1000000000, per: 1h}
+    - name: per-key-leased
+      match: {paths: [{prefix: /leased}]}
+      key: [{header: X-API-Key}]
+      algorithm: fixedWindow
+      limit: {requests: 1000000000, per: 1h}
+      consistency: {mode: leased, maxOvershoot: "2%"}
 YAML
 RUST_LOG=warn $SERVERS "$SLUICE_BIN" serve --policies "$work/policy.yaml" --listen "127.0.0.1:$EP" 2>"$work/serve.log" &
 # shellcheck disable=SC2034  # read through ${!pv} below
@@ -152,6 +162,15 @@ end
 function request() return reqs[math.random(n)] end
 LUA
 
+cat > "$work/hot.lua" <<LUA
+local reqs, n = {}, $HOT_KEYS
+function init(args)
+  for i = 1, n do reqs[i] = wrk.format("GET", "/leased/" .. i, { ["X-API-Key"] = "hot-" .. i }) end
+  math.randomseed(os.time())
+end
+function request() return reqs[math.random(n)] end
+LUA
+
 # Answers must be the upstream's (200 "ok") and, through Sluice, carry its headers.
 for target in "$UP" "$PROXY" "$AUTH" "$SC" "$SC1"; do
   out=$(curl -s -D - -H 'X-API-Key: probe' "http://127.0.0.1:$target/orders/1")
@@ -177,14 +196,16 @@ hz=$(getconf CLK_TCK)
 # processes of each target, in the order of the report's columns
 declare -A procs=([direct]="upstream" [nginx-proxy]="proxy upstream" [nginx-auth]="auth endpoint upstream"
   [sidecar]="sidecar endpoint upstream" [sidecar-single]="single endpoint upstream"
-  [sidecar-norule]="sidecar endpoint upstream")
-declare -A port=([direct]=$UP [nginx-proxy]=$PROXY [nginx-auth]=$AUTH [sidecar]=$SC [sidecar-single]=$SC1 [sidecar-norule]=$SC)
+  [sidecar-norule]="sidecar endpoint upstream" [nginx-auth-leased]="auth endpoint upstream"
+  [sidecar-leased]="sidecar endpoint upstream")
+declare -A port=([direct]=$UP [nginx-proxy]=$PROXY [nginx-auth]=$AUTH [sidecar]=$SC [sidecar-single]=$SC1 [sidecar-norule]=$SC
+  [nginx-auth-leased]=$AUTH [sidecar-leased]=$SC)
 declare -A script=([direct]=keys [nginx-proxy]=keys [nginx-auth]=keys [sidecar]=keys [sidecar-single]=keys
-  [sidecar-norule]=static)
+  [sidecar-norule]=static [nginx-auth-leased]=hot [sidecar-leased]=hot)
 declare -A all
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for round in $(seq "$ROUNDS"); do
-  for target in direct nginx-proxy nginx-auth sidecar-single sidecar sidecar-norule; do
+  for target in direct nginx-proxy nginx-auth sidecar-single sidecar sidecar-norule nginx-auth-leased sidecar-leased; do
     declare -A t0=()
     for p in ${procs[$target]}; do pv="pid_$p"; t0[$p]=$(ticks "${!pv}"); done
     $LOAD wrk -t1 -c"$CONNS" -d"$DURATION" -s "$work/${script[$target]}.lua" "http://127.0.0.1:${port[$target]}/" > "$work/wrk.out" 2>&1
@@ -227,10 +248,15 @@ echo "| nginx auth_request → sluice serve | $(m nginx-auth.rps) | $(m nginx-au
 echo "| sluice sidecar → sluice serve, one check per request | $(m sidecar-single.rps) | $(m sidecar-single.sum) | $(m sidecar-single.single) | $(m sidecar-single.endpoint) | $(m sidecar-single.upstream) |"
 echo "| sluice sidecar → sluice serve, batched (default) | $(m sidecar.rps) | $(m sidecar.sum) | $(m sidecar.sidecar) | $(m sidecar.endpoint) | $(m sidecar.upstream) |"
 echo "| sluice sidecar, a path no rule applies to (no exchange) | $(m sidecar-norule.rps) | $(m sidecar-norule.sum) | $(m sidecar-norule.sidecar) | $(m sidecar-norule.endpoint) | $(m sidecar-norule.upstream) |"
+echo "| nginx auth_request → sluice serve, $HOT_KEYS hot keys of a leased rule | $(m nginx-auth-leased.rps) | $(m nginx-auth-leased.sum) | $(m nginx-auth-leased.auth) | $(m nginx-auth-leased.endpoint) | $(m nginx-auth-leased.upstream) |"
+echo "| sluice sidecar, $HOT_KEYS hot keys of a leased rule (slices) | $(m sidecar-leased.rps) | $(m sidecar-leased.sum) | $(m sidecar-leased.sidecar) | $(m sidecar-leased.endpoint) | $(m sidecar-leased.upstream) |"
 batches=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_endpoint_exchanges_total\{kind="batch"\}/ {e = $2} /^sluice_sidecar_batched_checks_total/ {c = $2} END {if (e > 0) printf "%.1f", c / e}')
 no_rule=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_decisions_total\{source="no_rule"/ {n += $2} END {print n + 0}')
+from_slices=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_decisions_total\{source="lease"/ {n += $2} END {print n + 0}')
 echo
-echo "mean checks per batch exchange (whole run, warm-up included): $batches; requests decided without the endpoint (no rule applies): $no_rule"
+echo "mean checks per batch exchange (whole run, warm-up included): $batches; requests decided without the endpoint (no rule applies): $no_rule; from slices of leased rules: $from_slices"
 echo
 awk -v s="$(m sidecar.sidecar)" -v n="$(m nginx-proxy.proxy)" -v a="$(m sidecar.rps)" -v b="$(m nginx-auth.rps)" 'BEGIN {
   printf "sidecar own CPU ÷ nginx proxy_pass own CPU: %.2f× (target ≤ 1.5×); sidecar + endpoint throughput ÷ nginx + auth_request: %.2f× (target ≥ 3×)\n", s / n, a / b }'
+awk -v s="$(m sidecar-leased.sidecar)" -v n="$(m nginx-proxy.proxy)" -v a="$(m sidecar-leased.rps)" -v b="$(m nginx-auth-leased.rps)" 'BEGIN {
+  printf "leased: sidecar own CPU ÷ nginx proxy_pass own CPU: %.2f× (target ≤ 2×); sidecar throughput ÷ nginx + auth_request on the same keys: %.2f× (target ≥ 3×)\n", s / n, a / b }'
