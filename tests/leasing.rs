@@ -13,7 +13,7 @@ use sluice::algorithm::{Algorithm, Limit, Micros};
 use sluice::store::memory::MemoryStore;
 use sluice::store::redis::{RedisConfig, RedisStore};
 use sluice::store::{LeaseOp, RuleCheck, Store};
-use support::redis_server::RedisServer;
+use support::redis_server::{RedisCluster, RedisServer};
 
 const T0: Micros = 1_700_000_040_000_000; // a whole minute
 const SEC: Micros = 1_000_000;
@@ -102,6 +102,39 @@ async fn redis_grants_and_decides_as_the_rust_algorithms_do() {
         compared += 1;
     }
     assert_eq!(compared, 3000);
+}
+
+/// On a Redis Cluster a namespace's slices live in its hash tag's slot, like its counters: a
+/// grant, the decisions beside it and the settle agree with the memory store.
+#[tokio::test]
+async fn a_redis_cluster_grants_and_settles_in_the_namespace_slot() {
+    let cluster = RedisCluster::shared();
+    let mut config = RedisConfig::cluster(cluster.urls());
+    config.timeout = Duration::from_secs(5);
+    config.denial_cache = 0;
+    let redis = RedisStore::connect(config).await.expect("cluster store");
+    let limit = leased(Algorithm::FixedWindow, 100, 60 * SEC, None);
+    let run: u64 = rand::random();
+    for namespace in ["tenant-a", "tenant-b", "tenant-c"] {
+        // Rule ids name their namespace in production; here one id serves three namespaces.
+        let memory = MemoryStore::new(1000);
+        let key = format!("cluster-{run}");
+        let op = |settle, ask| LeaseOp { rule: 7, limit: &limit, key: key.as_bytes(), settle, ask };
+        let ask = LeaseAsk { hold: 11, want: 30, cap: 40, ttl: SEC };
+        let now = T0 + 5 * SEC;
+        let visible = |g: &LeaseGrant| (g.amount, g.lasts, g.after.remaining, g.holders);
+        let granted = redis.lease_for(namespace, Some(now), &[op(None, Some(ask))]).await.unwrap();
+        assert_eq!(
+            visible(&granted[0]),
+            visible(&memory.lease_for(namespace, Some(now), &[op(None, Some(ask))]).await.unwrap()[0])
+        );
+        assert_eq!(visible(&granted[0]), (30, SEC, 70, 1), "{namespace}");
+        let checks = [RuleCheck { rule: 7, limit: &limit, key: key.as_bytes(), cost: 1, enforce: true, hold: 0 }];
+        let decided = redis.check_for(namespace, Some(now), &checks).await.unwrap();
+        assert_eq!(decided.decisions[0].remaining, 69, "{namespace}: the slice counts");
+        let settled = redis.lease_for(namespace, Some(now + 1), &[op(Some((11, 12)), None)]).await.unwrap();
+        assert_eq!(settled[0].after.remaining, 100 - 1 - 12, "{namespace}: 12 spent, 18 back");
+    }
 }
 
 /// The lease call refuses a rule that is not leased, and malformed arguments, writing nothing.
