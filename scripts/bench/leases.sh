@@ -9,33 +9,37 @@
 #   limitador  Limitador (redis_cached: counters kept in each server and flushed to Redis
 #              periodically, its answer to hot keys), the same limit
 #
-# Per server kind, two runs: the hot key alone (Redis commands per decision: every command
-# Redis processed, from INFO stats, over the decisions answered), then hot and cold keys together
-# (admitted per full 10 s window as a multiple of the limit: max and p99; decisions answered per
-# second; latency; CPU seconds of the servers and of Redis per 1000 decisions). Then `kill`:
-# leased, one server killed -9 in the middle of a window while holding slices: what the window
-# admitted, and the next.
+# Per server kind, two runs: the hot key alone (store calls per decision: the scripts Redis ran,
+# FCALL for Sluice, EVALSHA for Limitador, from INFO commandstats, over the decisions answered),
+# then hot and cold keys together (admitted per full window of PER seconds as a multiple of the
+# limit: max and p99; decisions answered per second; latency; CPU seconds of the servers and of
+# Redis per 1000 decisions). Then `kill`: leased, one server killed -9 half a second into a
+# window, while it holds slices: what that window admitted, and the next.
 #
 #   scripts/bench/leases.sh                       # all of it, ~5 minutes
-#   ENFORCERS=8 LIMIT=5000 MULTIPLE=10 COLD_KEYS=10000 COLD_RATE=500 DURATION=40 scripts/bench/leases.sh
+#   ENFORCERS=8 LIMIT=10000 PER=20 MULTIPLE=10 COLD_KEYS=10000 COLD_RATE=500 DURATION=80 scripts/bench/leases.sh
 #   scripts/bench/leases.sh exact leased          # only these kinds (and no kill)
 #
 # Limitador is built by scripts/bench/limitador.sh (cached outside the checkout); without its
 # source tree (SLUICE_LIMITADOR_SRC) or a built binary (SLUICE_LIMITADOR_BIN) its runs are left
 # out, and the script says so.
 set -euo pipefail
+# lib.sh sets its own default DURATION: keep the caller's, or this script's.
+requested_duration="${DURATION:-80}"
 # shellcheck source=scripts/reliability/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../reliability/lib.sh"
+DURATION="$requested_duration"
 ENFORCERS="${ENFORCERS:-8}"
-LIMIT="${LIMIT:-5000}"
+LIMIT="${LIMIT:-10000}"
+PER="${PER:-20}"
+BOUND="${BOUND:-2%}"
 MULTIPLE="${MULTIPLE:-10}"
 COLD_KEYS="${COLD_KEYS:-10000}"
 COLD_RATE="${COLD_RATE:-500}"
-DURATION="${DURATION:-40}"
-HOT_DURATION="${HOT_DURATION:-20}"
+HOT_DURATION="${HOT_DURATION:-40}"
 KINDS=("$@")
 ((${#KINDS[@]})) || KINDS=(exact leased limitador kill)
-HOT_RATE=$((LIMIT * MULTIPLE / 10))
+HOT_RATE=$((LIMIT * MULTIPLE / PER))
 
 install_missing redis-server:redis-server redis-cli:redis-tools python3:python3 jq:jq curl:curl
 if [ -z "${SLUICE_BIN:-}" ] || [ -z "${LOAD_BIN:-}" ]; then
@@ -54,7 +58,7 @@ fi
 
 policy() { # MODE: the rule, exact or leased
     local consistency=""
-    [ "$1" = leased ] && consistency='      consistency: {mode: leased, maxOvershoot: "2%"}'
+    [ "$1" = leased ] && consistency="      consistency: {mode: leased, maxOvershoot: \"$BOUND\"}"
     cat >"$WORK/policy-$1.yaml" <<EOF
 apiVersion: sluice.dev/v1alpha1
 kind: RateLimitPolicy
@@ -68,7 +72,7 @@ spec:
           - {key: run}
       key: [{descriptor: run}]
       algorithm: fixedWindow
-      limit: {requests: $LIMIT, per: 10s}
+      limit: {requests: $LIMIT, per: ${PER}s}
 $consistency
 EOF
 }
@@ -76,7 +80,7 @@ cat >"$WORK/limitador-limits.yaml" <<EOF
 - namespace: leases
   name: per-client
   max_value: $LIMIT
-  seconds: 10
+  seconds: $PER
   conditions: ["descriptors[0].path == '/api'"]
   variables: ["descriptors[0].run"]
 EOF
@@ -111,7 +115,8 @@ cpu_seconds() { # PIDS...: user+system CPU seconds, summed
     python3 -c "print($ticks / $hz)"
 }
 
-commands() { redis-cli -p "$1" info stats | awk -F: '/^total_commands_processed/ {print $2+0}'; }
+# Calls a client made: the scripts Redis ran (the commands inside them are counted apart).
+commands() { redis-cli -p "$1" info commandstats | awk -F'[=,:]' '/^cmdstat_(fcall|evalsha|eval):/ {n += $3} END {print n + 0}'; }
 
 RESULTS=()
 run() { # KIND PHASE COLD_RATE DURATION
@@ -120,13 +125,13 @@ run() { # KIND PHASE COLD_RATE DURATION
     start_redis "$redis" 0-1
     PIDS+=("$REDIS_PID")
     start_servers "$kind" "$redis"
-    python3 -c 'import time; time.sleep(10 - time.time() % 10 + 0.02)'
+    python3 -c "import time; time.sleep($PER - time.time() % $PER + 0.02)"
     local cmd0 cpu0 rcpu0 started
     cmd0=$(commands "$redis"); cpu0=$(cpu_seconds "${SERVER_PIDS[@]}"); rcpu0=$(cpu_seconds "$REDIS_PID")
     started=$(date +%s.%N)
     "$LOAD" --protocol rls --endpoints "$(IFS=,; echo "${SERVERS[*]}")" --paths /api --namespace leases --domain leases \
         --descriptor-key path --run-key run --rate "$HOT_RATE" --cold-keys "$COLD_KEYS" --cold-rate "$cold_rate" \
-        --duration "$duration" --window 10 --timeout-ms 1000 --run "hot-$kind-$phase-$$" >"$WORK/load.json"
+        --duration "$duration" --window "$PER" --timeout-ms 1000 --run "hot-$kind-$phase-$$" >"$WORK/load.json"
     local elapsed cmds cpu rcpu
     elapsed=$(python3 -c "import time; print(time.time() - $started)")
     cmds=$(($(commands "$redis") - cmd0))
@@ -134,7 +139,7 @@ run() { # KIND PHASE COLD_RATE DURATION
     rcpu=$(python3 -c "print($(cpu_seconds "$REDIS_PID") - $rcpu0)")
     RESULTS+=("$(jq -c --arg k "$kind" --arg p "$phase" --argjson cmds "$cmds" --argjson cpu "$cpu" --argjson rcpu "$rcpu" \
         --argjson elapsed "$elapsed" --argjson limit "$LIMIT" '
-        def full: .admitted_per_window[1:-1];
+        def full: if (.admitted_per_window | length) > 2 then .admitted_per_window[1:-1] else .admitted_per_window end;
         def p99: sort | .[((length * 0.99) | ceil) - 1];
         (.["/api"]) as $hot | (.["/api cold"] // {sent: 0, admitted: 0, transport_errors: 0}) as $cold |
         ($hot.sent + $cold.sent - $hot.transport_errors - $cold.transport_errors) as $answered |
@@ -142,38 +147,38 @@ run() { # KIND PHASE COLD_RATE DURATION
          errors: ($hot.transport_errors + $cold.transport_errors + $hot.non_200 + $cold.non_200),
          windows: ($hot.admitted_per_window | map(. / $limit)),
          max_window: (($hot | full | max // 0) / $limit), p99_window: (($hot | full | p99 // 0) / $limit),
-         redis_commands_per_decision: ($cmds / $answered), decisions_per_s: ($answered / $elapsed),
+         store_calls_per_decision: ($cmds / $answered), decisions_per_s: ($answered / $elapsed),
          p50_ms: $hot.latency_ms.p50, p99_ms: $hot.latency_ms.p99,
          server_cpu_s_per_1000: (1000 * $cpu / $answered), redis_cpu_s_per_1000: (1000 * $rcpu / $answered)}' "$WORK/load.json")")
     printf '%s\n' "${RESULTS[-1]}"
     kill_all
 }
 
-kill_run() { # leased, one server killed -9 holding slices in the middle of a window
+kill_run() { # leased, one server killed -9 holding slices half a second into a window
     local redis
     redis=$(free_port)
     start_redis "$redis" 0-1
     PIDS+=("$REDIS_PID")
     start_servers leased "$redis"
-    python3 -c 'import time; time.sleep(10 - time.time() % 10 + 0.02)'
+    python3 -c "import time; time.sleep($PER - time.time() % $PER + 0.02)"
     "$LOAD" --protocol rls --endpoints "$(IFS=,; echo "${SERVERS[*]}")" --paths /api --namespace leases --domain leases \
-        --descriptor-key path --run-key run --rate "$HOT_RATE" --duration 30 --window 10 --timeout-ms 1000 \
+        --descriptor-key path --run-key run --rate "$HOT_RATE" --duration $((3 * PER)) --window "$PER" --timeout-ms 1000 \
         --run "kill-$$" >"$WORK/load.json" &
     local load=$! victim="${HTTPS[0]}" held
-    sleep 14.5
+    sleep "$PER.5"
     held=$(curl -s "http://$victim/v1/snapshot" | jq -c '.store.quotaLeases | {held, unitsHeld}')
     kill -9 "${SERVER_PIDS[0]}"
     wait "$load" || true
     RESULTS+=("$(jq -c --arg held "$held" --argjson limit "$LIMIT" '.["/api"] as $hot |
-        {kind: "kill", phase: "killed at 4.5 s into window 2", held_when_killed: ($held | fromjson),
+        {kind: "kill", phase: "killed 0.5 s into window 2", held_when_killed: ($held | fromjson),
          windows: ($hot.admitted_per_window | map(. / $limit)), admitted_per_window: $hot.admitted_per_window,
          errors: ($hot.transport_errors + $hot.non_200)}' "$WORK/load.json")")
     printf '%s\n' "${RESULTS[-1]}"
     kill_all
 }
 
-log "load average before: $(cut -d' ' -f1-3 /proc/loadavg); $ENFORCERS servers per kind, limit $LIMIT per 10 s," \
-    "hot key at ${MULTIPLE}x (${HOT_RATE}/s), $COLD_KEYS cold keys at ${COLD_RATE}/s"
+log "load average before: $(cut -d' ' -f1-3 /proc/loadavg); $ENFORCERS servers per kind, limit $LIMIT per ${PER}s," \
+    "leased bound $BOUND, hot key at ${MULTIPLE}x (${HOT_RATE}/s), $COLD_KEYS cold keys at ${COLD_RATE}/s"
 for kind in "${KINDS[@]}"; do
     case "$kind" in
         exact|leased) policy "$kind"; run "$kind" hot 0 "$HOT_DURATION"; run "$kind" mixed "$COLD_RATE" "$DURATION" ;;
@@ -184,10 +189,10 @@ for kind in "${KINDS[@]}"; do
     esac
 done
 log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-printf '\n%-10s %-6s %18s %10s %10s %12s %9s %9s %10s %10s %7s\n' kind phase "redis cmds/decision" "max/limit" "p99/limit" "decisions/s" "p50 ms" "p99 ms" "cpu s/1k" "redis s/1k" errors
+printf '\n%-10s %-6s %18s %10s %10s %12s %9s %9s %10s %10s %7s\n' kind phase "store calls/dec." "max/limit" "p99/limit" "decisions/s" "p50 ms" "p99 ms" "cpu s/1k" "redis s/1k" errors
 for line in "${RESULTS[@]}"; do
-    jq -r 'select(.redis_commands_per_decision != null) |
-        [.kind, .phase, (.redis_commands_per_decision * 10000 | round / 10000), (.max_window * 1000 | round / 1000),
+    jq -r 'select(.store_calls_per_decision != null) |
+        [.kind, .phase, (.store_calls_per_decision * 10000 | round / 10000), (.max_window * 1000 | round / 1000),
          (.p99_window * 1000 | round / 1000), (.decisions_per_s | round), .p50_ms, .p99_ms,
          (.server_cpu_s_per_1000 * 1000 | round / 1000), (.redis_cpu_s_per_1000 * 1000 | round / 1000), .errors] | @tsv' <<<"$line" |
         awk -F'\t' '{ printf "%-10s %-6s %18s %10s %10s %12s %9s %9s %10s %10s %7s\n", $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 }'
