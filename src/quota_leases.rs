@@ -187,6 +187,11 @@ pub struct QuotaLeases {
     /// Slices to settle that left the table outside [`QuotaLeases::due`]'s scan (a renewal's
     /// settle that failed, a grant too short to use), for its next run.
     pending: Mutex<Vec<Due>>,
+    /// The keys holding a slice (taken after `entries`): what the keeper scans every few
+    /// milliseconds, instead of every key followed.
+    holding: Mutex<std::collections::HashSet<u128, BuildHasherDefault<PrehashedHasher>>>,
+    /// When idle keys were last forgotten (a scan of every key, once a second).
+    last_sweep: AtomicU64,
     max_keys: usize,
     pub counters: LeaseCounters,
 }
@@ -202,6 +207,8 @@ impl QuotaLeases {
             entries: Mutex::new(HashMap::default()),
             seeds: (ahash::RandomState::new(), ahash::RandomState::new()),
             pending: Mutex::new(Vec::new()),
+            holding: Mutex::new(std::collections::HashSet::default()),
+            last_sweep: AtomicU64::new(0),
             max_keys,
             counters: LeaseCounters::default(),
         }
@@ -385,7 +392,8 @@ impl QuotaLeases {
         self.counters.store_calls.fetch_add(1, Ordering::Relaxed);
         for (i, renewal) in renewals.iter().enumerate() {
             let check = &checks[renewal.index];
-            let Some(entry) = entries.get_mut(&self.digest(check.rule, check.key)) else { continue };
+            let slot = self.digest(check.rule, check.key);
+            let Some(entry) = entries.get_mut(&slot) else { continue };
             entry.renewing = false;
             // A key the store had nothing left of is refused here until its window ends, for at
             // most the staleness (a bucket, which refills all the time: a quarter of it); a key
@@ -432,6 +440,7 @@ impl QuotaLeases {
             entry.holders = grant.holders.max(1);
             self.counters.grants.fetch_add(1, Ordering::Relaxed);
             self.counters.units_granted.fetch_add(grant.amount, Ordering::Relaxed);
+            self.holding.lock().insert(slot);
             entry.held = Some(Held {
                 hold: renewal.ask.hold,
                 amount: grant.amount,
@@ -453,16 +462,26 @@ impl QuotaLeases {
     pub fn due(&self, now: Micros, all: bool) -> Vec<Due> {
         let mut out = std::mem::take(&mut *self.pending.lock());
         let mut entries = self.entries.lock();
-        entries.retain(|_, entry| {
-            if let Some(held) = entry.held
-                && (all || held.stop_at <= now)
-            {
-                entry.held = None;
-                self.counters.units_returned.fetch_add(held.amount - held.spent, Ordering::Relaxed);
-                out.push(due(entry, held.hold, held.spent));
+        let mut holding = self.holding.lock();
+        holding.retain(|slot| {
+            let Some(entry) = entries.get_mut(slot) else { return false };
+            match entry.held {
+                Some(held) if all || held.stop_at <= now => {
+                    entry.held = None;
+                    self.counters.units_returned.fetch_add(held.amount - held.spent, Ordering::Relaxed);
+                    out.push(due(entry, held.hold, held.spent));
+                    false
+                }
+                Some(_) => true,
+                // Taken by a renewal since.
+                None => false,
             }
-            entry.held.is_some() || entry.renewing || now < entry.seen_at + IDLE
         });
+        drop(holding);
+        if now >= self.last_sweep.load(Ordering::Relaxed) + SECOND {
+            self.last_sweep.store(now, Ordering::Relaxed);
+            entries.retain(|_, entry| entry.held.is_some() || entry.renewing || now < entry.seen_at + IDLE);
+        }
         out
     }
 }
@@ -600,6 +619,29 @@ mod tests {
         assert_eq!(table.decide("default", &checks, now + MS, true), Local::Store);
         let due = table.due(now + MS, false);
         assert_eq!(due.iter().map(|d| (d.hold, d.spent)).collect::<Vec<_>>(), vec![(renewals[0].settle.unwrap().0, 1)]);
+    }
+
+    #[test]
+    fn the_keeper_looks_at_held_slices_and_forgets_idle_keys_once_a_second() {
+        let table = QuotaLeases::new(100_000);
+        let l = limit();
+        // Ten thousand cold keys followed, one hot key holding a slice.
+        for i in 0..10_000u32 {
+            let key = i.to_string();
+            assert_eq!(table.decide("default", &[check(&l, key.as_bytes())], T0, true), Local::Store);
+        }
+        let hot = [check(&l, b"hot")];
+        let (renewals, now) = until_renewal(&table, &hot, T0);
+        table.renewed(&hot, &renewals, Ok(&[grant(5, 900)]), now, now);
+        assert_eq!(table.holding.lock().len(), 1);
+        assert!(table.due(now + MS, false).is_empty());
+        // At the slice's stop it is settled; idle cold keys go once they are IDLE old.
+        let due = table.due(now + SECOND, false);
+        assert_eq!(due.len(), 1);
+        assert!(table.holding.lock().is_empty());
+        assert_eq!(table.status().keys, 10_001, "not idle yet");
+        table.due(T0 + IDLE + 2 * SECOND, false);
+        assert_eq!(table.status().keys, 0, "idle keys forgotten");
     }
 
     #[test]
