@@ -38,6 +38,33 @@ local function read_reservations(rkey)
   return holds, 'hash'
 end
 
+-- Adds `amount` under `hold` to the holds `s` read at s.rkey, ending at `until_` (a hold already
+-- under that id keeps its end and adds the amount), drops the holds that ran out, and sets the
+-- key's TTL to the latest end: `hold_units` in src/algorithm/reservation.rs. Returns the live
+-- holds after it, this one last.
+local function add_hold(s, now, hold, amount, until_)
+  if s.rtype == 'other' then
+    redis.call('DEL', s.rkey)
+  end
+  local latest, live = until_, {}
+  for _, h in ipairs(s.holds) do
+    if h.until_ <= now then
+      redis.call('HDEL', s.rkey, h.id)
+    else
+      if h.id == hold then
+        amount, until_ = amount + h.amount, h.until_
+      else
+        live[#live + 1] = h
+      end
+      latest = math.max(latest, h.until_)
+    end
+  end
+  redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(amount))
+  redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
+  live[#live + 1] = { id = hold, until_ = until_, amount = amount }
+  return live
+end
+
 local function capacity_of(l)
   if l.algo <= 3 then
     return l.burst -- tokenBucket, gcra, leakyBucket
@@ -99,24 +126,8 @@ function sluice.reserving(inner)
       inner.consume(key, ktype, s.counted, l, now, cost, hold)
       return
     end
-    if s.rtype == 'other' then
-      redis.call('DEL', s.rkey)
-    end
     -- A second reservation under one hold (two rules on one key) adds to the first, keeping its end.
-    local amount, until_ = cost, now + l.ttl
-    local latest = until_
-    for _, h in ipairs(s.holds) do
-      if h.until_ <= now then
-        redis.call('HDEL', s.rkey, h.id)
-      else
-        if h.id == hold then
-          amount, until_ = amount + h.amount, h.until_
-        end
-        latest = math.max(latest, h.until_)
-      end
-    end
-    redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(amount))
-    redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
+    add_hold(s, now, hold, cost, now + l.ttl)
   end
 
   -- Settles `hold`'s reservation at `key` to `actual`; returns 1 if it was live, else 0.
@@ -174,62 +185,21 @@ function sluice.reserving(inner)
     if amount <= 0 then
       -- Nothing granted. When the key has room but the bound is out in others' slices, the asker
       -- is counted as a holder (a hold of nothing), as in Rust.
-      local waiting = amount == 0 and room == 0 and ok and remaining > 0
-      local live, found = 0, false
+      if amount == 0 and room == 0 and ok and remaining > 0 then
+        return 0, 0, remaining, reset_after, #add_hold(s, now, hold, 0, until_)
+      end
+      local live = 0
       for _, h in ipairs(s.holds) do
         if h.until_ > now then
           live = live + 1
-          found = found or h.id == hold
         end
-      end
-      if waiting then
-        if s.rtype == 'other' then
-          redis.call('DEL', s.rkey)
-        end
-        local latest = until_
-        local kept_until = until_
-        for _, h in ipairs(s.holds) do
-          if h.until_ <= now then
-            redis.call('HDEL', s.rkey, h.id)
-          else
-            if h.id == hold then
-              kept_until = h.until_
-            end
-            latest = math.max(latest, h.until_)
-          end
-        end
-        if not found then
-          redis.call('HSET', s.rkey, hold, fmt(kept_until) .. ':0')
-          live = live + 1
-        end
-        redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
       end
       return 0, 0, remaining, reset_after, live
     end
-    if s.rtype == 'other' then
-      redis.call('DEL', s.rkey)
-    end
-    local latest, stored = until_, amount
-    local live = {}
-    for _, h in ipairs(s.holds) do
-      if h.until_ <= now then
-        redis.call('HDEL', s.rkey, h.id)
-      else
-        if h.id == hold then
-          -- A second grant under one id adds to the first, keeping its end (as in Rust).
-          stored, until_ = stored + h.amount, h.until_
-        else
-          live[#live + 1] = h
-        end
-        latest = math.max(latest, h.until_)
-      end
-    end
-    redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(stored))
-    redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
-    live[#live + 1] = { id = hold, until_ = until_, amount = stored }
-    s.holds = live
+    -- A second grant under one id adds to the first, keeping its end (as in Rust).
+    s.holds = add_hold(s, now, hold, amount, until_)
     local _, left, reset = m.check(l, s, now, 0)
-    return amount, stop - now, left, reset, #live
+    return amount, stop - now, left, reset, #s.holds
   end
 
   reserving_by_inner[inner] = m
