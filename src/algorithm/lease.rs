@@ -117,14 +117,6 @@ pub fn live_holds(state: Option<&State>, now: Micros) -> u64 {
     }
 }
 
-/// The latest end of the holds in `state` (0 when none): the key must live until then.
-pub fn holds_end(state: &State) -> Micros {
-    match state {
-        State::Reserved(r) => r.holds.iter().map(|h| h.until).max().unwrap_or(0),
-        _ => 0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

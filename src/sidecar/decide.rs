@@ -454,11 +454,6 @@ impl Decider {
         crate::server::leasing::keep(&self.leases, &*self.endpoint, &*self.clock, shutdown).await;
     }
 
-    /// What the slices held here have done.
-    pub fn lease_status(&self) -> crate::quota_leases::QuotaLeaseStatus {
-        self.leases.status()
-    }
-
     fn count(&self, source: Source, decision: &Decision) {
         let result = match decision {
             Decision::Allow { .. } => "allow",

@@ -697,7 +697,7 @@ impl MemoryStore {
                 // last lease may leave nothing).
                 let pristine_at = state.as_ref().map(|s| {
                     let mut probe = Some(s.clone());
-                    algorithm::apply(op.limit, &mut probe, now, 0).max(algorithm::lease::holds_end(s))
+                    algorithm::apply(op.limit, &mut probe, now, 0)
                 });
                 match (state, pristine_at) {
                     (Some(state), Some(expires_at)) if expires_at > now => {
