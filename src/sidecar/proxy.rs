@@ -21,7 +21,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::connect::UpstreamConnector;
+use super::connect::{Acknowledger, UpstreamConnector};
 use super::decide::{CheckInput, Decider};
 use super::metering::Metering;
 use super::metrics::SidecarMetrics;
@@ -64,6 +64,8 @@ pub struct Releasing<B> {
     inner: B,
     release: Option<Release>,
     metering: Option<Metering>,
+    /// Acknowledges what the application sent when the rest keeps us waiting (super::connect).
+    acknowledger: Option<Acknowledger>,
 }
 
 impl<B> Releasing<B> {
@@ -102,7 +104,11 @@ impl<B: hyper::body::Body<Data = Bytes> + Unpin> hyper::body::Body for Releasing
             }
             std::task::Poll::Ready(Some(Err(_))) => self.end(|metering| metering.broken(true)),
             std::task::Poll::Ready(None) => self.end(Metering::finish),
-            std::task::Poll::Pending => {}
+            std::task::Poll::Pending => {
+                if let Some(acknowledger) = &self.acknowledger {
+                    acknowledger.acknowledge();
+                }
+            }
         }
         polled
     }
@@ -387,7 +393,8 @@ impl Proxy {
         headers::strip_hop_by_hop(response.headers_mut(), false);
         let metering = Metering::start(costs, response.status(), response.headers_mut());
         add_headers(response.headers_mut(), rate_headers);
-        response.map(|body| Either::Left(Releasing { inner: body, release: held, metering }))
+        let acknowledger = response.extensions_mut().remove::<Acknowledger>();
+        response.map(|body| Either::Left(Releasing { inner: body, release: held, metering, acknowledger }))
     }
 
     /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an
