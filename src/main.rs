@@ -18,6 +18,12 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, env = "SLUICE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
+    /// Threads that run the long-running roles (serve, operator, sidecar); default: the CPUs
+    /// this process may use (its CPU affinity and cgroup CPU quota). With 1, one thread runs
+    /// everything (tokio's current-thread scheduler): on one CPU a proxied request through the
+    /// sidecar costs about a tenth less CPU than with a pool of one worker (docs/benchmarks.md).
+    #[arg(long, global = true, env = "SLUICE_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    worker_threads: Option<u16>,
     #[command(subcommand)]
     command: Command,
 }
@@ -122,10 +128,28 @@ fn init_logging(format: &str) {
     }
 }
 
-/// Every long-running role: logging, then a multi-threaded runtime driving the role to its end.
-fn run_async(log_format: &str, role: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+/// Every long-running role: logging, then a runtime of `worker_threads` (default: the CPUs this
+/// process may use) driving the role to its end; one thread runs everything itself, without a
+/// pool to hand work to.
+fn run_async(
+    log_format: &str,
+    worker_threads: Option<u16>,
+    role: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
     init_logging(log_format);
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(role)
+    let threads = worker_threads
+        .map(usize::from)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
+    let mut builder = if threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut pool = tokio::runtime::Builder::new_multi_thread();
+        pool.worker_threads(threads);
+        pool
+    };
+    let runtime = builder.enable_all().build()?;
+    tracing::debug!(threads, "runtime started");
+    runtime.block_on(role)
 }
 
 /// A failed command prints what went wrong and its causes, one per line, and exits 1: the
@@ -151,9 +175,13 @@ fn run() -> anyhow::Result<()> {
             print!("{}", sluice::policy::crd_yaml());
             Ok(())
         }
-        Command::Serve(args) => run_async(&cli.log_format, run_serve(args)),
-        Command::Sidecar(args) => run_async(&cli.log_format, async { Ok(sluice::sidecar::run(args).await?) }),
-        Command::Operator(args) => run_async(&cli.log_format, async { Ok(sluice::operator::run(args).await?) }),
+        Command::Serve(args) => run_async(&cli.log_format, cli.worker_threads, run_serve(args)),
+        Command::Sidecar(args) => {
+            run_async(&cli.log_format, cli.worker_threads, async { Ok(sluice::sidecar::run(args).await?) })
+        }
+        Command::Operator(args) => {
+            run_async(&cli.log_format, cli.worker_threads, async { Ok(sluice::operator::run(args).await?) })
+        }
         Command::Explain(args) => run_explain(args),
         Command::Convert(ConvertCommand::EnvoyRatelimit { file, namespace, algorithm }) => {
             let algorithm: sluice::algorithm::Algorithm = serde_json::from_value(serde_json::Value::String(algorithm))

@@ -171,7 +171,9 @@ fn start_sidecar(upstream: SocketAddr, endpoint: &str, extra: &[&str]) -> Sideca
 }
 
 fn start_sidecar_with_timeout(upstream: SocketAddr, endpoint: &str, timeout: &str, extra: &[&str]) -> Sidecar {
-    let mut args = vec!["--labels", "app=web,tier=front", "--endpoint-timeout", timeout];
+    // One thread, as a sidecar given one CPU runs (the current-thread scheduler); the e2e flows
+    // and tests/serve_leases.rs run the default pool.
+    let mut args = vec!["--labels", "app=web,tier=front", "--endpoint-timeout", timeout, "--worker-threads", "1"];
     args.extend_from_slice(extra);
     let process = SluiceProcess::sidecar(&upstream.to_string(), endpoint, "tenant-acme", &args);
     let admin = process.logged_address("admin");

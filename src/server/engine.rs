@@ -45,6 +45,17 @@ pub enum HolderLeaseError {
     Store(StoreError),
 }
 
+/// What [`Engine::check_without_store`] could decide.
+#[derive(Debug)]
+pub enum WithoutStore {
+    /// No rule applies: allowed, with no headers.
+    NoRule,
+    /// Decided from quota leases.
+    FromLeases(CheckResponse),
+    /// Only the store can decide it.
+    AskTheStore,
+}
+
 /// What the check API answers.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -343,15 +354,6 @@ impl<S: Store> Engine<S> {
         self.last_error.lock().clone()
     }
 
-    /// Whether any rule of the live snapshot applies to `request` (a request no rule applies to
-    /// is allowed with no headers and no state touched, whoever decides it).
-    pub fn matches_any(&self, request: &RequestView<'_>) -> bool {
-        let live = self.live.load();
-        let mut matched: Vec<Matched<'_>> = Vec::new();
-        live.snapshot.resolve(request, &mut matched);
-        !matched.is_empty()
-    }
-
     /// Decides one request against the live snapshot. Every entry point (check API, ext_authz,
     /// the sidecar's local fallback) builds the borrowed view from what it parsed, without
     /// copying.
@@ -578,26 +580,38 @@ impl<S: Store> Engine<S> {
         self.respond(live, namespace, matched, &checks, &verdict, failed, now)
     }
 
-    /// Decides `request` from the quota leases in `leases` (renewed through `store`), if every
-    /// rule it matches is `consistency: leased` and the slices held (or a dry key) can answer;
-    /// `None` when the request must be asked of the store. The sidecar's fast path: a request
-    /// of a hot key costs no call at all.
-    pub async fn check_leased<L: LeaseStore>(
+    /// Decides `request` without asking the store, when that gives the store's answer: no rule
+    /// of the live snapshot applies to it (allowed, no headers, no state touched), or every rule
+    /// it matches is `consistency: leased` and the slices held in `leases` (renewed through
+    /// `store`), or a dry key, can answer. The sidecar's fast path: such a request costs no call.
+    pub async fn check_without_store<L: LeaseStore>(
         &self,
         request: &RequestView<'_>,
         leases: &QuotaLeases,
         store: &L,
         budget: Option<Duration>,
-    ) -> Option<CheckResponse> {
+    ) -> WithoutStore {
         let live = self.live.load();
         let mut matched: Vec<Matched<'_>> = Vec::new();
         live.snapshot.resolve(request, &mut matched);
         if matched.is_empty() {
-            return None;
+            return WithoutStore::NoRule;
         }
-        let verdict = super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, budget).await?;
+        let Some(verdict) =
+            super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, budget).await
+        else {
+            return WithoutStore::AskTheStore;
+        };
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.rule.check(m.key.as_bytes(), m.cost)).collect();
-        Some(self.respond(&live, request.namespace, &matched, &checks, &verdict, false, self.clock.now()))
+        WithoutStore::FromLeases(self.respond(
+            &live,
+            request.namespace,
+            &matched,
+            &checks,
+            &verdict,
+            false,
+            self.clock.now(),
+        ))
     }
 
     /// The answer to a request from its rules' verdict.

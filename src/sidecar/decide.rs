@@ -28,7 +28,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::policy::response_cost::ResponseCost;
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
-use crate::server::engine::{CheckResponse, Engine, Holds, SettleCost};
+use crate::server::engine::{CheckResponse, Engine, Holds, SettleCost, WithoutStore};
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
@@ -357,12 +357,8 @@ impl Decider {
     }
 
     pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
-        if let Some(decision) = self.without_endpoint(input) {
-            self.count(Source::NoRule, &decision);
-            return decision;
-        }
-        if let Some(decision) = self.decide_from_leases(input).await {
-            self.count(Source::Lease, &decision);
+        if let Some((source, decision)) = self.without_endpoint(input).await {
+            self.count(source, &decision);
             return decision;
         }
         let started = self.clock.now();
@@ -422,31 +418,25 @@ impl Decider {
         decision
     }
 
-    /// A request that no rule of the live snapshot applies to is allowed here, with no headers:
-    /// what the endpoint would answer, without the exchange. Only while the cached snapshot is
-    /// exactly the endpoint's (same version) and kept current by a held snapshot request, so a
-    /// new or changed policy reaches this pod as soon as the endpoint installs it; otherwise, and
-    /// for a request the endpoint would refuse as malformed, the endpoint is asked as always.
-    fn without_endpoint(&self, input: &CheckInput<'_>) -> Option<Decision> {
-        if !(self.snapshot_is_pushed.load(Ordering::Acquire) && self.local_is_exact.load(Ordering::Acquire)) {
-            return None;
-        }
-        if crate::server::request::check_path(input.path).is_err() || self.local.matches_any(&view_of(input)) {
-            return None;
-        }
-        Some(Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None })
-    }
-
-    /// A request whose every rule is `consistency: leased` decided from the slices held here
-    /// (renewed from the endpoint when the table asks), while the cached snapshot is exactly
-    /// the endpoint's; `None` sends it to the endpoint as usual.
-    async fn decide_from_leases(&self, input: &CheckInput<'_>) -> Option<Decision> {
+    /// A request decided here with the endpoint's answer, without the exchange, while the
+    /// cached snapshot is exactly the endpoint's (same version): one that no rule applies to is
+    /// allowed with no headers, while the snapshot is also kept current by a held snapshot
+    /// request (so a new or changed policy reaches this pod as soon as the endpoint installs
+    /// it); one whose every rule is `consistency: leased` is decided from the slices held here
+    /// (renewed from the endpoint when the table asks). Otherwise, and for a request the
+    /// endpoint would refuse as malformed, `None`: the endpoint is asked as always.
+    async fn without_endpoint(&self, input: &CheckInput<'_>) -> Option<(Source, Decision)> {
         if !self.local_is_exact.load(Ordering::Acquire) || crate::server::request::check_path(input.path).is_err() {
             return None;
         }
-        let response =
-            self.local.check_leased(&view_of(input), &self.leases, &*self.endpoint, Some(self.timeout)).await?;
-        Some(from_engine(response))
+        let view = view_of(input);
+        match self.local.check_without_store(&view, &self.leases, &*self.endpoint, Some(self.timeout)).await {
+            WithoutStore::NoRule if self.snapshot_is_pushed.load(Ordering::Acquire) => {
+                Some((Source::NoRule, Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None }))
+            }
+            WithoutStore::FromLeases(response) => Some((Source::Lease, from_engine(response))),
+            WithoutStore::NoRule | WithoutStore::AskTheStore => None,
+        }
     }
 
     /// Settles this pod's slices as they end, until `shutdown`; then gives every one back.
