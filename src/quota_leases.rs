@@ -258,6 +258,8 @@ impl QuotaLeases {
     pub fn decide(&self, namespace: &str, checks: &[LeasedCheck<'_>], now: Micros, may_renew: bool) -> Local {
         let mut entries = self.entries.lock();
         let mut spendable = true;
+        // A rule not spendable that cannot be renewed either: the store decides the request.
+        let mut store_decides = false;
         let mut renewals = Vec::new();
         for (index, check) in checks.iter().enumerate() {
             let full = entries.len() >= self.max_keys;
@@ -306,9 +308,9 @@ impl QuotaLeases {
             }
             spendable = false;
             let hot = entry.demand() >= HOT_UNITS;
-            if !may_renew || entry.renewing || entry.exact_until > now || !hot {
+            if store_decides || !may_renew || entry.renewing || entry.exact_until > now || !hot {
                 // Decided by the store: keep looking for a dry key that refuses it here.
-                renewals.clear();
+                store_decides = true;
                 continue;
             }
             // What the key's demand here spends in a quarter of the staleness, and no more than
@@ -342,15 +344,7 @@ impl QuotaLeases {
         }
         // Renew only when every rule not spendable can be renewed: a rule the store must decide
         // anyway sends the request there, and a slice would sit unused.
-        let unspendable = checks
-            .iter()
-            .filter(|c| {
-                entries
-                    .get(&self.digest(c.rule, c.key))
-                    .is_none_or(|e| !e.held.is_some_and(|h| h.stop_at > now && h.amount - h.spent >= c.cost))
-            })
-            .count();
-        if renewals.is_empty() || renewals.len() != unspendable {
+        if store_decides {
             return self.to_store();
         }
         for renewal in &mut renewals {

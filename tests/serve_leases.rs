@@ -2,6 +2,8 @@
 //! slices of their quota with far fewer store calls, never over the limit while the replicas
 //! are healthy, and within the declared bound when one is killed holding slices.
 
+#[path = "support/replicas.rs"]
+mod replicas;
 #[path = "support/sluice_process.rs"]
 mod sluice_process;
 #[allow(dead_code)]
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use replicas::{client, hammer, replicas};
 use serde_json::{Value, json};
 use sluice_process::SluiceProcess;
 use support::redis_server::RedisServer;
@@ -47,59 +50,9 @@ spec:
       consistency: {mode: leased, maxOvershoot: "10%"}
 "#;
 
-fn replicas(dir: &std::path::Path, redis: &RedisServer, n: usize) -> Vec<SluiceProcess> {
-    (0..n)
-        .map(|_| {
-            let url = redis.url();
-            SluiceProcess::start(&[
-                "serve",
-                "--policies",
-                dir.to_str().unwrap(),
-                "--listen",
-                "127.0.0.1:0",
-                "--redis",
-                &url,
-                "--redis-timeout",
-                "5s",
-            ])
-        })
-        .collect()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(64).build().unwrap()
-}
-
-/// `clients` concurrent clients spread over `servers` send `total` requests to `path`; returns
-/// how many were admitted.
-async fn hammer(servers: &Arc<Vec<String>>, path: &'static str, clients: usize, total: u64) -> u64 {
-    let admitted = Arc::new(AtomicU64::new(0));
-    let sent = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for i in 0..clients {
-        let (servers, admitted, sent) = (servers.clone(), admitted.clone(), sent.clone());
-        tasks.push(tokio::spawn(async move {
-            let c = client();
-            let mut n = i;
-            while sent.fetch_add(1, Ordering::SeqCst) < total {
-                let url = &servers[n % servers.len()];
-                n += 1;
-                let Ok(r) = c.post(url).json(&json!({"namespace": "tenant-a", "path": path})).send().await else {
-                    continue; // a replica killed under the test
-                };
-                assert_eq!(r.status(), 200);
-                let decision: Value = r.json().await.unwrap();
-                assert!(decision["rules"][0].get("storeFailure").is_none(), "Redis failed: {decision}");
-                if decision["allowed"] == true {
-                    admitted.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    admitted.load(Ordering::SeqCst)
+/// `n` replicas on `redis`.
+fn on_redis(dir: &std::path::Path, redis: &RedisServer, n: usize) -> Vec<SluiceProcess> {
+    replicas(dir, &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], n)
 }
 
 async fn leases(c: &reqwest::Client, server: &SluiceProcess) -> Value {
@@ -123,7 +76,7 @@ async fn three_replicas_decide_hot_keys_from_slices_and_never_pass_the_limit() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
-    let servers = replicas(dir.path(), &redis, 3);
+    let servers = on_redis(dir.path(), &redis, 3);
     let urls: Arc<Vec<String>> = Arc::new(servers.iter().map(|s| s.url("/v1/check")).collect());
     let c = client();
 
@@ -166,7 +119,7 @@ async fn a_replica_killed_holding_slices_costs_at_most_the_bound() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
-    let mut servers = replicas(dir.path(), &redis, 2);
+    let mut servers = on_redis(dir.path(), &redis, 2);
     let urls: Arc<Vec<String>> = Arc::new(servers.iter().map(|s| s.url("/v1/check")).collect());
     let c = client();
     // Warm both replicas up so both hold slices, then kill one holding them.
@@ -194,7 +147,7 @@ async fn sidecars_decide_hot_keys_from_slices_the_endpoint_grants() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("p.yaml"), POLICIES).unwrap();
-    let endpoint = replicas(dir.path(), &redis, 1).remove(0);
+    let endpoint = on_redis(dir.path(), &redis, 1).remove(0);
     let upstream = {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

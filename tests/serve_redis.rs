@@ -1,16 +1,18 @@
 //! Several `sluice serve --redis` processes sharing state through real Redis servers: exact
 //! bounds under concurrency, per-rule failure modes when Redis dies, recovery when it returns.
 
+#[path = "support/replicas.rs"]
+mod replicas;
 #[path = "support/sluice_process.rs"]
 mod sluice_process;
 #[allow(dead_code)]
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use replicas::{client, hammer, replicas};
+use serde_json::Value;
 use sluice_process::SluiceProcess;
 use support::redis_server::{RedisCluster, RedisServer, free_port};
 
@@ -59,53 +61,14 @@ fn policy_dir() -> tempfile::TempDir {
     dir
 }
 
-fn replicas(dir: &std::path::Path, store_args: &[String], n: usize) -> Vec<SluiceProcess> {
-    (0..n)
-        .map(|_| {
-            let mut args = vec!["serve", "--policies", dir.to_str().unwrap(), "--listen", "127.0.0.1:0"];
-            args.extend(store_args.iter().map(String::as_str));
-            SluiceProcess::start(&args)
-        })
-        .collect()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(64).build().unwrap()
-}
-
+/// The check API's decision from `s`.
 async fn check(c: &reqwest::Client, s: &SluiceProcess, path: &str) -> Value {
-    let r = c.post(s.url("/v1/check")).json(&json!({"namespace": "tenant-a", "path": path})).send().await.unwrap();
-    assert_eq!(r.status(), 200, "never anything but 200 from the check API");
-    r.json().await.unwrap()
+    replicas::check(c, &s.url("/v1/check"), path).await
 }
 
-/// `clients` concurrent clients spread over the replicas send `total` requests to `path`;
-/// returns how many were admitted.
-async fn hammer(servers: &Arc<Vec<SluiceProcess>>, path: &'static str, clients: usize, total: usize) -> u64 {
-    let admitted = Arc::new(AtomicU64::new(0));
-    let sent = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for i in 0..clients {
-        let (servers, admitted, sent) = (servers.clone(), admitted.clone(), sent.clone());
-        tasks.push(tokio::spawn(async move {
-            let c = client();
-            let mut n = i;
-            while sent.fetch_add(1, Ordering::SeqCst) < total as u64 {
-                let s = &servers[n % servers.len()];
-                n += 1;
-                let decision = check(&c, s, path).await;
-                // The exact bound holds for decisions Redis made; a fallback would hide it.
-                assert!(decision["rules"][0].get("storeFailure").is_none(), "Redis failed: {decision}");
-                if decision["allowed"] == true {
-                    admitted.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    admitted.load(Ordering::SeqCst)
+/// The replicas' check URLs.
+fn checks(servers: &[SluiceProcess]) -> Arc<Vec<String>> {
+    Arc::new(servers.iter().map(|s| s.url("/v1/check")).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -113,10 +76,9 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
     let redis = RedisServer::start();
     let dir = policy_dir();
     // A generous deadline: this test is about exactness, not about a loaded machine's latency.
-    let servers =
-        Arc::new(replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3));
+    let servers = replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3);
     for (path, bound) in [("/window", 50), ("/bucket", 40), ("/log", 30), ("/counter", 20)] {
-        let admitted = hammer(&servers, path, 48, bound as usize * 4).await;
+        let admitted = hammer(&checks(&servers), path, 48, bound * 4).await;
         assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");
     }
     // At most one round trip per decision: every decision is in exactly one FCALL (a batched
@@ -233,13 +195,13 @@ async fn redis_down_applies_each_rules_failure_mode_and_recovers() {
 async fn three_replicas_on_a_redis_cluster_admit_exactly_the_bound() {
     let cluster = RedisCluster::shared();
     let dir = policy_dir();
-    let servers = Arc::new(replicas(
+    let servers = replicas(
         dir.path(),
         &["--redis-cluster".into(), cluster.urls().join(","), "--redis-timeout".into(), "5s".into()],
         3,
-    ));
-    assert_eq!(hammer(&servers, "/window", 48, 200).await, 50);
-    assert_eq!(hammer(&servers, "/log", 48, 120).await, 30);
+    );
+    assert_eq!(hammer(&checks(&servers), "/window", 48, 200).await, 50);
+    assert_eq!(hammer(&checks(&servers), "/log", 48, 120).await, 30);
 }
 
 /// A Redis that does not answer at start keeps `/readyz` at 503 naming why (a rollout stops

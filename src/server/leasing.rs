@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use crate::algorithm::Decision;
 use crate::clock::Clock;
 use crate::policy::Matched;
 use crate::quota_leases::{Due, LeasedCheck, Local, QuotaLeases};
@@ -61,27 +60,7 @@ pub async fn decide<L: LeaseStore>(
     }
     match local {
         Local::Admitted(decisions) => Some(Verdict { allowed: true, decisions, cached_denial: None }),
-        Local::Refused { by, decision } => {
-            let decisions = checks
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    if i == by {
-                        decision
-                    } else {
-                        // Not asked: nothing refused by it, nothing known of its state.
-                        Decision {
-                            allowed: true,
-                            remaining: c.limit.capacity(),
-                            reset_after: 0,
-                            retry_after: None,
-                            delay: 0,
-                        }
-                    }
-                })
-                .collect();
-            Some(Verdict { allowed: false, decisions, cached_denial: Some(by) })
-        }
+        Local::Refused { by, decision } => Some(Verdict::refused_by(by, decision, checks.iter().map(|c| c.limit))),
         Local::Renew(_) | Local::Store => None,
     }
 }

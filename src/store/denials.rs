@@ -86,31 +86,14 @@ impl DenialCache {
             covers.then(|| (i, denial.clone()))
         })?;
         self.hits.fetch_add(1, Ordering::Relaxed);
-        let decisions = checks
-            .iter()
-            .enumerate()
-            .map(|(i, check)| {
-                if i == index {
-                    Decision {
-                        allowed: false,
-                        remaining: denial.remaining,
-                        reset_after: denial.reset_at.saturating_sub(now),
-                        retry_after: Some(denial.until - now),
-                        delay: 0,
-                    }
-                } else {
-                    // Not asked: nothing refused by it, nothing known of its state.
-                    Decision {
-                        allowed: true,
-                        remaining: check.limit.capacity(),
-                        reset_after: 0,
-                        retry_after: None,
-                        delay: 0,
-                    }
-                }
-            })
-            .collect();
-        Some(Verdict { allowed: false, decisions, cached_denial: Some(index) })
+        let decision = Decision {
+            allowed: false,
+            remaining: denial.remaining,
+            reset_after: denial.reset_at.saturating_sub(now),
+            retry_after: Some(denial.until - now),
+            delay: 0,
+        };
+        Some(Verdict::refused_by(index, decision, checks.iter().map(|check| check.limit)))
     }
 
     /// Keeps the denials of a verdict the store gave for a call sent at `sent_at`.

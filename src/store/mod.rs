@@ -58,6 +58,24 @@ pub struct Verdict {
 }
 
 impl Verdict {
+    /// A request refused by its rule `by` alone, before the others were asked (a cached denial,
+    /// a dry quota lease): `decision` is that rule's; the others, whose `limits` are given in
+    /// order, refused nothing, and nothing is known of their state.
+    pub fn refused_by<'a>(by: usize, decision: Decision, limits: impl IntoIterator<Item = &'a Limit>) -> Verdict {
+        let decisions = limits
+            .into_iter()
+            .enumerate()
+            .map(|(i, limit)| {
+                if i == by {
+                    decision
+                } else {
+                    Decision { allowed: true, remaining: limit.capacity(), ..Decision::default() }
+                }
+            })
+            .collect();
+        Verdict { allowed: false, decisions, cached_denial: Some(by) }
+    }
+
     /// Combines per-rule decisions the way every store must.
     pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
         let allowed = admits(checks, &decisions);
