@@ -36,7 +36,10 @@
 #      envoy-ratelimit.sh, limitador.sh and rls-client.sh cache builds), LIMITADOR (1: Limitador
 #      rows required, fail if `limitador.sh build` has no binary (it needs a source tree, see
 #      there: SLUICE_LIMITADOR_SRC); auto: skip them if so, saying so on stderr and in OUT; 0: skip),
-#      SLUICE_LIMITADOR_BIN (a limitador-server binary).
+#      SLUICE_LIMITADOR_BIN (a limitador-server binary), REDIS_CPU (SERVER_CPU: Redis's core),
+#      HOG_CPUS (cores given a busy loop for the whole run, e.g. "0" or "0 1": other work on the
+#      machine, at the servers' priority), ONLY (batching: only Sluice on Redis, batched against one
+#      call per request, ROUNDS times alternately, so both see the same machine), ROUNDS (3).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -53,6 +56,12 @@ REDIS_PORT="${REDIS_PORT:-18479}"
 GRPC_PORT="${GRPC_PORT:-18481}"
 HTTP_PORT="${HTTP_PORT:-18480}"
 LIMITADOR="${LIMITADOR:-1}"
+REDIS_CPU="${REDIS_CPU:-$SERVER_CPU}"
+HOG_CPUS="${HOG_CPUS:-}"
+ONLY="${ONLY:-}"
+ROUNDS="${ROUNDS:-3}"
+[ -z "$ONLY" ] || [ "$ONLY" = batching ] || { echo "ONLY=$ONLY: only ONLY=batching is known" >&2; exit 2; }
+[ "$ONLY" != batching ] || LIMITADOR=0
 OUT="${OUT:-$(mktemp -t rls-load.XXXXXX.md)}"
 # shellcheck source=scripts/bench/lib.sh
 . "$BENCH/lib.sh"
@@ -142,7 +151,7 @@ EOF
 
 # --- redis --------------------------------------------------------------------------------------
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
-start_redis "$REDIS_PORT" "$SERVER_CPU" --dir "$WORK"; PIDS+=("$REDIS_PID")
+start_redis "$REDIS_PORT" "$REDIS_CPU" --dir "$WORK"; PIDS+=("$REDIS_PID")
 REDIS_VERSION="$(cli INFO server | awk -F: '/^redis_version:/ {print $2}' | tr -d '\r')"
 # "cmd=calls;cmd=calls;..." for every command but the ones this script sends.
 redis_cmds() {
@@ -249,7 +258,7 @@ sluice_failures() { # store errors + fallbacks so far, from /metrics
     echo
     echo "### rls-load $(date -u +%Y-%m-%dT%H:%MZ): DURATION=$DURATION WARMUP=$WARMUP CONNS=$CONNS CONCURRENCY=$CONCURRENCY KEYS=$KEYS"
     echo
-    echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); servers and Redis $REDIS_VERSION on CPU $SERVER_CPU, rls-client on CPU $CLIENT_CPU."
+    echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); servers on CPU $SERVER_CPU, Redis $REDIS_VERSION on CPU $REDIS_CPU, rls-client on CPU $CLIENT_CPU."
     echo "sluice: $SLUICE; envoyproxy/ratelimit $RL_VERSION; Kuadrant/Limitador $LIMITADOR_VERSION."
     [ -z "$LIMITADOR_SKIPPED" ] || { echo; echo "**$LIMITADOR_SKIPPED.**"; }
     echo
@@ -311,7 +320,27 @@ measure() { # name descriptors uses_redis(0|1) [commands the server sends beside
     echo "$row" >>"$OUT"
 }
 
+for cpu in $HOG_CPUS; do
+    taskset -c "$cpu" sh -c 'while :; do :; done' & PIDS+=("$!")
+done
+[ -z "$HOG_CPUS" ] || echo "A busy loop on CPU $HOG_CPUS throughout." >>"$OUT"
 log "load before: $(cut -d' ' -f1-3 /proc/loadavg); results -> $OUT"
+if [ "$ONLY" = batching ]; then
+    for round in $(seq "$ROUNDS"); do
+        for batches in 2 0; do
+            name="Sluice Redis, round $round, batched"
+            [ "$batches" = 2 ] || name="Sluice Redis, round $round, one call per request"
+            start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s --redis-batches "$batches"
+            measure "$name" 1 1
+            measure "$name" 3 1
+            stop_server
+        done
+    done
+    echo >>"$OUT"
+    log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+    cat "$OUT"
+    exit 0
+fi
 start_sluice --grpc-response-headers off
 measure "Sluice memory" 1 0
 measure "Sluice memory" 3 0

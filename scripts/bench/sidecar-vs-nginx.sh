@@ -7,6 +7,8 @@
 #   SIDECAR_BATCHES=1 scripts/bench/sidecar-vs-nginx.sh  # the batched sidecar's --endpoint-batches
 #   PERF_OUT=sidecar.txt scripts/bench/sidecar-vs-nginx.sh   # also profile the sidecar (perf, cpu-clock
 #                                                           samples) during one more run, report there
+#   PERF_OUT=leased.txt PERF_TRAFFIC=hot TARGETS="nginx-auth-leased sidecar-leased" scripts/bench/sidecar-vs-nginx.sh
+#                         # only those targets; the profile on the hot keys' traffic (keys, static, hot)
 #
 # Targets, every server on CPU 0 and wrk on CPU 1, all on loopback:
 #   direct        wrk → upstream (nginx `return 200`)
@@ -32,6 +34,8 @@ CONNS=${CONNS:-64}
 KEYS=${KEYS:-10000}
 HOT_KEYS=${HOT_KEYS:-10}
 ROUNDS=${ROUNDS:-3}
+TARGETS=${TARGETS:-direct nginx-proxy nginx-auth sidecar-single sidecar sidecar-norule nginx-auth-leased sidecar-leased}
+PERF_TRAFFIC=${PERF_TRAFFIC:-keys}
 need() { command -v "$1" >/dev/null 2>&1 || { echo "missing $1 (apt-get install -y $2)" >&2; exit 1; }; }
 need wrk wrk
 need taskset util-linux
@@ -205,7 +209,8 @@ declare -A script=([direct]=keys [nginx-proxy]=keys [nginx-auth]=keys [sidecar]=
 declare -A all
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for round in $(seq "$ROUNDS"); do
-  for target in direct nginx-proxy nginx-auth sidecar-single sidecar sidecar-norule nginx-auth-leased sidecar-leased; do
+  for target in $TARGETS; do
+    [ -n "${procs[$target]:-}" ] || { echo "TARGETS: no target $target (${!procs[*]})" >&2; exit 2; }
     declare -A t0=()
     for p in ${procs[$target]}; do pv="pid_$p"; t0[$p]=$(ticks "${!pv}"); done
     $LOAD wrk -t1 -c"$CONNS" -d"$DURATION" -s "$work/${script[$target]}.lua" "http://127.0.0.1:${port[$target]}/" > "$work/wrk.out" 2>&1
@@ -227,7 +232,7 @@ if [ -n "${PERF_OUT:-}" ]; then
   need perf linux-perf
   perf record -q -e cpu-clock -F 4000 -g -p "$pid_sidecar" -o "$work/perf.data" -- sleep "${DURATION%s}" 2>/dev/null &
   perf_pid=$!
-  $LOAD wrk -t1 -c"$CONNS" -d"$DURATION" -s "$work/keys.lua" "http://127.0.0.1:$SC/" > "$work/wrk.out" 2>&1
+  $LOAD wrk -t1 -c"$CONNS" -d"$DURATION" -s "$work/$PERF_TRAFFIC.lua" "http://127.0.0.1:$SC/" > "$work/wrk.out" 2>&1
   wait "$perf_pid" || true
   { echo "# perf report (cpu-clock, sidecar only, self time), by shared object, then by symbol"
     perf report -i "$work/perf.data" --no-children --stdio --sort dso -g none 2>/dev/null | grep '%'
@@ -236,7 +241,7 @@ if [ -n "${PERF_OUT:-}" ]; then
   echo "profile: $PERF_OUT" >&2
 fi
 median() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
-m() { median "${all[$1]}"; }
+m() { median "${all[$1]:-}"; }
 
 echo "load before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg); $ROUNDS rounds × $DURATION, $CONNS connections, $KEYS keys; medians"
 echo
@@ -257,6 +262,9 @@ echo
 echo "mean checks per batch exchange (whole run, warm-up included): $batches; requests decided without the endpoint (no rule applies): $no_rule; from slices of leased rules: $from_slices"
 echo
 awk -v s="$(m sidecar.sidecar)" -v n="$(m nginx-proxy.proxy)" -v a="$(m sidecar.rps)" -v b="$(m nginx-auth.rps)" 'BEGIN {
+  if (n == 0 || b == 0) exit  # a TARGETS run without these
   printf "sidecar own CPU ÷ nginx proxy_pass own CPU: %.2f× (target ≤ 1.5×); sidecar + endpoint throughput ÷ nginx + auth_request: %.2f× (target ≥ 3×)\n", s / n, a / b }'
 awk -v s="$(m sidecar-leased.sidecar)" -v n="$(m nginx-proxy.proxy)" -v a="$(m sidecar-leased.rps)" -v b="$(m nginx-auth-leased.rps)" 'BEGIN {
-  printf "leased: sidecar own CPU ÷ nginx proxy_pass own CPU: %.2f× (target ≤ 2×); sidecar throughput ÷ nginx + auth_request on the same keys: %.2f× (target ≥ 3×)\n", s / n, a / b }'
+  if (b == 0) exit
+  cpu = (n == 0) ? "n/a (nginx-proxy not run)" : sprintf("%.2f×", s / n)
+  printf "leased: sidecar own CPU ÷ nginx proxy_pass own CPU: %s (target ≤ 2×); sidecar throughput ÷ nginx + auth_request on the same keys: %.2f× (target ≥ 3×)\n", cpu, a / b }'
