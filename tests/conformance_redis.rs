@@ -11,8 +11,8 @@ use std::time::Duration;
 use sluice::store::redis::{RedisConfig, RedisStore};
 use support::redis_server::RedisServer;
 
-#[tokio::test]
-async fn redis_store_passes_every_vector() {
+/// Every vector on a single Redis, `batches` calls in flight (0: one call per request).
+async fn single_redis_passes_every_vector(batches: usize) {
     let server = RedisServer::start();
     let mut config = RedisConfig::single(server.url());
     // Generous for debug builds on a loaded machine; deadlines are tested in redis_store.rs.
@@ -20,9 +20,21 @@ async fn redis_store_passes_every_vector() {
     // Every answer from the Lua itself; the cluster run below keeps the denial cache on, so its
     // answers to repeated denials are held to the same vectors.
     config.denial_cache = 0;
+    config.batches = batches;
     let store = RedisStore::connect(config).await.expect("store");
     let failures = conformance::run(&store).await;
     assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[tokio::test]
+async fn redis_store_passes_every_vector() {
+    single_redis_passes_every_vector(0).await;
+}
+
+/// Through batched calls (`--redis-batches 2`): requests decided in `decide_many`.
+#[tokio::test]
+async fn batched_redis_store_passes_every_vector() {
+    single_redis_passes_every_vector(2).await;
 }
 
 #[tokio::test]

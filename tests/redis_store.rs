@@ -750,6 +750,7 @@ async fn waiting_requests_share_one_call_and_are_decided_as_on_their_own() {
     let mut config = RedisConfig::single(server.url());
     config.timeout = Duration::from_secs(10);
     config.denial_cache = 0;
+    config.batches = 2;
     let store = Arc::new(RedisStore::connect(config).await.expect("store"));
     let window = limit(Algorithm::FixedWindow, 5, 60 * SEC, None, None);
     let tight = limit(Algorithm::FixedWindow, 100, 60 * SEC, None, None);

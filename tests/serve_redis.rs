@@ -76,7 +76,8 @@ async fn three_replicas_on_one_redis_admit_exactly_the_bound() {
     let redis = RedisServer::start();
     let dir = policy_dir();
     // A generous deadline: this test is about exactness, not about a loaded machine's latency.
-    let servers = replicas(dir.path(), &["--redis".into(), redis.url(), "--redis-timeout".into(), "5s".into()], 3);
+    let store_args = ["--redis", &redis.url(), "--redis-timeout", "5s", "--redis-batches", "2"].map(String::from);
+    let servers = replicas(dir.path(), &store_args, 3);
     for (path, bound) in [("/window", 50), ("/bucket", 40), ("/log", 30), ("/counter", 20)] {
         let admitted = hammer(&checks(&servers), path, 48, bound * 4).await;
         assert_eq!(admitted, bound, "{path}: zero over-admission across 3 replicas and 48 clients");

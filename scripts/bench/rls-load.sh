@@ -38,8 +38,9 @@
 #      there: SLUICE_LIMITADOR_SRC); auto: skip them if so, saying so on stderr and in OUT; 0: skip),
 #      SLUICE_LIMITADOR_BIN (a limitador-server binary), REDIS_CPU (SERVER_CPU: Redis's core),
 #      HOG_CPUS (cores given a busy loop for the whole run, e.g. "0" or "0 1": other work on the
-#      machine, at the servers' priority), ONLY (batching: only Sluice on Redis, batched against one
-#      call per request, ROUNDS times alternately, so both see the same machine), ROUNDS (3).
+#      machine, at the servers' priority), ONLY (batching: only Sluice on Redis, with each
+#      --redis-batches of BATCHES ("2 0"; 0 is one call per request), ROUNDS times alternately, so
+#      all see the same machine), ROUNDS (3).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -60,6 +61,7 @@ REDIS_CPU="${REDIS_CPU:-$SERVER_CPU}"
 HOG_CPUS="${HOG_CPUS:-}"
 ONLY="${ONLY:-}"
 ROUNDS="${ROUNDS:-3}"
+BATCHES="${BATCHES:-2 0}"
 [ -z "$ONLY" ] || [ "$ONLY" = batching ] || { echo "ONLY=$ONLY: only ONLY=batching is known" >&2; exit 2; }
 [ "$ONLY" != batching ] || LIMITADOR=0
 OUT="${OUT:-$(mktemp -t rls-load.XXXXXX.md)}"
@@ -327,9 +329,9 @@ done
 log "load before: $(cut -d' ' -f1-3 /proc/loadavg); results -> $OUT"
 if [ "$ONLY" = batching ]; then
     for round in $(seq "$ROUNDS"); do
-        for batches in 2 0; do
-            name="Sluice Redis, round $round, batched"
-            [ "$batches" = 2 ] || name="Sluice Redis, round $round, one call per request"
+        for batches in $BATCHES; do
+            name="Sluice Redis, round $round, --redis-batches $batches"
+            [ "$batches" != 0 ] || name="Sluice Redis, round $round, one call per request"
             start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s --redis-batches "$batches"
             measure "$name" 1 1
             measure "$name" 3 1
@@ -349,12 +351,12 @@ start_sluice --grpc-response-headers on
 measure "Sluice memory, headers on" 1 0
 stop_server
 start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s
-measure "Sluice Redis" 1 1
-measure "Sluice Redis" 3 1
+measure "Sluice Redis, one call per request (default)" 1 1
+measure "Sluice Redis, one call per request (default)" 3 1
 stop_server
-start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s --redis-batches 0
-measure "Sluice Redis, one call per request" 1 1
-measure "Sluice Redis, one call per request" 3 1
+start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s --redis-batches 2
+measure "Sluice Redis, batched (--redis-batches 2)" 1 1
+measure "Sluice Redis, batched (--redis-batches 2)" 3 1
 stop_server
 start_ratelimit
 measure "envoyproxy/ratelimit Redis" 1 1

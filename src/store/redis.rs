@@ -130,7 +130,9 @@ impl RedisConfig {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
     pub const DEFAULT_DENIAL_CACHE: usize = 100_000;
-    pub const DEFAULT_BATCHES: usize = 2;
+    /// One call per request: with Redis on a core of its own, calls share nothing worth the wait
+    /// (docs/benchmarks.md, "The batching default re-checked").
+    pub const DEFAULT_BATCHES: usize = 0;
     pub const DEFAULT_USAGE_INTERVAL: Duration = Duration::from_secs(60);
 
     pub fn single(url: impl Into<String>) -> RedisConfig {

@@ -2,8 +2,10 @@
 //! under way, the requests that arrive wait, and the first call to finish takes them to Redis in
 //! one FCALL of `decide_many` (lua/check.lua). Redis runs them one after the other, exactly as that
 //! many calls in a row, so every decision and guarantee is a single call's; what is shared is the
-//! cost of the call itself (reading, parsing and answering it, and the function's entry), which
-//! is most of what a decision costs Redis.
+//! cost of the call itself (reading, parsing and answering it, and the function's entry): about a
+//! quarter of what a one-rule decision costs Redis once deep queues fill the calls. Off by default
+//! (`--redis-batches 0`): a request that waits for a call to end waits on Redis's round trip, which
+//! costs more than it saves while Redis has CPU to spare (docs/benchmarks.md).
 //!
 //! Only on a single Redis: on a cluster a call must keep to one slot, and the requests of a batch
 //! are in many.
