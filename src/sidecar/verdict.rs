@@ -74,8 +74,6 @@ impl EndpointError {
     }
 }
 
-/// A check answer (the endpoint's, or the local engine's) as what the proxy does; headers that
-/// are not valid HTTP are dropped rather than failing the request.
 /// A refusal declared by the policy: what the refused request gets instead of the default 429.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Declared {
@@ -84,7 +82,8 @@ pub struct Declared {
 }
 
 /// What an engine or endpoint answer says about a request, as the sidecar acts on it: `status`
-/// and `body` are the answer's (a status other than 429, or a body, is a declared refusal).
+/// and `body` are the answer's (a status other than 429, or a body, is a declared refusal);
+/// headers that are not valid HTTP are dropped rather than failing the request.
 pub fn decision_of<'a>(
     allowed: bool,
     retry_after_ms: Option<u64>,
