@@ -27,10 +27,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 /// Sends a connection's pending ACK on demand, from wherever its response is read: the proxy
-/// holds it in the response's extensions while hyper's connection task owns the socket.
-#[derive(Clone, Debug)]
-/// A duplicate of the socket's descriptor (the same socket), closed when the connection is, so
+/// holds it in the response's extensions while hyper's connection task owns the socket. It holds
+/// a duplicate of the socket's descriptor (the same socket), closed when the connection is, so
 /// that it never keeps the connection open.
+#[derive(Clone, Debug)]
 pub struct Acknowledger(Arc<parking_lot::Mutex<Option<OwnedFd>>>);
 
 impl Acknowledger {
@@ -44,25 +44,25 @@ impl Acknowledger {
 }
 
 /// The application connection, whose [`Acknowledger`] each response carries.
-pub struct QuickAck {
+pub struct AppConnection {
     stream: TcpStream,
     acknowledger: Acknowledger,
 }
 
-impl Drop for QuickAck {
+impl Drop for AppConnection {
     fn drop(&mut self) {
         // The duplicate would keep the socket open after the stream closes its descriptor.
         self.acknowledger.0.lock().take();
     }
 }
 
-impl AsyncRead for QuickAck {
+impl AsyncRead for AppConnection {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for QuickAck {
+impl AsyncWrite for AppConnection {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().stream).poll_write(cx, data)
     }
@@ -84,21 +84,21 @@ impl AsyncWrite for QuickAck {
     }
 }
 
-impl Connection for QuickAck {
+impl Connection for AppConnection {
     fn connected(&self) -> Connected {
         self.stream.connected().extra(self.acknowledger.clone())
     }
 }
 
-/// hyper-util's connector, yielding [`QuickAck`] streams.
+/// hyper-util's connector, yielding [`AppConnection`] streams.
 #[derive(Clone)]
 pub struct UpstreamConnector(pub HttpConnector);
 
 type Connecting =
-    Pin<Box<dyn Future<Output = Result<TokioIo<QuickAck>, Box<dyn std::error::Error + Send + Sync>>> + Send>>;
+    Pin<Box<dyn Future<Output = Result<TokioIo<AppConnection>, Box<dyn std::error::Error + Send + Sync>>> + Send>>;
 
 impl tower::Service<Uri> for UpstreamConnector {
-    type Response = TokioIo<QuickAck>;
+    type Response = TokioIo<AppConnection>;
     type Error = Box<dyn std::error::Error + Send + Sync>;
     type Future = Connecting;
 
@@ -113,7 +113,7 @@ impl tower::Service<Uri> for UpstreamConnector {
             // Without a duplicate (no descriptors left), responses are just never acknowledged early.
             let duplicate = stream.as_fd().try_clone_to_owned().ok();
             let acknowledger = Acknowledger(Arc::new(parking_lot::Mutex::new(duplicate)));
-            Ok(TokioIo::new(QuickAck { stream, acknowledger }))
+            Ok(TokioIo::new(AppConnection { stream, acknowledger }))
         })
     }
 }
