@@ -91,6 +91,11 @@ struct ServeArgs {
     /// Policy files or directories (their *.yaml and *.yml files); multi-document YAML.
     #[arg(long = "policies", short = 'p', required = true, num_args = 1.., env = "SLUICE_POLICIES", value_delimiter = ',')]
     policies: Vec<PathBuf>,
+    /// Start, and reload, even when the policies hold no RateLimitPolicy document (every
+    /// request is then allowed). Without it an empty set refuses to start, and a reload that
+    /// leaves none keeps the last good snapshot: a mistyped path must not look like a limiter.
+    #[arg(long, env = "SLUICE_ALLOW_EMPTY")]
+    allow_empty: bool,
     /// Address of the check API.
     #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = sluice::server::listen::parse_listen_address)]
     listen: SocketAddr,
@@ -255,6 +260,9 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Ok(snapshot) => snapshot,
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),
     };
+    if snapshot.policies().is_empty() && !args.allow_empty {
+        bail!("cannot start: {}", serve::empty_policy_set(&args.policies));
+    }
     let tokens = args.auth.static_tokens().context("cannot start")?;
     if args.grpc.grpc_tls && args.tls_cert.is_none() {
         bail!("cannot start: --grpc-tls serves the certificate of --tls-cert and --tls-key, which are not given");
@@ -321,6 +329,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         args.policies,
         baseline,
         args.reload_interval,
+        args.allow_empty,
         stopped.clone(),
     ));
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));

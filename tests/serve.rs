@@ -127,3 +127,97 @@ fn a_bad_file_at_startup_exits_non_zero_naming_file_and_field() {
     assert!(stderr.contains("policies.yaml"), "{stderr}");
     assert!(stderr.contains("spec.rules[0].limit.requests"), "{stderr}");
 }
+
+/// No policy at all is an allow-all that looks healthy: a directory whose policies sit one level
+/// down (loading is not recursive), an empty directory or an empty file refuse to start, naming
+/// the path and the subdirectory that holds YAML, unless --allow-empty says it is meant.
+#[tokio::test]
+async fn an_empty_policy_set_refuses_to_start_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let below = dir.path().join("policies");
+    std::fs::create_dir(&below).unwrap();
+    std::fs::write(below.join("policies.yaml"), POLICY).unwrap();
+    let empty_file = dir.path().join("empty.yaml");
+    std::fs::write(&empty_file, "# nothing yet\n").unwrap();
+    let empty_dir = tempfile::tempdir().unwrap();
+
+    let serve = |path: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["serve", "--policies", path.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        run_for_at_most(&args, Duration::from_secs(20))
+    };
+    let (code, stderr) = serve(dir.path(), &[]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("hold no RateLimitPolicy document"), "{stderr}");
+    assert!(stderr.contains(&format!("e.g. --policies {}", below.display())), "names the subdirectory: {stderr}");
+    assert!(stderr.contains("--allow-empty"), "{stderr}");
+    for path in [empty_dir.path(), empty_file.as_path()] {
+        let (code, stderr) = serve(path, &[]);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(stderr.contains(&path.display().to_string()) && stderr.contains("--allow-empty"), "{stderr}");
+    }
+
+    let allowed = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        empty_dir.path().to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-empty",
+    ]);
+    let ready = client().get(allowed.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "--allow-empty starts on no policies");
+}
+
+/// A policy file emptied (or moved away) after start would lift every limit: the reload is
+/// refused, the last good snapshot stays in force, and `/v1/snapshot` says why.
+#[tokio::test]
+async fn a_reload_to_no_policies_keeps_the_last_good_snapshot() {
+    let dir = policy_dir(POLICY);
+    let s = start(dir.path());
+    let c = client();
+    assert_eq!(check(&c, &s, &order("r")).await["rules"][0]["limit"], 3);
+    std::fs::remove_file(dir.path().join("policies.yaml")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let snapshot = loop {
+        let snapshot: Value = c.get(s.url("/v1/snapshot")).send().await.unwrap().json().await.unwrap();
+        if !snapshot["lastReloadError"].is_null() {
+            break snapshot;
+        }
+        assert!(Instant::now() < deadline, "no reload error: {snapshot}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let message = snapshot["lastReloadError"]["message"].as_str().unwrap();
+    assert!(message.contains("hold no RateLimitPolicy document"), "{message}");
+    assert!(message.contains("keeping the last good snapshot"), "{message}");
+    assert_eq!(check(&c, &s, &order("r")).await["rules"][0]["limit"], 3, "still limited");
+    let logs = s.logs.lock().unwrap().join("\n");
+    assert!(logs.contains("policy reload refused: the policies now hold none"), "{logs}");
+}
+
+/// Runs `sluice <args>` until it exits or `limit` passes (then it is killed: a process that
+/// should have refused to start must fail the test, not hang it); returns (exit code, stderr).
+fn run_for_at_most(args: &[&str], limit: Duration) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    (code, stderr)
+}

@@ -67,12 +67,8 @@ pub fn policy_files<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>, LoadErr
         if path.is_dir() {
             match std::fs::read_dir(path) {
                 Ok(entries) => {
-                    let mut found: Vec<PathBuf> = entries
-                        .filter_map(|e| e.ok().map(|e| e.path()))
-                        .filter(|p| {
-                            p.is_file() && matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
-                        })
-                        .collect();
+                    let mut found: Vec<PathBuf> =
+                        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_yaml_file(p)).collect();
                     found.sort();
                     files.extend(found);
                 }
@@ -83,6 +79,69 @@ pub fn policy_files<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>, LoadErr
         }
     }
     if errors.is_empty() { Ok(files) } else { Err(LoadErrors(errors)) }
+}
+
+/// Why `paths`, read by [`load_paths`], held no RateLimitPolicy document: a sentence per path for
+/// the message that refuses an empty policy set. A directory whose subdirectories hold YAML is
+/// the likely mistake (loading is not recursive: `--policies examples` when the policies sit in
+/// `examples/policies`, a ConfigMap mounted one level off), so those are named.
+pub fn why_empty<P: AsRef<Path>>(paths: &[P]) -> String {
+    let mut reasons = Vec::new();
+    for path in paths {
+        let path = path.as_ref();
+        let shown = path.display();
+        if !path.is_dir() {
+            reasons.push(format!("{shown} holds none (it is empty, or only comments)"));
+            continue;
+        }
+        let mut own = yaml_files_in(path);
+        own.sort();
+        let mut below: Vec<PathBuf> = std::fs::read_dir(path)
+            .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir()).collect())
+            .unwrap_or_default();
+        below.retain(|dir| !yaml_files_in(dir).is_empty());
+        below.sort();
+        let files = match own.as_slice() {
+            [] => "has no *.yaml or *.yml files".to_string(),
+            [file] => format!("has one *.yaml/*.yml file, {}, which holds none", file.display()),
+            files => format!("has {} *.yaml/*.yml files, which hold none: {}", files.len(), shown_list(files)),
+        };
+        // `policies` is where such a tree usually keeps them (this repository's examples do).
+        let likeliest = below.iter().find(|d| d.file_name().is_some_and(|n| n == "policies")).or(below.first());
+        let hint = match likeliest {
+            None => String::new(),
+            Some(first) => {
+                format!(
+                    "; its subdirectories are not read, and {} hold YAML files: name the one meant, e.g. --policies {}",
+                    shown_list(&below),
+                    first.display()
+                )
+            }
+        };
+        reasons.push(format!("directory {shown} {files}{hint}"));
+    }
+    reasons.join("; ")
+}
+
+/// The first few of `paths`, comma-separated, `…` standing for the rest.
+fn shown_list(paths: &[PathBuf]) -> String {
+    const SHOWN: usize = 4;
+    let mut names: Vec<String> = paths.iter().take(SHOWN).map(|p| p.display().to_string()).collect();
+    if paths.len() > SHOWN {
+        names.push("…".into());
+    }
+    names.join(", ")
+}
+
+fn is_yaml_file(path: &Path) -> bool {
+    path.is_file() && matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+}
+
+/// The `*.yaml` and `*.yml` files directly in `dir` (none when it cannot be read).
+fn yaml_files_in(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| is_yaml_file(p)).collect())
+        .unwrap_or_default()
 }
 
 /// Loads, parses and validates every policy under `paths` (files or directories).

@@ -17,7 +17,7 @@ use super::listen::ConnectionLimits;
 use super::reload::SettledChange;
 use std::collections::HashMap;
 
-use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files};
+use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files, why_empty};
 use crate::store::Store;
 
 /// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
@@ -59,6 +59,16 @@ pub fn load_snapshot_with_warnings(paths: &[PathBuf]) -> Result<(Snapshot, Vec<S
     Err(LoadErrors(errors).to_string())
 }
 
+/// Why a start-up on `paths` is refused when they hold no policy: with none, every request is
+/// admitted unlimited while `/readyz` says ready, which is what a mistyped path or a ConfigMap
+/// mounted one level off looks like. `--allow-empty` says it is meant.
+pub fn empty_policy_set(paths: &[PathBuf]) -> String {
+    format!(
+        "the policies hold no RateLimitPolicy document: {}. With no policies every request is allowed; start with --allow-empty if that is meant",
+        why_empty(paths)
+    )
+}
+
 /// A digest of the policy files' names and contents: a change in any of them means reload.
 pub fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
     let mut hasher = Sha256::new();
@@ -80,7 +90,9 @@ pub fn fingerprint(paths: &[PathBuf]) -> Vec<u8> {
 /// Polls `paths` every `interval` and swaps in a new snapshot when they have changed and then
 /// stood still for one interval ([`SettledChange`]: a file caught half-way through a write is not
 /// loaded). A bad edit keeps the last good snapshot; the error is logged and shown at
-/// `/v1/snapshot`.
+/// `/v1/snapshot`. So does an edit that leaves no policy where there were some (a file emptied
+/// or moved away is far likelier a mistake than the wish to lift every limit), unless
+/// `allow_empty` (`--allow-empty`) says an empty set is meant: then it goes live with a warning.
 ///
 /// `loaded` is the [`fingerprint`] read before the running snapshot was loaded.
 pub async fn watch_policies<S: Store>(
@@ -88,6 +100,7 @@ pub async fn watch_policies<S: Store>(
     paths: Vec<PathBuf>,
     loaded: Vec<u8>,
     interval: Duration,
+    allow_empty: bool,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut change = SettledChange::new(loaded);
@@ -98,13 +111,13 @@ pub async fn watch_policies<S: Store>(
             _ = ticker.tick() => {}
             _ = shutdown.changed() => return,
         }
-        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change, allow_empty).await;
     }
 }
 
 /// One poll of [`watch_policies`]: reads the files' fingerprint and, when `change` says the new
 /// content has settled, loads it.
-async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: &mut SettledChange) {
+async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: &mut SettledChange, allow_empty: bool) {
     let paths_for_read = paths.to_vec();
     let Ok(current) = tokio::task::spawn_blocking(move || fingerprint(&paths_for_read)).await else {
         return;
@@ -114,6 +127,24 @@ async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: 
     }
     let paths_for_load = paths.to_vec();
     match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load)).await {
+        Ok(Ok(snapshot)) if snapshot.policies().is_empty() && !engine.live().snapshot.policies().is_empty() => {
+            let rules = engine.live().snapshot.rule_count();
+            if allow_empty {
+                tracing::warn!(
+                    previous_rules = rules,
+                    "policies reloaded to none (--allow-empty): every request is allowed from now on"
+                );
+                engine.install(Arc::new(snapshot));
+            } else {
+                let message = format!(
+                    "{}; keeping the last good snapshot ({rules} rule{})",
+                    empty_policy_set(paths).replacen("start with", "restart with", 1),
+                    if rules == 1 { "" } else { "s" },
+                );
+                tracing::error!(error = %message, "policy reload refused: the policies now hold none");
+                engine.reload_failed(message);
+            }
+        }
         Ok(Ok(snapshot)) => {
             let version = snapshot.version().to_string();
             let rules = snapshot.rule_count();
@@ -189,20 +220,63 @@ spec:
         assert_eq!(installs(&engine), 1);
 
         std::fs::write(&file, "").unwrap();
-        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change, false).await;
         std::fs::write(&file, POLICY.replace("requests: 3", "requests: 5")).unwrap();
-        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change, false).await;
         assert_eq!(installs(&engine), 1, "neither the empty file nor the new one seen once is loaded");
-        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change, false).await;
         assert_eq!(installs(&engine), 2, "the new file, read twice alike, is");
-        poll_policies(&engine, &paths, &mut change).await;
+        poll_policies(&engine, &paths, &mut change, false).await;
         assert_eq!(installs(&engine), 2, "and only once");
+    }
 
-        // Emptied on purpose and left so: that is an edit like any other.
+    /// A file emptied and left so takes every limit away: without --allow-empty that reload is
+    /// refused (the last good snapshot stays, `/v1/snapshot` shows why); with it, it goes live.
+    #[tokio::test]
+    async fn a_reload_to_no_policies_keeps_the_last_good_snapshot_unless_allowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("policies.yaml");
+        std::fs::write(&file, POLICY).unwrap();
+        let paths = vec![dir.path().to_path_buf()];
+        let clock = Arc::new(SystemClock);
+        let engine =
+            Engine::new(Arc::new(MemoryStore::with_clock(100, clock.clone())), clock, Arc::new(Metrics::new()));
+        engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+        let mut change = SettledChange::new(fingerprint(&paths));
+
+        std::fs::write(&file, "# moved to another ConfigMap\n").unwrap();
+        poll_policies(&engine, &paths, &mut change, false).await;
+        poll_policies(&engine, &paths, &mut change, false).await;
+        assert_eq!(installs(&engine), 1, "the empty set is not installed");
+        assert_eq!(engine.live().snapshot.rule_count(), 1);
+        let error = engine.last_error().expect("the refusal is shown").message;
+        assert!(error.contains("no RateLimitPolicy document") && error.contains("--allow-empty"), "{error}");
+        assert!(error.contains(&file.display().to_string()), "names the file: {error}");
+
         std::fs::write(&file, "").unwrap();
-        poll_policies(&engine, &paths, &mut change).await;
-        poll_policies(&engine, &paths, &mut change).await;
-        assert_eq!(installs(&engine), 3);
+        poll_policies(&engine, &paths, &mut change, true).await;
+        poll_policies(&engine, &paths, &mut change, true).await;
+        assert_eq!(installs(&engine), 2, "with --allow-empty the empty set goes live");
+        assert_eq!(engine.live().snapshot.rule_count(), 0);
+    }
+
+    /// The refusal names what it read, and the subdirectory a non-recursive read skipped.
+    #[test]
+    fn an_empty_policy_set_is_explained() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("policies")).unwrap();
+        std::fs::write(dir.path().join("policies/p.yaml"), POLICY).unwrap();
+        std::fs::write(dir.path().join("README.md"), "not YAML").unwrap();
+        let message = empty_policy_set(&[dir.path().to_path_buf()]);
+        let below = dir.path().join("policies").display().to_string();
+        assert!(message.contains("has no *.yaml or *.yml files"), "{message}");
+        assert!(message.contains(&format!("e.g. --policies {below}")), "{message}");
+        assert!(message.contains("--allow-empty"), "{message}");
+
+        let empty = dir.path().join("empty.yaml");
+        std::fs::write(&empty, "---\n").unwrap();
+        let message = empty_policy_set(&[empty.clone()]);
+        assert!(message.contains(&format!("{} holds none (it is empty", empty.display())), "{message}");
     }
 
     /// A deleted or renamed rule's decision series go with it: 12 renames leave one rule's
