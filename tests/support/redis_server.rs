@@ -7,7 +7,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -43,7 +43,8 @@ pub struct RedisServer {
     /// A configuration file given first (a sentinel's, which it rewrites).
     config: Option<PathBuf>,
     extra: Vec<String>,
-    child: Option<(Child, ChildStdin)>,
+    /// The watchdog `sh`, the pipe it reads, and the redis-server's own pid (which it prints).
+    child: Option<(Child, ChildStdin, u32)>,
 }
 
 impl RedisServer {
@@ -91,7 +92,10 @@ impl RedisServer {
         let mut command = Command::new("sh");
         command
             .arg("-c")
-            .arg(r#"bin="$1"; shift; "$bin" "$@" & r=$!; read _ignored; kill -9 $r 2>/dev/null; wait $r 2>/dev/null; exit 0"#)
+            // The server's pid first, so that stopping it can name the process (a port can be
+            // taken by another test's server the moment this one frees it). The server's own
+            // output goes to /dev/null, not to the pipe, which is closed once the pid is read.
+            .arg(r#"bin="$1"; shift; "$bin" "$@" >/dev/null & r=$!; echo "$r"; read _ignored; kill -9 $r 2>/dev/null; wait $r 2>/dev/null; exit 0"#)
             .arg("sh")
             .arg(&binary)
             .args(&self.config)
@@ -99,26 +103,62 @@ impl RedisServer {
             .args(if self.config.is_some() { &[][..] } else { &["--save", "", "--appendonly", "no"][..] })
             .args(&self.extra)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null());
         let mut child = command.spawn().expect("spawn redis-server");
         let stdin = child.stdin.take().expect("piped stdin");
-        self.child = Some((child, stdin));
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut line).expect("read the server's pid");
+        let pid = line.trim().parse().unwrap_or_else(|_| panic!("the watchdog printed no pid: {line:?}"));
+        self.child = Some((child, stdin, pid));
         wait_for_ping(self.port, Duration::from_secs(10));
     }
 
-    /// Kills the server abruptly (SIGKILL) and waits until it is gone.
+    /// Kills the server abruptly (SIGKILL) and waits until it is gone and its port refuses
+    /// connections (a test that kills its Redis means an outage).
     pub fn kill(&mut self) {
-        if let Some((mut child, mut stdin)) = self.child.take() {
-            let _ = stdin.write_all(b"stop\n");
-            drop(stdin);
-            let _ = child.wait();
+        if let Err(error) = self.stop() {
+            panic!("{error}");
         }
+    }
+
+    /// [`Self::kill`] without panicking: the watchdog is told to kill the server; if it has not
+    /// within 5 s (a starved machine), the server and the watchdog get SIGKILL from here. Then
+    /// waits, at most 5 s, for the process to be gone and the port to refuse connections.
+    fn stop(&mut self) -> Result<(), String> {
+        let Some((mut child, mut stdin, pid)) = self.child.take() else { return Ok(()) };
+        let _ = stdin.write_all(b"stop\n");
+        drop(stdin);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-            assert!(Instant::now() < deadline, "redis-server on {} did not stop", self.port);
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
+        if matches!(child.try_wait(), Ok(None)) {
+            eprintln!("redis-server on {} (pid {pid}): its watchdog did not stop it within 5 s; kill -9", self.port);
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+        // Gone once its /proc entry is (or is a zombie waiting for init to reap it), or names
+        // another program (the pid reused). Never signalled from here any more: the pid may
+        // belong to someone else by now.
+        let alive = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.contains("(redis-") && stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while alive() || TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            if Instant::now() >= deadline {
+                return Err(if alive() {
+                    format!("redis-server on {} (pid {pid}) did not stop after SIGKILL", self.port)
+                } else {
+                    format!("redis-server on {} (pid {pid}) stopped, but its port still answers", self.port)
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
     }
 
     /// Starts the server again on the same port (its data is gone: no persistence).
@@ -134,8 +174,13 @@ impl RedisServer {
 }
 
 impl Drop for RedisServer {
+    /// Never panics: a panic here while a failed test unwinds would abort the whole test binary
+    /// (its other tests then report nothing). A server that would not stop is logged; the
+    /// watchdog and SIGKILL have been tried, and nothing more can be done from here.
     fn drop(&mut self) {
-        self.kill();
+        if let Err(error) = self.stop() {
+            eprintln!("{error} (ignored while dropping it)");
+        }
     }
 }
 
