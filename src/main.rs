@@ -334,6 +334,7 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
+    tokio::spawn(role::follow_lease_keys(args.store.clone(), engine.clone(), stopped.clone()));
     let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let auth = Auth::new(verifiers);

@@ -272,6 +272,15 @@ async fn spellings_apps_read_alike_are_limited_alike() {
     let r = authz("/orders/9", &[("host", "a.example.com"), ("host", "b.example.com"), ("x-api-key", "c")]).await;
     assert_eq!(r.status, 400);
     assert!(r.text().contains("more than one Host"), "{}", r.text());
+
+    // Issue #37: `/orders/..%2F1` is `/1` to a server decoding `%2F` and `/orders/…` to one
+    // routing the raw path; read as `/1` it escaped the `/orders` limit. Refused at every entry.
+    for path in ["/orders/..%2F1", "/orders/x/..%2F..%2F7", "/x/%2E%2E%2Forders/1"] {
+        let r = api.post_body("/v1/check", serde_json::to_vec(&check(path, json!({"x-api-key": "k"}))).unwrap()).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+        assert!(r.text().contains("encoded separator"), "{}", r.text());
+        assert_eq!(authz(path, &[("x-api-key", "k")]).await.status, 400, "{path}");
+    }
 }
 
 #[tokio::test]
@@ -511,13 +520,17 @@ async fn concurrency_rules_hold_a_slot_until_released() {
     assert_eq!(api.check(&export).await["allowed"], true, "one slot freed");
     assert_eq!(api.check(&export).await["allowed"], false, "and only one: the second release freed nothing");
 
-    // The same rule and key under a hold id nobody was given frees nothing.
+    // The same rule and key under a hold id nobody was given: the token edited, so refused
+    // before anything is freed.
     use base64::Engine as _;
     let token = base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    let mut forged: Value = serde_json::from_slice(&token.decode(second["lease"].as_str().unwrap()).unwrap()).unwrap();
+    let (text, signature) = second["lease"].as_str().unwrap().split_once('.').expect("a signed token");
+    let mut forged: Value = serde_json::from_slice(&token.decode(text).unwrap()).unwrap();
     forged["h"] = json!("12345");
-    let forged = token.encode(serde_json::to_vec(&forged).unwrap());
-    assert_eq!(api.post_body("/v1/release", release(&forged)).await.status, 200);
+    let forged = format!("{}.{signature}", token.encode(serde_json::to_vec(&forged).unwrap()));
+    let refused = api.post_body("/v1/release", release(&forged)).await;
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert!(refused.json()["error"].as_str().unwrap().contains("signature"), "{}", refused.text());
     assert_eq!(api.check(&export).await["allowed"], false, "a forged lease freed no slot");
 
     for bad in [json!({"lease": "!!"}), json!({"lease": "e30"}), json!({"lease": 5}), json!({})] {

@@ -306,4 +306,110 @@ async fn exempt_requests_pass_untouched() {
     // The same burst on another path is limited.
     let other = setup.burst("/search", 6).await;
     assert!(count(&other, 503) >= 3, "{other:?}");
+    // Issue #37: spelled to climb out of an exempt or critical prefix by a decoded `%2F`, a
+    // request was exempt (or critical) while the application served it as `/reports/…`.
+    for path in ["/events/..%2F..%2Fsearch", "/checkout/..%2F..%2Freports", "/reports/..%2f..%2fevents"] {
+        let reply = setup.burst(path, 1).await;
+        assert_eq!(reply[0].0, 400, "{path}: {reply:?}");
+    }
+}
+
+/// Issue #37: a critical request waiting for a slot whose client goes away gives its place in
+/// the queue back (it stayed counted as waiting, and a full queue refused every later critical
+/// request until the sidecar restarted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_critical_request_whose_client_leaves_gives_its_place_back() {
+    let app = start_app(Duration::from_secs(3)).await;
+    let setup =
+        start(&app, "{initialLimit: 1, minLimit: 1, maxLimit: 1, criticalWait: 20s, criticalQueue: 4}", &[]).await;
+    let c = client();
+    // One in the application, four waiting; the four clients give up after 500 ms.
+    let busy = tokio::spawn(c.get(setup.sidecar.url("/checkout/0")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().unwrap();
+    let waiting: Vec<_> = (0..4).map(|i| impatient.get(setup.sidecar.url(&format!("/checkout/{i}"))).send()).collect();
+    for reply in futures::future::join_all(waiting).await {
+        assert!(reply.is_err(), "the client gave up: {reply:?}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = setup.overload().await;
+        if state["protection"]["state"]["waiting"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the places were never given back: {state}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(busy.await.unwrap().unwrap().status(), 200);
+    // The queue has room again: a critical request over the limit waits and is served.
+    let checkout = setup.burst("/checkout/1", 2).await;
+    assert_eq!(count(&checkout, 200), 2, "{checkout:?}");
+    let state = setup.overload().await;
+    assert_eq!(state["protection"]["state"]["shed"]["critical"], 0, "leaving is not being shed: {state}");
+}
+
+/// Sends a request head with `Content-Length: 1000` and then 5 bytes a second; returns the
+/// socket so the upload lasts as long as the caller keeps it.
+async fn slow_upload(address: SocketAddr, path: &str) -> tokio::task::JoinHandle<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: shop\r\ncontent-type: application/octet-stream\r\ncontent-length: 1000\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    tokio::spawn(async move {
+        for _ in 0..200 {
+            if stream.write_all(b"xxxxx").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+}
+
+/// Issue #37: clients trickling small uploads held every default-class slot while the
+/// application was idle (20 of 20 `GET /` refused). A body of a declared length up to 64 KiB is
+/// read before the request takes a slot, within the read-ahead deadline (then 408).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_uploads_hold_no_slot_under_overload_protection() {
+    let app = start_app(Duration::from_millis(10)).await;
+    let setup = start(&app, "{initialLimit: 8, minLimit: 8, maxLimit: 8}", &[]).await;
+    let mut uploads = Vec::new();
+    for i in 0..8 {
+        uploads.push(slow_upload(setup.sidecar.addr, &format!("/upload/{i}")).await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut gets = Vec::new();
+    for _ in 0..20 {
+        gets.extend(setup.burst("/", 1).await);
+    }
+    assert_eq!(count(&gets, 200), 20, "the application is idle: {gets:?}");
+    assert_eq!(setup.overload().await["protection"]["state"]["inFlight"], 0, "no upload holds a slot");
+    for upload in uploads {
+        upload.abort();
+    }
+}
+
+/// Issue #37: a body read ahead for an estimate (up to 1 MiB of JSON) had no deadline: stalled
+/// uploads pinned sidecar memory for as long as their clients liked. Now they are answered 408
+/// after the read-ahead deadline, and what they sent is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_body_read_ahead_is_answered_408_at_the_deadline() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let app = start_app(Duration::from_millis(10)).await;
+    let spec = "\n  rules:\n    - name: tokens\n      algorithm: fixedWindow\n      limit: {requests: 100000, per: 1h}\n      responseCost:\n        fields: [usage.total_tokens]\n        estimate: {requestField: max_tokens, cap: 1000}\n";
+    let setup = start_with_spec(&app, &format!("{PRIORITIES}  overload: {{initialLimit: 100}}\n{spec}"), &[]).await;
+    let mut stream = tokio::net::TcpStream::connect(setup.sidecar.addr).await.unwrap();
+    let head =
+        "POST /v1/chat HTTP/1.1\r\nhost: shop\r\ncontent-type: application/json\r\ncontent-length: 1048576\r\n\r\n";
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&vec![b' '; 512 * 1024]).await.unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "no answer within 30 s: the read-ahead has no deadline");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_secs(5), "answered at the deadline, not before");
+    assert_eq!(app.most.load(Ordering::SeqCst), 0, "never forwarded");
 }

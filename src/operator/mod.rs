@@ -16,6 +16,7 @@ pub mod exposure;
 pub mod injection;
 pub mod leader;
 pub mod status;
+pub mod token_keys;
 pub mod tokenreview;
 
 /// How a watch retries after the API server failed it: from 250 ms, doubling, at most every 2 s,
@@ -95,6 +96,10 @@ pub enum Error {
     Tokens(#[from] TokenFileError),
     #[error("--gateway-service-accounts: {0:?} is not NAMESPACE/NAME")]
     GatewayName(String),
+    #[error("secret {0} lacks {1}")]
+    IncompleteSecret(String, &'static str),
+    #[error("secret {0}: {1}")]
+    TokenKeys(String, crate::server::lease::TokenKeysError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -157,6 +162,11 @@ pub struct OperatorArgs {
     /// namespace, a request's cost and the client IP.
     #[arg(long, env = "SLUICE_GATEWAY_SERVICE_ACCOUNTS", value_delimiter = ',')]
     pub gateway_service_accounts: Vec<String>,
+    /// Secret (in --operator-namespace) holding the keys hold tokens are signed with, created
+    /// with a random key when missing; every replica reads it (src/operator/token_keys.rs).
+    /// --lease-keys-file, when given, is used instead.
+    #[arg(long, env = "SLUICE_LEASE_KEYS_SECRET", default_value = "sluice-lease-keys")]
+    pub lease_keys_secret: String,
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -213,6 +223,11 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     }
     let auth = Auth::new(verifiers);
     let (engine, memory) = role::engine(&args.store, clock, metrics.clone()).await?;
+    // Hold tokens are signed with the shared keys before any policy is compiled, so before any
+    // hold is granted.
+    let keys_from_secret = args.store.lease_keys_file.is_none();
+    let keys_read = keys_from_secret
+        && token_keys::install(&client, &args.operator_namespace, &args.lease_keys_secret, &engine, true).await;
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -277,6 +292,13 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         ))
     });
 
+    if keys_from_secret {
+        let (namespace, name) = (args.operator_namespace.clone(), args.lease_keys_secret.clone());
+        let follower = token_keys::follow(client.clone(), namespace, name, engine.clone(), keys_read, stopped.clone());
+        tokio::spawn(follower);
+    } else {
+        tokio::spawn(role::follow_lease_keys(args.store.clone(), engine.clone(), stopped.clone()));
+    }
     let reflectors = controller::Reflectors::start(client.clone(), &args.namespaces, stopped.clone());
     let (outcomes_tx, outcomes) = watch::channel(None);
     let compiler = tokio::spawn(controller::compile_loop(

@@ -155,6 +155,12 @@ impl Shedder {
         Admission::Wait
     }
 
+    /// A waiting critical request left before its turn (its client went away): its place in the
+    /// queue is given back, and nothing was shed.
+    pub fn leave(&mut self) {
+        self.waiting = self.waiting.saturating_sub(1);
+    }
+
     /// A waiting critical request's deadline passed: it is shed.
     pub fn give_up(&mut self) {
         self.waiting = self.waiting.saturating_sub(1);

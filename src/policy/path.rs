@@ -20,6 +20,12 @@
 //! 4. each segment other than `.` and `..` loses its trailing dots (`/orders.` → `/orders`);
 //! 5. `.` and `..` segments are removed (`..` above the root stays at the root), RFC 3986 §5.2.4.
 //!
+//! One spelling has two readings no normalization can reconcile: a dot segment next to an encoded
+//! separator (`/orders/..%2F1`). A server that decodes `%2F` (WSGI) climbs out of `/orders`; one
+//! that routes the raw path (most) serves `/orders/..%2F1` inside it. Reading it either way would
+//! let it step around the rules of the other, so such a path is refused as malformed
+//! ([`climbs_through_encoded_separator`]) by every entry point, before any rule is matched.
+//!
 //! A trailing slash is kept (`/orders/` and `/orders` may be different resources). Case is kept:
 //! a rule opts in to ignoring it (`ignoreCase` on a path match), since folding it for every rule
 //! would merge distinct resources of case-sensitive servers. What the application receives is
@@ -34,6 +40,43 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
         return Cow::Borrowed(path);
     }
     Cow::Owned(rewrite(path))
+}
+
+/// Whether `path` holds a dot segment (`.` or `..`, however spelled) with an encoded separator
+/// (`%2F`, `%5C`) on either side: a path that servers which decode separators and servers which
+/// do not read as different resources (see the module docs). Legitimate clients never send one.
+pub fn climbs_through_encoded_separator(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    let lower = |b: u8| b.to_ascii_lowercase();
+    // Where separators are: (start, end, encoded) of each, raw `/` and `\` or their escapes.
+    let mut separators: Vec<(usize, usize, bool)> = vec![(0, 0, false)];
+    let mut i = 0;
+    while i < bytes.len() {
+        if matches!(bytes[i], b'/' | b'\\') {
+            separators.push((i, i + 1, false));
+            i += 1;
+        } else if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && (bytes[i + 1] == b'2' && lower(bytes[i + 2]) == b'f'
+                || bytes[i + 1] == b'5' && lower(bytes[i + 2]) == b'c')
+        {
+            separators.push((i, i + 3, true));
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    separators.push((bytes.len(), bytes.len(), false));
+    if !separators.iter().any(|&(_, _, encoded)| encoded) {
+        return false;
+    }
+    separators.windows(2).any(|pair| {
+        let ((_, start, before), (end, _, after)) = (pair[0], pair[1]);
+        (before || after) && {
+            let segment = decode(&path[start..end]);
+            matches!(without_parameters(&segment), "." | "..")
+        }
+    })
 }
 
 fn rewrite(path: &str) -> String {
@@ -190,10 +233,31 @@ mod tests {
             ("/orders./1", "/orders/1", "IIS: trailing dots"),
             ("/orders../1..", "/orders/1", "IIS: several trailing dots"),
             ("/orders.;x/1", "/orders/1", "parameters, then dots"),
-            ("/x/%2E%2E%2Forders/1", "/orders/1", "encoded dots and slash"),
-            ("/orders%2F..%2F..%2Forders/1", "/orders/1", "an encoded climb"),
         ] {
             assert_eq!(normalize(variant), normal, "{variant}: {who}");
+        }
+    }
+
+    /// Issue #37: `/orders/..%2F1` is `/1` to WSGI and `/orders/..%2F1` to a server routing the
+    /// raw path; read either way, it steps around the other reading's rules.
+    #[test]
+    fn dot_segments_next_to_encoded_separators_are_ambiguous() {
+        for climb in [
+            "/orders/..%2F1",
+            "/orders/x/..%2F..%2F7",
+            "/reports/..%2F..%2Fevents",
+            "/reports/..%2f..%2fcheckout",
+            "/x/%2E%2E%2Forders/1",
+            "/orders%2F..%2F..%2Forders/1",
+            "/a%5C..%5Cb",
+            "/a%2F.",
+            "/a/.%2Fb",
+            "/a/..;x%2Fb",
+        ] {
+            assert!(climbs_through_encoded_separator(climb), "{climb}");
+        }
+        for plain in ["/orders/1", "/orders%2F1", "/x/../orders", "/a/..b%2Fc", "/a%2F...", "/a%2F.b", "/%2", "/a%2"] {
+            assert!(!climbs_through_encoded_separator(plain), "{plain}");
         }
     }
 

@@ -23,6 +23,13 @@ pub async fn engine(
     let built = args.build(clock.clone()).await?;
     let memory = built.memory.clone();
     let mut engine = Engine::new(built.backend, clock, metrics);
+    match args.lease_keys()? {
+        Some(keys) => engine.set_token_keys(keys),
+        None if args.uses_redis() => tracing::warn!(
+            "no --lease-keys-file: hold tokens are signed with a key of this process, so a settle sent to another replica sharing this Redis is refused (its holds then run out by themselves)"
+        ),
+        None => {}
+    }
     if args.uses_redis() {
         engine = engine.with_local_fallback(memory.clone(), args.fallback_replicas);
         if args.quota_lease_keys > 0 {
@@ -30,6 +37,29 @@ pub async fn engine(
         }
     }
     Ok((Arc::new(engine), memory))
+}
+
+/// Re-reads --lease-keys-file every 10 s (a rotation, or a Secret the kubelet updated) until
+/// `shutdown`; a file that cannot be read or parsed leaves the keys in force and says why.
+pub async fn follow_lease_keys<S: crate::store::Store>(
+    args: StoreArgs,
+    engine: Arc<Engine<S>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    if args.lease_keys_file.is_none() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+            _ = shutdown.changed() => return,
+        }
+        match args.lease_keys() {
+            Ok(Some(keys)) => engine.set_token_keys(keys),
+            Ok(None) => return,
+            Err(error) => tracing::warn!(%error, "could not re-read the hold token keys; the last ones stay in force"),
+        }
+    }
 }
 
 /// Drops idle keys of a memory store once a second.

@@ -100,6 +100,13 @@ pub struct StoreArgs {
     /// onStoreFailure decides for it until the count falls below. 0: no bound.
     #[arg(long, env = "SLUICE_REDIS_NAMESPACE_MAX_KEYS", default_value_t = 0)]
     pub redis_namespace_max_keys: u64,
+    /// File of the keys hold tokens (the `lease` of a check answer, given back to /v1/settle)
+    /// are signed with, one per line: the first signs, each verifies (add a new key second, then
+    /// move it first, then drop the old). Replicas that share a Redis need the same file, or a
+    /// token is refused at every replica but its own. Re-read every 10 s. Without it, a random
+    /// key of this process (`sluice operator`: the Secret --lease-keys-secret).
+    #[arg(long, env = "SLUICE_LEASE_KEYS_FILE")]
+    pub lease_keys_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +117,8 @@ pub enum BackendError {
     File { path: PathBuf, error: std::io::Error },
     #[error("--fallback-replicas must be at least 1")]
     NoReplicas,
+    #[error("--lease-keys-file {path}: {error}")]
+    LeaseKeys { path: PathBuf, error: crate::server::lease::TokenKeysError },
 }
 
 /// The store a process decides with.
@@ -126,6 +135,15 @@ pub struct BuiltBackend {
 }
 
 impl StoreArgs {
+    /// The hold token keys of --lease-keys-file; `None` without it.
+    pub fn lease_keys(&self) -> Result<Option<crate::server::lease::TokenKeys>, BackendError> {
+        let Some(path) = &self.lease_keys_file else { return Ok(None) };
+        let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
+        crate::server::lease::TokenKeys::parse(&text)
+            .map(Some)
+            .map_err(|error| BackendError::LeaseKeys { path: path.clone(), error })
+    }
+
     pub fn uses_redis(&self) -> bool {
         self.redis.is_some() || !self.redis_cluster.is_empty() || !self.redis_sentinel.is_empty()
     }

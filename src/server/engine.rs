@@ -237,6 +237,8 @@ pub struct Engine<S> {
     /// Slices of hot keys' quota held here, for `consistency: leased` rules; `None` when the
     /// store is this process's memory (every decision is local already).
     leases: Option<QuotaLeases>,
+    /// What hold tokens are signed and verified with ([`super::lease`]).
+    token_keys: ArcSwap<super::lease::TokenKeys>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -253,9 +255,21 @@ impl<S: Store> Engine<S> {
             store,
             fallback: None,
             leases: None,
+            token_keys: ArcSwap::from_pointee(super::lease::TokenKeys::random()),
             clock,
             metrics,
         }
+    }
+
+    /// Signs hold tokens with `keys` from now on (and verifies with them alone): replicas that
+    /// settle each other's tokens share them. Without this, a random key of this process.
+    pub fn set_token_keys(&self, keys: super::lease::TokenKeys) {
+        self.token_keys.store(Arc::new(keys));
+    }
+
+    /// The lease a hold token carries, once its signature and bounds are checked.
+    pub fn verify_lease(&self, token: &str) -> Result<super::lease::Lease, super::lease::LeaseError> {
+        super::lease::Lease::verify(token, &self.token_keys.load())
     }
 
     /// Lets `consistency: leased` rules decide hot keys from slices of their quota held here
@@ -428,7 +442,7 @@ impl<S: Store> Engine<S> {
                 }
             };
             let limit = if local { &extras.fallback_limit } else { &extras.limit };
-            settles.push(Settle { rule: *rule, limit, key: key.as_bytes(), cost: actual });
+            settles.push(Settle { rule: *rule, limit, key: key.as_bytes(), cost: actual, reserved });
             counted.push((extras, reserved, actual));
         }
         let found = match (&self.fallback, local) {
@@ -692,7 +706,10 @@ impl<S: Store> Engine<S> {
             let reserved = holding.iter().map(|m| if m.rule.response_cost().is_some() { m.cost } else { 0 }).collect();
             let local = failed && self.fallback.is_some();
             (!holding.is_empty())
-                .then(|| super::lease::Lease { namespace: namespace.to_string(), hold, held, reserved, local }.token())
+                .then(|| {
+                super::lease::Lease { namespace: namespace.to_string(), hold, held, reserved, local }
+                    .token(&self.token_keys.load())
+            })
         });
         let mut headers: ResponseHeaders = rate_limit_headers(&header_inputs, allowed, now)
             .into_iter()

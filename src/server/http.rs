@@ -226,7 +226,7 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             );
         }
     };
-    let lease = match super::lease::Lease::from_token(&parsed.lease) {
+    let lease = match engine.verify_lease(&parsed.lease) {
         Ok(lease) => lease,
         Err(error) => return bad_request(metrics, BadRequest(error.to_string())),
     };

@@ -3,16 +3,23 @@
 //! (or `/v1/release`) when the request ends.
 //!
 //! The token is the lease itself, not a reference to state kept here: the namespace, the
-//! request's hold id (64 random bits) and each held (rule, key), as base64url JSON. Any replica
-//! can release it, and nothing is kept per request. Releasing needs the hold id, which only the
-//! admitted caller was told: a forged token names a hold no request has and frees nothing. The
-//! namespace is checked against the caller's like any request's, so a tenant can only ever
-//! release in its own namespaces. A lease taken in this replica's memory (the store was down and
-//! the rule's `onStoreFailure` is `localFallback`) says so: only this replica can release it,
-//! and elsewhere it runs out by itself.
+//! request's hold id (64 random bits), each held (rule, key) and the estimate reserved under it,
+//! as base64url JSON, followed by `.` and an HMAC-SHA256 of that text under a key the replicas
+//! share ([`TokenKeys`]). Any replica holding the key can settle it, and nothing is kept per
+//! request. Everything a settle acts on comes from the signed text, so a caller can neither
+//! forge a token (naming keys it never held, to make the store work for it) nor edit one (a
+//! namespace, an estimate, a key): such a token is refused with 400 before the store is asked.
+//! The namespace is then checked against the caller's like any request's. A lease taken in this
+//! replica's memory (the store was down and the rule's `onStoreFailure` is `localFallback`) says
+//! so: only this replica can release it, and elsewhere it runs out by itself.
+//!
+//! Keys rotate without breaking tokens in flight: the first key signs, every key verifies, so a
+//! new key is added second everywhere, then moved first, and the old one removed once the
+//! longest hold (`reservationTtl`) has passed.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use ring::hmac;
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::HoldId;
@@ -21,6 +28,14 @@ use crate::store::RuleId;
 /// The longest token accepted (a request matches at most a few dozen rules, each key at most
 /// 128 bytes).
 pub const MAX_TOKEN_LEN: usize = 32 * 1024;
+/// The most holds one token carries (a request holds one per holding rule it matches; the token's
+/// length bounds them further). A settle's store work is charged to the namespace's lane by this
+/// count, like a check's.
+pub const MAX_HELD: usize = 1024;
+/// The shortest key accepted: 128 bits of secret.
+pub const MIN_KEY_BYTES: usize = 16;
+/// The most keys verified at once (a rotation needs two).
+pub const MAX_KEYS: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
@@ -48,22 +63,117 @@ pub enum LeaseError {
     NotBase64,
     #[error("lease: not a lease this endpoint issued ({0})")]
     Malformed(String),
+    #[error(
+        "lease: its signature does not verify (edited, forged, or signed with a key this endpoint does not hold: give every replica the same lease keys)"
+    )]
+    Signature,
+}
+
+/// The keys hold tokens are signed and verified with: the first signs, each verifies.
+pub struct TokenKeys {
+    keys: Vec<hmac::Key>,
+}
+
+impl std::fmt::Debug for TokenKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TokenKeys({} keys)", self.keys.len())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenKeysError {
+    #[error("no lease key: give at least one, one per line")]
+    Empty,
+    #[error("lease key {0}: shorter than {MIN_KEY_BYTES} bytes (use e.g. `openssl rand -base64 32`)")]
+    TooShort(usize),
+    #[error("{0} lease keys: at most {MAX_KEYS} (the first signs, the others only verify)")]
+    TooMany(usize),
+}
+
+impl TokenKeys {
+    /// A key of 256 random bits, for a process whose tokens only it settles (the sidecar's own
+    /// fallback engine, a single `sluice serve`).
+    pub fn random() -> TokenKeys {
+        let secret: [u8; 32] = rand::random();
+        TokenKeys { keys: vec![hmac::Key::new(hmac::HMAC_SHA256, &secret)] }
+    }
+
+    /// Keys from text, one per line (blank lines and `#` comments skipped): the first signs.
+    pub fn parse(text: &str) -> Result<TokenKeys, TokenKeysError> {
+        let lines: Vec<&str> =
+            text.lines().map(str::trim).filter(|line| !line.is_empty() && !line.starts_with('#')).collect();
+        if lines.is_empty() {
+            return Err(TokenKeysError::Empty);
+        }
+        if lines.len() > MAX_KEYS {
+            return Err(TokenKeysError::TooMany(lines.len()));
+        }
+        if let Some(short) = lines.iter().position(|line| line.len() < MIN_KEY_BYTES) {
+            return Err(TokenKeysError::TooShort(short + 1));
+        }
+        Ok(TokenKeys { keys: lines.iter().map(|line| hmac::Key::new(hmac::HMAC_SHA256, line.as_bytes())).collect() })
+    }
+
+    fn sign(&self, text: &[u8]) -> hmac::Tag {
+        // `parse` and `random` never make an empty set.
+        hmac::sign(&self.keys[0], text)
+    }
+
+    fn verifies(&self, text: &[u8], tag: &[u8]) -> bool {
+        self.keys.iter().any(|key| hmac::verify(key, text, tag).is_ok())
+    }
 }
 
 impl Lease {
-    pub fn token(&self) -> String {
+    /// The signed token: the lease's base64url JSON, `.`, its base64url HMAC.
+    pub fn token(&self, keys: &TokenKeys) -> String {
         // Serializing plain strings and integers cannot fail.
-        URL_SAFE_NO_PAD.encode(serde_json::to_vec(self).unwrap_or_default())
+        let text = URL_SAFE_NO_PAD.encode(serde_json::to_vec(self).unwrap_or_default());
+        let tag = URL_SAFE_NO_PAD.encode(keys.sign(text.as_bytes()).as_ref());
+        format!("{text}.{tag}")
     }
 
-    pub fn from_token(token: &str) -> Result<Lease, LeaseError> {
+    /// The lease a token carries once its signature verifies under one of `keys`, and every
+    /// field is within bounds.
+    pub fn verify(token: &str, keys: &TokenKeys) -> Result<Lease, LeaseError> {
+        let token = token.trim();
         if token.len() > MAX_TOKEN_LEN {
             return Err(LeaseError::TooLong);
         }
-        let json = URL_SAFE_NO_PAD.decode(token.trim()).map_err(|_| LeaseError::NotBase64)?;
+        let Some((text, tag)) = token.split_once('.') else {
+            return Err(LeaseError::Signature);
+        };
+        let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| LeaseError::NotBase64)?;
+        if !keys.verifies(text.as_bytes(), &tag) {
+            return Err(LeaseError::Signature);
+        }
+        Self::decode(text)
+    }
+
+    /// What a token says, without checking who signed it: for the holder that was given it
+    /// (a sidecar reading which rules its request holds), never for acting on it.
+    pub fn read_unverified(token: &str) -> Result<Lease, LeaseError> {
+        let token = token.trim();
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(LeaseError::TooLong);
+        }
+        Self::decode(token.split_once('.').map_or(token, |(text, _)| text))
+    }
+
+    fn decode(text: &str) -> Result<Lease, LeaseError> {
+        let json = URL_SAFE_NO_PAD.decode(text).map_err(|_| LeaseError::NotBase64)?;
         let lease: Lease = serde_json::from_slice(&json).map_err(|e| LeaseError::Malformed(e.to_string()))?;
         if lease.hold == 0 || lease.held.is_empty() {
             return Err(LeaseError::Malformed("it holds nothing".into()));
+        }
+        if lease.held.len() > MAX_HELD {
+            return Err(LeaseError::Malformed(format!("it holds {} keys, at most {MAX_HELD}", lease.held.len())));
+        }
+        if !lease.reserved.is_empty() && lease.reserved.len() != lease.held.len() {
+            return Err(LeaseError::Malformed("one estimate per hold".into()));
+        }
+        if lease.reserved.iter().any(|&e| e > super::request::MAX_COST) {
+            return Err(LeaseError::Malformed(format!("an estimate above {}", super::request::MAX_COST)));
         }
         Ok(lease)
     }
@@ -109,22 +219,70 @@ mod held {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_token_carries_the_lease_and_nothing_else_decodes() {
-        let lease = Lease {
+    fn lease() -> Lease {
+        Lease {
             namespace: "tenant-a".into(),
             hold: u64::MAX - 1,
             held: vec![(0x0123_4567_89ab_cdef, "5:alice".into())],
             reserved: vec![300],
             local: false,
-        };
-        let token = lease.token();
+        }
+    }
+
+    #[test]
+    fn a_token_carries_the_lease_and_nothing_else_decodes() {
+        let keys = TokenKeys::random();
+        let token = lease().token(&keys);
         assert!(!token.contains(['+', '/', '=']), "{token}");
-        assert_eq!(Lease::from_token(&token), Ok(lease));
-        assert_eq!(Lease::from_token("not base64!"), Err(LeaseError::NotBase64));
-        assert!(matches!(Lease::from_token(&URL_SAFE_NO_PAD.encode(b"{}")), Err(LeaseError::Malformed(_))));
-        let empty = URL_SAFE_NO_PAD.encode(br#"{"n":"a","h":"5","r":[]}"#);
-        assert!(matches!(Lease::from_token(&empty), Err(LeaseError::Malformed(m)) if m.contains("holds nothing")));
-        assert_eq!(Lease::from_token(&"a".repeat(MAX_TOKEN_LEN + 1)), Err(LeaseError::TooLong));
+        assert_eq!(Lease::verify(&token, &keys), Ok(lease()));
+        assert_eq!(Lease::read_unverified(&token), Ok(lease()));
+        assert_eq!(Lease::verify("not base64!", &keys), Err(LeaseError::Signature));
+        assert_eq!(Lease::verify(&"a".repeat(MAX_TOKEN_LEN + 1), &keys), Err(LeaseError::TooLong));
+        let signed = |json: &[u8]| {
+            let text = URL_SAFE_NO_PAD.encode(json);
+            let tag = URL_SAFE_NO_PAD.encode(keys.sign(text.as_bytes()).as_ref());
+            format!("{text}.{tag}")
+        };
+        assert!(matches!(Lease::verify(&signed(b"{}"), &keys), Err(LeaseError::Malformed(_))));
+        let empty = signed(br#"{"n":"a","h":"5","r":[]}"#);
+        assert!(matches!(Lease::verify(&empty, &keys), Err(LeaseError::Malformed(m)) if m.contains("holds nothing")));
+        let huge = signed(br#"{"n":"a","h":"5","r":[["0000000000000001","k"]],"e":[18446744073709551515]}"#);
+        assert!(matches!(Lease::verify(&huge, &keys), Err(LeaseError::Malformed(m)) if m.contains("estimate")));
+    }
+
+    #[test]
+    fn an_edited_or_forged_token_is_refused() {
+        let keys = TokenKeys::random();
+        let token = lease().token(&keys);
+        // The namespace rewritten, the estimate raised: re-encoded, the old signature kept.
+        for edit in [
+            Lease { namespace: "tenant-b".into(), ..lease() },
+            Lease { reserved: vec![u64::MAX - 100], ..lease() },
+            Lease { held: vec![(1, "x".into()); 3], reserved: vec![], ..lease() },
+        ] {
+            let (_, tag) = token.split_once('.').unwrap();
+            let text = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&edit).unwrap());
+            assert_eq!(Lease::verify(&format!("{text}.{tag}"), &keys), Err(LeaseError::Signature));
+        }
+        // Unsigned, as tokens were before signing, and signed by another endpoint's key.
+        let (text, _) = token.split_once('.').unwrap();
+        assert_eq!(Lease::verify(text, &keys), Err(LeaseError::Signature));
+        assert_eq!(Lease::verify(&lease().token(&TokenKeys::random()), &keys), Err(LeaseError::Signature));
+    }
+
+    #[test]
+    fn keys_rotate_without_breaking_tokens_in_flight() {
+        let old = "old-key-0123456789abcdef";
+        let new = "new-key-0123456789abcdef";
+        let before = TokenKeys::parse(old).unwrap();
+        let during = TokenKeys::parse(&format!("# rotation\n{new}\n\n{old}\n")).unwrap();
+        let after = TokenKeys::parse(new).unwrap();
+        let issued_before = lease().token(&before);
+        let issued_during = lease().token(&during);
+        assert_eq!(Lease::verify(&issued_before, &during), Ok(lease()));
+        assert_eq!(Lease::verify(&issued_during, &after), Ok(lease()));
+        assert_eq!(Lease::verify(&issued_before, &after), Err(LeaseError::Signature));
+        assert_eq!(TokenKeys::parse(" \n# none\n").unwrap_err(), TokenKeysError::Empty);
+        assert_eq!(TokenKeys::parse("short").unwrap_err(), TokenKeysError::TooShort(1));
     }
 }

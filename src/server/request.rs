@@ -86,13 +86,20 @@ impl CheckRequest {
     }
 }
 
-/// The path rule every entry point applies: origin-form (or `*`), at most [`MAX_PATH_LEN`] bytes.
+/// The path rule every entry point applies: origin-form (or `*`), at most [`MAX_PATH_LEN`] bytes,
+/// and no dot segment next to an encoded separator, which servers read as different resources
+/// ([`crate::policy::path`]).
 pub fn check_path(path: &str) -> Result<(), BadRequest> {
     if !(path.starts_with('/') || path == "*") {
         return Err(BadRequest(format!("path: must start with '/', got {path:?}")));
     }
     if path.len() > MAX_PATH_LEN {
         return Err(BadRequest(format!("path: longer than {MAX_PATH_LEN} bytes")));
+    }
+    if crate::policy::path::climbs_through_encoded_separator(path) {
+        return Err(BadRequest(format!(
+            "path: a dot segment next to an encoded separator (%2F, %5C) is read as different paths by different servers: {path:?}"
+        )));
     }
     Ok(())
 }

@@ -212,7 +212,7 @@ impl Decider {
     pub async fn settle(&self, held: Held, cost: SettleCost) {
         let started = self.clock.now();
         let outcome = match held {
-            Held::Local(token) => match crate::server::lease::Lease::from_token(&token) {
+            Held::Local(token) => match self.local.verify_lease(&token) {
                 Ok(lease) => self.local.settle(&lease, &cost).await.map(|_| ()).map_err(|e| e.to_string()),
                 Err(error) => Err(error.to_string()),
             },
@@ -259,7 +259,7 @@ impl Decider {
     /// `responseCost`, from the cached snapshot (empty for concurrency slots alone).
     pub fn response_costs(&self, held: &Held) -> Vec<(String, Arc<ResponseCost>)> {
         let (Held::Endpoint(token) | Held::Local(token)) = held;
-        match crate::server::lease::Lease::from_token(token) {
+        match crate::server::lease::Lease::read_unverified(token) {
             Ok(lease) => self.local.response_costs(&lease),
             Err(_) => Vec::new(),
         }

@@ -102,6 +102,11 @@ impl Protection {
         }
     }
 
+    /// Whether a policy protects the application now.
+    pub fn is_on(&self) -> bool {
+        self.active.load().is_some()
+    }
+
     /// Takes a slot for a request of `class`, waiting (critical, within `criticalWait`) when the
     /// limit is reached; `Ok(None)` when nothing protects the application.
     pub async fn admit(self: &Arc<Self>, class: Class) -> Result<Option<Slot>, Shed> {
@@ -130,6 +135,24 @@ impl Protection {
     }
 
     async fn wait(&self, active: &Active) -> Admission {
+        /// The place of a request in the critical queue: given back when the request stops
+        /// waiting without an answer (its client closed and the request's future was dropped),
+        /// or the queue would stay full of requests nobody waits for.
+        struct Place<'a> {
+            active: &'a Active,
+            protection: &'a Protection,
+            answered: bool,
+        }
+        impl Drop for Place<'_> {
+            fn drop(&mut self) {
+                if !self.answered {
+                    let mut shedder = self.active.shedder.lock();
+                    shedder.leave();
+                    self.protection.gauges(&shedder);
+                }
+            }
+        }
+        let mut place = Place { active, protection: self, answered: false };
         let deadline = tokio::time::Instant::now() + active.critical_wait;
         loop {
             let freed = self.freed.notified();
@@ -137,10 +160,12 @@ impl Protection {
             // Registered before asking, so a slot freed in between is not missed.
             freed.as_mut().enable();
             if active.shedder.lock().retry() == Admission::Admit {
+                place.answered = true;
                 return Admission::Admit;
             }
             if tokio::time::timeout_at(deadline, freed).await.is_err() {
                 let mut shedder = active.shedder.lock();
+                place.answered = true;
                 // A last look: the slot may have come free as the deadline passed.
                 if shedder.retry() == Admission::Admit {
                     return Admission::Admit;

@@ -29,7 +29,7 @@ use super::overload::{Shed, Slot};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
 use crate::request::{forwarded, headers, host};
 use crate::server::engine::SettleCost;
-use crate::server::request::MAX_PATH_LEN;
+use crate::server::request::{MAX_PATH_LEN, check_path};
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;
@@ -37,6 +37,20 @@ pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;
 /// Most bytes of a request body read for the fields an estimate needs (`responseCost.estimate.
 /// requestField`); a longer body reserves the estimate's cap.
 pub const MAX_ESTIMATE_BODY: usize = 1024 * 1024;
+/// Under overload protection, a body of a declared length up to this is read whole before the
+/// request takes a slot, so a client slow to send it holds no slot meanwhile (nginx buffers
+/// request bodies the same way). A longer or unannounced (chunked, streamed) body is sent on
+/// as it arrives, and its request holds its slot while the body arrives.
+pub const MAX_BUFFERED_BODY: usize = 64 * 1024;
+/// How long a client has to send what is read ahead of the decision: past it the request is
+/// answered 408, and what was read is dropped.
+pub const READ_AHEAD_DEADLINE: Duration = Duration::from_secs(10);
+/// Bytes of request bodies read ahead and not yet forwarded, across every connection of the
+/// sidecar: far below the injected sidecar's 256 MiB memory limit. Once it is spent, estimates
+/// take their cap and bodies are forwarded as they arrive.
+pub const READ_AHEAD_BUDGET: usize = 32 * 1024 * 1024;
+/// The budget is counted in KiB (a semaphore's permits are u32).
+const BUDGET_UNIT: usize = 1024;
 
 /// Settles an admitted request's holds when dropped: when its response body has ended, when
 /// the client went away mid-response (hyper drops the body), or when the request never reached
@@ -128,11 +142,22 @@ pub struct RequestBody {
     read: Option<Bytes>,
     trailers: Option<HeaderMap>,
     rest: Option<Incoming>,
+    /// `read`'s share of [`READ_AHEAD_BUDGET`], given back once it is forwarded.
+    budget: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl RequestBody {
     fn streaming(body: Incoming) -> RequestBody {
-        RequestBody { read: None, trailers: None, rest: Some(body) }
+        RequestBody { read: None, trailers: None, rest: Some(body), budget: None }
+    }
+
+    fn empty() -> RequestBody {
+        RequestBody { read: None, trailers: None, rest: None, budget: None }
+    }
+
+    /// Whether more is to come from the client.
+    fn is_streaming(&self) -> bool {
+        self.rest.as_ref().is_some_and(|rest| !hyper::body::Body::is_end_stream(rest))
     }
 }
 
@@ -145,6 +170,7 @@ impl hyper::body::Body for RequestBody {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
         if let Some(read) = self.read.take() {
+            self.budget = None;
             return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(read))));
         }
         if let Some(trailers) = self.trailers.take() {
@@ -172,44 +198,103 @@ impl hyper::body::Body for RequestBody {
     }
 }
 
-/// Reads up to [`MAX_ESTIMATE_BODY`] bytes of a JSON request body for `fields` (top-level
-/// integers), and gives back the body to forward, unchanged.
-async fn read_estimate_fields(
+/// Why a body could not be read ahead.
+enum ReadAheadError {
+    /// The client broke the body off.
+    Broken(hyper::Error),
+    /// The client did not send it within [`READ_AHEAD_DEADLINE`].
+    Slow,
+}
+
+impl From<ReadAheadError> for Refusal {
+    fn from(error: ReadAheadError) -> Refusal {
+        match error {
+            ReadAheadError::Broken(e) => {
+                Refusal::new(StatusCode::BAD_REQUEST, format!("the request body broke off: {e}"))
+            }
+            ReadAheadError::Slow => Refusal::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {} s", READ_AHEAD_DEADLINE.as_secs()),
+            ),
+        }
+    }
+}
+
+/// Reads up to `limit` bytes of `body` ahead (all of it, when it is shorter), within
+/// [`READ_AHEAD_DEADLINE`] and as far as `budget` has room; gives back the body to forward,
+/// unchanged, and whether all of it was read.
+async fn read_ahead(
     body: Incoming,
-    fields: &[String],
-) -> Result<(BTreeMap<String, String>, RequestBody), hyper::Error> {
+    limit: usize,
+    budget: &Arc<tokio::sync::Semaphore>,
+) -> Result<(RequestBody, bool), ReadAheadError> {
     use http_body_util::BodyExt as _;
     let mut rest = body;
     let mut read = bytes::BytesMut::new();
     let mut trailers = None;
     let mut complete = false;
-    while read.len() <= MAX_ESTIMATE_BODY {
-        match rest.frame().await {
-            None => {
-                complete = true;
-                break;
-            }
-            Some(frame) => match frame?.into_data() {
-                Ok(data) => read.extend_from_slice(&data),
-                Err(frame) => {
-                    trailers = frame.into_trailers().ok();
+    let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    let reading = async {
+        while read.len() <= limit {
+            match rest.frame().await {
+                None => {
                     complete = true;
                     break;
                 }
-            },
+                Some(frame) => match frame.map_err(ReadAheadError::Broken)?.into_data() {
+                    Ok(data) => {
+                        let units = u32::try_from(data.len().div_ceil(BUDGET_UNIT)).unwrap_or(u32::MAX);
+                        match budget.clone().try_acquire_many_owned(units) {
+                            Ok(permit) => match held.as_mut() {
+                                Some(held) => held.merge(permit),
+                                None => held = Some(permit),
+                            },
+                            // Bytes already taken from the client are forwarded all the same.
+                            Err(_) => {
+                                read.extend_from_slice(&data);
+                                break;
+                            }
+                        }
+                        read.extend_from_slice(&data);
+                    }
+                    Err(frame) => {
+                        trailers = frame.into_trailers().ok();
+                        complete = true;
+                        break;
+                    }
+                },
+            }
         }
+        Ok(())
+    };
+    match tokio::time::timeout(READ_AHEAD_DEADLINE, reading).await {
+        Err(_) => return Err(ReadAheadError::Slow),
+        Ok(Err(error)) => return Err(error),
+        Ok(Ok(())) => {}
     }
     let read = read.freeze();
+    let body = RequestBody {
+        read: (!read.is_empty()).then_some(read),
+        trailers,
+        rest: (!complete).then_some(rest),
+        budget: held,
+    };
+    Ok((body, complete))
+}
+
+/// The top-level integer `fields` of a JSON body read whole (none of a partial one: the
+/// estimates then take their caps).
+fn estimate_fields_of(body: &RequestBody, complete: bool, fields: &[String]) -> BTreeMap<String, String> {
     let mut values = BTreeMap::new();
-    if complete && let Ok(serde_json::Value::Object(object)) = serde_json::from_slice::<serde_json::Value>(&read) {
+    let read = body.read.as_deref().unwrap_or_default();
+    if complete && let Ok(serde_json::Value::Object(object)) = serde_json::from_slice::<serde_json::Value>(read) {
         for field in fields {
             if let Some(value) = object.get(field).and_then(serde_json::Value::as_u64) {
                 values.insert(field.clone(), value.to_string());
             }
         }
     }
-    let body = RequestBody { read: (!read.is_empty()).then_some(read), trailers, rest: (!complete).then_some(rest) };
-    Ok((values, body))
+    values
 }
 
 pub struct Proxy {
@@ -220,6 +305,8 @@ pub struct Proxy {
     decider: Arc<Decider>,
     trusted_hops: usize,
     metrics: Arc<SidecarMetrics>,
+    /// [`READ_AHEAD_BUDGET`] in KiB.
+    read_ahead: Arc<tokio::sync::Semaphore>,
 }
 
 impl Proxy {
@@ -232,7 +319,8 @@ impl Proxy {
             // The Host the client sent is kept; the client must not replace it with the upstream's.
             .set_host(false)
             .build(UpstreamConnector(connector));
-        Proxy { upstream, inbound: Vec::new(), client, decider, trusted_hops, metrics }
+        let read_ahead = Arc::new(tokio::sync::Semaphore::new(READ_AHEAD_BUDGET / BUDGET_UNIT));
+        Proxy { upstream, inbound: Vec::new(), client, decider, trusted_hops, metrics, read_ahead }
     }
 
     /// Connections redirected to the sidecar from one of `ports` are forwarded to that port of
@@ -291,7 +379,9 @@ impl Proxy {
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
-                let request_fields = match self.estimate_fields(&mut request).await {
+                // Read ahead here (the request's head stays borrowed by the check), forwarded below.
+                let mut body = std::mem::replace(request.body_mut(), RequestBody::empty());
+                let request_fields = match self.estimate_fields(request.headers(), &mut body).await {
                     Ok(fields) => fields,
                     Err(refusal) => return self.refuse(refusal),
                 };
@@ -306,12 +396,19 @@ impl Proxy {
                     headers,
                 };
                 if let Some(class) = self.decider.classify(&input) {
+                    if self.decider.protection.is_on()
+                        && let Err(refusal) = self.buffer_small_body(request.headers(), &mut body).await
+                    {
+                        return self.refuse(refusal);
+                    }
                     match self.decider.protection.admit(class).await {
                         Ok(taken) => slot = taken,
                         Err(shed) => return self.shed(shed),
                     }
                 }
-                self.decider.decide(&input).await
+                let decision = self.decider.decide(&input).await;
+                *request.body_mut() = body;
+                decision
             }
             Ok(None) => self.decider.undecidable(),
         };
@@ -437,9 +534,12 @@ impl Proxy {
 
     /// The fields of a JSON request body that the namespace's estimates read, when any does:
     /// the body is read ahead (up to [`MAX_ESTIMATE_BODY`]) and forwarded unchanged.
-    async fn estimate_fields(&self, request: &mut Request<RequestBody>) -> Result<BTreeMap<String, String>, Refusal> {
-        let is_json = request
-            .headers()
+    async fn estimate_fields(
+        &self,
+        headers: &HeaderMap,
+        request_body: &mut RequestBody,
+    ) -> Result<BTreeMap<String, String>, Refusal> {
+        let is_json = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.to_ascii_lowercase().contains("json"));
@@ -447,14 +547,40 @@ impl Proxy {
             return Ok(BTreeMap::new());
         }
         let fields = self.decider.estimate_fields();
-        let Some(body) = (!fields.is_empty()).then(|| request.body_mut().rest.take()).flatten() else {
+        let Some(body) = (!fields.is_empty()).then(|| request_body.rest.take()).flatten() else {
             return Ok(BTreeMap::new());
         };
-        let (values, body) = read_estimate_fields(body, &fields)
-            .await
-            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, format!("the request body broke off: {e}")))?;
-        *request.body_mut() = body;
+        let (body, complete) = read_ahead(body, MAX_ESTIMATE_BODY, &self.read_ahead).await?;
+        let values = estimate_fields_of(&body, complete, &fields);
+        *request_body = body;
         Ok(values)
+    }
+
+    /// Under overload protection: a body still on its way whose declared length is at most
+    /// [`MAX_BUFFERED_BODY`] is read whole before the request takes a slot, so the time a client
+    /// takes to send it is not counted as the application's.
+    async fn buffer_small_body(&self, headers: &HeaderMap, body: &mut RequestBody) -> Result<(), Refusal> {
+        let declared =
+            headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+        if !declared.is_some_and(|length| length <= MAX_BUFFERED_BODY) || !body.is_streaming() {
+            return Ok(());
+        }
+        let Some(rest) = body.rest.take() else { return Ok(()) };
+        let (more, _) = read_ahead(rest, MAX_BUFFERED_BODY, &self.read_ahead).await?;
+        body.read = match (body.read.take(), more.read) {
+            (Some(first), Some(second)) => Some([first, second].concat().into()),
+            (first, second) => first.or(second),
+        };
+        body.trailers = more.trailers;
+        body.rest = more.rest;
+        body.budget = match (body.budget.take(), more.budget) {
+            (Some(mut first), Some(second)) => {
+                first.merge(second);
+                Some(first)
+            }
+            (first, second) => first.or(second),
+        };
+        Ok(())
     }
 
     /// Rewrites the client's request into the one the application gets.
@@ -526,7 +652,8 @@ pub fn is_websocket_upgrade<B>(request: &Request<B>) -> bool {
 }
 
 /// The request target the endpoint can decide: an origin-form path (or `*`) of at most
-/// [`MAX_PATH_LEN`] bytes. Anything else is answered here, never forwarded unchecked.
+/// [`MAX_PATH_LEN`] bytes, and the endpoint's own path rule ([`check_path`]). Anything else is
+/// answered here, never forwarded unchecked, and never classified for overload protection.
 fn check_target(uri: &Uri) -> Result<(), Refusal> {
     let path = uri.path();
     if path.len() > MAX_PATH_LEN {
@@ -535,7 +662,7 @@ fn check_target(uri: &Uri) -> Result<(), Refusal> {
     if !(path.starts_with('/') || path == "*") {
         return Err(Refusal::new(StatusCode::BAD_REQUEST, "the request target is not a path (CONNECT is not proxied)"));
     }
-    Ok(())
+    check_path(path).map_err(|bad| Refusal::new(StatusCode::BAD_REQUEST, bad.0))
 }
 
 fn add_headers(headers: &mut HeaderMap, extra: HeaderList) {

@@ -12,6 +12,7 @@ pub mod redis;
 mod redis_batches;
 pub mod redis_library;
 mod redis_primary;
+mod redis_setup;
 pub mod redis_usage;
 pub mod tenants;
 
@@ -31,6 +32,10 @@ pub struct Settle<'a> {
     pub key: &'a [u8],
     /// A reservation's actual cost; ignored for a concurrency slot, which is given back.
     pub cost: u64,
+    /// What the request reserved here at admission (its lease says): a reservation of 0 holds
+    /// nothing in the store, so its settle charges `cost` without looking for a hold
+    /// ([`crate::algorithm::settle_unreserved`]). Ignored for a concurrency slot.
+    pub reserved: u64,
 }
 
 /// One key's quota-lease operation for a holder ([`crate::algorithm::lease`]): settle the lease it

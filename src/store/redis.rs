@@ -37,6 +37,7 @@ pub use super::redis_library::{
 use super::redis_library::{function_missing, functions_unsupported};
 pub use super::redis_primary::SentinelEndpoint;
 use super::redis_primary::{Followed, Primary};
+use super::redis_setup::{HandshakeRefusal, replay_handshake, scheme_problem};
 use super::redis_usage::{Usage, count_cluster, count_single};
 use super::tenants::{Tenants, overall_breaker};
 use super::{RuleCheck, Store, StoreError, Verdict};
@@ -94,6 +95,9 @@ pub enum RedisConfigError {
         "Redis at {endpoint} refuses us: {reason} (give its password with --redis-password-file, SLUICE_REDIS_PASSWORD or the URL, and an ACL user allowed Sluice's commands: docs/redis.md)"
     )]
     Refused { endpoint: String, reason: String },
+    /// The connection's handshake failed on the credentials or the database of the URL.
+    #[error("Redis at {endpoint}: {reason}")]
+    Handshake { endpoint: String, reason: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,6 +213,10 @@ pub struct RedisStore {
     endpoint: String,
     /// Why Redis has not answered since start; `None` once it has ([`Self::not_answered_yet`]).
     first_answer: Arc<std::sync::Mutex<Option<String>>>,
+    /// A URL (with its credentials: never shown) and TLS to repeat the handshake with when it
+    /// fails at start-up, to name what Redis refused ([`replay_handshake`]); not behind Sentinels,
+    /// where the master is found later.
+    handshake: Option<(String, Option<::redis::TlsCertificates>)>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -250,6 +258,21 @@ impl RedisStore {
         let certificates =
             || ::redis::TlsCertificates { client_tls: client_tls.clone(), root_cert: config.tls_root_ca.clone() };
         let custom_tls = config.tls_root_ca.is_some() || config.tls_client.is_some();
+        let urls: Vec<&String> = match &config.endpoint {
+            RedisEndpoint::Single(url) => vec![url],
+            RedisEndpoint::Cluster(urls) => urls.iter().collect(),
+            RedisEndpoint::Sentinel(endpoint) => endpoint.sentinels.iter().collect(),
+        };
+        // The client's own answer is "invalid client config", naming nothing.
+        for url in &urls {
+            if let Some(reason) = scheme_problem(url) {
+                return Err(RedisConfigError::Invalid { endpoint: redact_url(url), reason });
+            }
+        }
+        let handshake = match &config.endpoint {
+            RedisEndpoint::Sentinel(_) => None,
+            _ => urls.first().map(|url| (url.to_string(), custom_tls.then(certificates))),
+        };
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             // Retry a lost connection quickly a few times; a call arriving after the
@@ -317,6 +340,7 @@ impl RedisStore {
             timeout: config.timeout,
             endpoint,
             first_answer: Arc::default(),
+            handshake,
         })
     }
 
@@ -409,8 +433,10 @@ impl RedisStore {
 
 impl RedisStore {
     /// Settles `hold`'s holds under each of `settles`, in the slot of `tag` (see `settle` in
-    /// lua/check.lua). Bounded by the store's deadline; not counted by the breaker (a lost settle
-    /// is a hold that runs out by itself). Returns how many holds were found.
+    /// lua/check.lua). Like a decision, it goes through the namespace's breaker and lane (one
+    /// place in the lane per key), within the store's deadline: settles are a tenant's store
+    /// work like its checks, so a flood of them slows or fails that tenant alone. Returns how
+    /// many holds were found.
     pub async fn settle_tagged(
         &self,
         tag: &str,
@@ -422,19 +448,43 @@ impl RedisStore {
             return Ok(0);
         }
         let keys: Vec<Vec<u8>> = settles.iter().map(|s| keys::state_key(tag, s.rule, s.key)).collect();
-        let mut args = Vec::with_capacity(2 + 2 * settles.len());
+        let mut args = Vec::with_capacity(2 + 3 * settles.len());
         args.push(now.map_or_else(String::new, |n| n.to_string()));
         args.push(hold.to_string());
         for settle in settles {
             args.push(rule_params(settle.limit, true));
+            args.push(settle.reserved.to_string());
             args.push(settle.cost.to_string());
         }
-        match tokio::time::timeout(self.timeout, self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args)).await {
-            Err(_) => Err(StoreError::Timeout(self.timeout.as_millis() as u64)),
-            Ok(Err(error)) => Err(classify(&error).0),
-            Ok(Ok(Value::Int(found))) => Ok(found.max(0) as u64),
-            Ok(Ok(other)) => Err(StoreError::Protocol(format!("settle answered {}", value_kind(&other)))),
-        }
+        let tenant = self.tenants.of(tag, self.clock.now());
+        let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
+            return Err(StoreError::Unavailable("circuit breaker open".into()));
+        };
+        let _lane = tenant.enter(settles.len(), self.timeout).await?;
+        let outcome =
+            tokio::time::timeout(self.timeout, self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args)).await;
+        let (result, transition) = match outcome {
+            Err(_) => {
+                let error = StoreError::Timeout(self.timeout.as_millis() as u64);
+                (Err(error), permit.failure(self.clock.now()))
+            }
+            Ok(Err(error)) => {
+                let (error, store_down) = classify(&error);
+                let now = self.clock.now();
+                (Err(error), if store_down { permit.failure(now) } else { permit.success(now) })
+            }
+            Ok(Ok(Value::Int(found))) => (Ok(found.max(0) as u64), permit.success(self.clock.now())),
+            Ok(Ok(other)) => (
+                Err(StoreError::Protocol(format!("settle answered {}", value_kind(&other)))),
+                permit.success(self.clock.now()),
+            ),
+        };
+        let reported = match &result {
+            Err(error) => error.clone(),
+            Ok(_) => StoreError::Unavailable(String::new()),
+        };
+        self.tell(tag, transition, &reported);
+        result
     }
 
     /// Runs a holder's quota-lease operations in the slot of `tag` (see `lease` in
@@ -529,12 +579,33 @@ impl RedisStore {
         };
         match tokio::time::timeout(within, work).await {
             Ok(Ok(())) => Ok(None),
-            Ok(Err(error)) => match refused(&error) {
-                Some(refusal) => Err(refusal),
-                None => Ok(Some(error.to_string())),
-            },
+            Ok(Err(error)) => {
+                if let Some(refusal) = self.handshake_refusal(&error).await {
+                    return Err(RedisConfigError::Handshake {
+                        endpoint: self.endpoint.clone(),
+                        reason: refusal.describe(),
+                    });
+                }
+                match refused(&error) {
+                    Some(refusal) => Err(refusal),
+                    None => Ok(Some(error.to_string())),
+                }
+            }
             Err(_) => Ok(Some(format!("no answer within {within:?}"))),
         }
+    }
+
+    /// What the connection's handshake was refused, if it was (see [`HandshakeRefusal`]): with
+    /// Redis's own words about the credentials where a second handshake can get them.
+    async fn handshake_refusal(&self, error: &RedisError) -> Option<HandshakeRefusal> {
+        let url = self.handshake.as_ref().map(|(url, _)| url.as_str());
+        let refusal = HandshakeRefusal::of(error, url)?;
+        if let (HandshakeRefusal::Credentials(_), Some((url, tls))) = (&refusal, &self.handshake) {
+            if let Some(words) = replay_handshake(url, tls.clone(), Duration::from_secs(1)).await {
+                return Some(HandshakeRefusal::Credentials(words));
+            }
+        }
+        Some(refusal)
     }
 
     /// One decision of every algorithm and a reservation, then their settle (see [`Self::probe`]).
@@ -561,7 +632,9 @@ impl RedisStore {
         self.decide(&keys, &script_args(None, &checks)).await?;
         let mut args = vec![String::new(), hold.to_string()];
         for check in &checks {
+            // Reserved 1 at admission (cost 1), settled to 1.
             args.push(rule_params(check.limit, true));
+            args.push("1".into());
             args.push("1".into());
         }
         self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args).await?;
@@ -682,9 +755,14 @@ impl RedisStore {
                         return;
                     }
                     Ok(Err(error)) => {
-                        if refuses_us(&error) && !logged_refusal {
-                            logged_refusal = true;
-                            tracing::error!(%endpoint, %error, "Redis refuses Sluice's credentials or permissions");
+                        if !logged_refusal {
+                            if let Some(refusal) = HandshakeRefusal::of(&error, None) {
+                                logged_refusal = true;
+                                tracing::error!(%endpoint, error = refusal.describe(), "Redis refuses Sluice's configuration");
+                            } else if refuses_us(&error) {
+                                logged_refusal = true;
+                                tracing::error!(%endpoint, %error, "Redis refuses Sluice's credentials or permissions");
+                            }
                         }
                         error.to_string()
                     }
@@ -1029,7 +1107,13 @@ pub fn refuses_us(error: &RedisError) -> bool {
 /// `scheme://user:secret@host/…` → `scheme://user:***@host/…`; URLs without a password are
 /// returned as they are.
 pub fn redact_url(url: &str) -> String {
-    let Some(parts) = UrlParts::of(url) else { return url.to_string() };
+    let Some(parts) = UrlParts::of(url) else {
+        // No scheme (a mistake refused at start-up): what precedes an `@` may still be a password.
+        return match url.rfind('@') {
+            Some(at) => format!("***@{}", &url[at + 1..]),
+            None => url.to_string(),
+        };
+    };
     let Some(userinfo) = parts.userinfo else { return url.to_string() };
     let redacted = match userinfo.find(':') {
         Some(colon) => format!("{}:***", &userinfo[..colon]),
@@ -1206,6 +1290,11 @@ mod tests {
         let err = RedisStore::connect(RedisConfig::single("http://:hunter2@host")).await.unwrap_err();
         assert!(matches!(&err, RedisConfigError::Invalid { .. }), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
+        let err = RedisStore::connect(RedisConfig::single(":hunter2@10.0.0.1:6379")).await.unwrap_err();
+        assert!(err.to_string().contains("the URL has no scheme"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let err = RedisStore::connect(RedisConfig::cluster(["redis://a:1", "b:2"])).await.unwrap_err();
+        assert!(err.to_string().starts_with("invalid Redis endpoint b:2: the URL has no scheme"), "{err}");
         let none: [&str; 0] = [];
         assert_eq!(
             RedisStore::connect(RedisConfig::cluster(none)).await.unwrap_err(),
