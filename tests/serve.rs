@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use check_api::{POLICY, order};
 use serde_json::Value;
-use support::{SluiceProcess, run_to_end};
+use support::{SluiceProcess, run_for_at_most, run_to_end};
 
 fn start(dir: &std::path::Path) -> SluiceProcess {
     SluiceProcess::start(&[
@@ -193,31 +193,4 @@ async fn a_reload_to_no_policies_keeps_the_last_good_snapshot() {
     assert_eq!(check(&c, &s, &order("r")).await["rules"][0]["limit"], 3, "still limited");
     let logs = s.logs.lock().unwrap().join("\n");
     assert!(logs.contains("policy reload refused: the policies now hold none"), "{logs}");
-}
-
-/// Runs `sluice <args>` until it exits or `limit` passes (then it is killed: a process that
-/// should have refused to start must fail the test, not hang it); returns (exit code, stderr).
-fn run_for_at_most(args: &[&str], limit: Duration) -> (Option<i32>, String) {
-    use std::io::Read;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    let code = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-    (code, stderr)
 }

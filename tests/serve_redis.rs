@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use replicas::{client, hammer, replicas};
 use serde_json::Value;
-use sluice_process::SluiceProcess;
+use sluice_process::{SluiceProcess, run_for_at_most};
 use support::redis_server::{RedisCluster, RedisServer, free_port};
 
 const POLICIES: &str = r#"
@@ -238,4 +238,67 @@ async fn readiness_waits_for_redis_to_answer_once() {
     redis.kill();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(c.get(s.url("/readyz")).send().await.unwrap().status(), 200, "a later outage keeps readiness");
+}
+
+/// Credentials Redis refuses, a database it does not have and a URL without a scheme are
+/// configuration mistakes that fail every call alike: start-up stops naming each (not "Redis
+/// does not answer", which sends people to the network), while the right settings start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configuration_redis_refuses_stops_start_up_naming_the_cause() {
+    let redis = RedisServer::start();
+    let port = redis.port();
+    assert_eq!(redis.cli(&["ACL", "SETUSER", "sluice", "on", ">right", "~*", "+@all"]).trim(), "OK");
+    assert_eq!(redis.cli(&["CONFIG", "SET", "requirepass", "right"]).trim(), "OK");
+    let dir = policy_dir();
+    let wrong_password = dir.path().join("wrong-password");
+    std::fs::write(&wrong_password, "wrong\n").unwrap();
+    let serve = |redis_args: &[&str]| {
+        let mut args = vec!["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(redis_args);
+        run_for_at_most(&args, Duration::from_secs(20))
+    };
+    let refused = |redis_args: &[&str], cause: &str| {
+        let (code, stderr) = serve(redis_args);
+        assert_eq!(code, Some(1), "{redis_args:?} must stop start-up: {stderr}");
+        assert!(stderr.contains(cause), "{redis_args:?}: expected {cause:?} in {stderr}");
+        assert!(!stderr.contains("does not answer"), "{stderr}");
+        stderr
+    };
+
+    let stderr =
+        refused(&["--redis", &format!("redis://:wrong@127.0.0.1:{port}")], "Redis refused the credentials: WRONGPASS");
+    assert!(!stderr.contains(":wrong@"), "the password is never shown: {stderr}");
+    refused(
+        &[
+            "--redis",
+            &format!("redis://sluice@127.0.0.1:{port}"),
+            "--redis-password-file",
+            wrong_password.to_str().unwrap(),
+        ],
+        "Redis refused the credentials: WRONGPASS",
+    );
+    refused(&["--redis", &format!("redis://:right@127.0.0.1:{port}/99")], "Redis has no database 99");
+    let stderr = refused(&["--redis", &format!("127.0.0.1:{port}")], "the URL has no scheme");
+    assert!(stderr.contains(&format!("write redis://127.0.0.1:{port}")) && stderr.contains("rediss://"), "{stderr}");
+
+    // The right password starts, and is ready.
+    let right = dir.path().join("right-password");
+    std::fs::write(&right, "right").unwrap();
+    let s = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        dir.path().to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--redis",
+        &format!("redis://sluice@127.0.0.1:{port}/1"),
+        "--redis-password-file",
+        right.to_str().unwrap(),
+    ]);
+    let c = client();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.get(s.url("/readyz")).send().await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "not ready: {:?}", s.logs.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

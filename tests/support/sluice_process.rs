@@ -125,3 +125,30 @@ pub fn run_to_end(args: &[&str], cwd: &Path) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).current_dir(cwd).output().expect("runs");
     (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
+
+/// Runs `sluice <args>` until it exits or `limit` passes (then it is killed: a process that
+/// should have refused to start must fail the test, not hang it); returns (exit code, stderr).
+pub fn run_for_at_most(args: &[&str], limit: Duration) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + limit;
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    (code, stderr)
+}
