@@ -160,9 +160,13 @@ impl RawCheckRequest {
 /// The stated headers under their canonical names (what rules look up: lowercase, `_` as `-`).
 /// Two names of one header (`X-API-Key` and `x_api_key`) state two values for it, and the check
 /// is refused rather than one picked.
-fn canonical_headers(stated: BTreeMap<String, String>) -> Result<BTreeMap<String, String>, BadRequest> {
+///
+/// The credential header is never among them, as on every entry point
+/// ([`crate::request::headers`]): a rule keyed on it would count (and show) callers' tokens.
+fn canonical_headers(mut stated: BTreeMap<String, String>) -> Result<BTreeMap<String, String>, BadRequest> {
     // Names are usually canonical already (HTTP/2 requires lowercase); then the map is kept as is.
     if !stated.keys().any(|name| name.bytes().any(|b| b.is_ascii_uppercase() || b == b'_')) {
+        stated.remove(crate::request::headers::CREDENTIAL_HEADER);
         return Ok(stated);
     }
     let mut headers: BTreeMap<String, (String, String)> = BTreeMap::new();
@@ -176,6 +180,7 @@ fn canonical_headers(stated: BTreeMap<String, String>) -> Result<BTreeMap<String
         }
         headers.insert(canonical, (name, value));
     }
+    headers.remove(crate::request::headers::CREDENTIAL_HEADER);
     Ok(headers.into_iter().map(|(canonical, (_, value))| (canonical, value)).collect())
 }
 
@@ -275,6 +280,14 @@ mod tests {
         assert!(err(r#"{"path": "/", "clientIp": "300.1.1.1"}"#).starts_with("clientIp: "));
         assert!(err(r#"{"path": "/", "headers": {"x": 5}}"#).starts_with("headers.x: invalid type"));
         assert!(err(r#"{"path": "/", "headers": {"bad name": "v"}}"#).starts_with("headers: "));
+        // Issue #37: the credential header is no header rules see, in any spelling.
+        for body in [
+            r#"{"path": "/", "headers": {"x-sluice-authorization": "Bearer t", "a": "1"}}"#,
+            r#"{"path": "/", "headers": {"X_Sluice_Authorization": "Bearer t", "A": "1"}}"#,
+        ] {
+            let request = CheckRequest::from_json(body.as_bytes()).unwrap();
+            assert_eq!(request.headers.keys().collect::<Vec<_>>(), ["a"], "{body}");
+        }
         let long = format!(r#"{{"path": "/", "headers": {{"x-api-key": "{}"}}}}"#, "k".repeat(8193));
         assert!(err(&long).contains("header x-api-key: value longer than 8192 bytes"), "{}", err(&long));
         assert!(err(r#"{"path": "orders"}"#).starts_with("path: must start with '/'"));
