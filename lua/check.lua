@@ -18,7 +18,8 @@
 --          cost is known after the response (lua/reservation.lua: the cost is its estimate,
 --          reserved under the hold id), or by ":L" for a rule whose enforcers may hold quota
 --          leases (the live leases count against the limit: `lease` below), then the request's
---          cost for it, decimal.
+--          cost for it, decimal (a cost above MAX_COST, 2^32 − 1, is taken as MAX_COST, as in
+--          Rust).
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
 --          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
@@ -115,7 +116,7 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   if n == 1 then
     -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
     -- rule admits the request either way), and it consumes only when it admitted.
-    local l, cost, key = rule_params(ARGV[a0 + 2]), int(ARGV[a0 + 3]), KEYS[k0 + 1]
+    local l, cost, key = rule_params(ARGV[a0 + 2]), amount(ARGV[a0 + 3]), KEYS[k0 + 1]
     if l == nil or cost == nil then
       return 'sluice: bad arguments for rule 1'
     end
@@ -132,7 +133,7 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   local rules, costs = {}, {}
   for i = 1, n do
     local l = rule_params(ARGV[a0 + 2 * i])
-    local cost = int(ARGV[a0 + 2 * i + 1])
+    local cost = amount(ARGV[a0 + 2 * i + 1])
     if l == nil or cost == nil then
       return 'sluice: bad arguments for rule ' .. i
     end
@@ -252,7 +253,7 @@ local function decide_many(KEYS, ARGV)
       return redis.error_reply('sluice: request ' .. j .. ' has no rule count')
     end
     for i = 1, n do
-      if rule_params(ARGV[a + 1 + 2 * i]) == nil or int(ARGV[a + 2 + 2 * i]) == nil then
+      if rule_params(ARGV[a + 1 + 2 * i]) == nil or amount(ARGV[a + 2 + 2 * i]) == nil then
         return redis.error_reply('sluice: bad arguments for rule ' .. i .. ' of request ' .. j)
       end
     end
@@ -279,22 +280,26 @@ end
 
 -- Settles a request's holds (hold ARGV[2], decimal) at ARGV[1] ("" for the server's clock).
 -- KEYS[i]  the state key of the request's rule i that holds (src/store/keys.rs).
--- ARGV[2i + 1], ARGV[2i + 2]  rule i's parameters as for `decide`, and the cost it settles to.
+-- ARGV[3i], ARGV[3i + 1], ARGV[3i + 2]  rule i's parameters as for `decide`, the estimate the
+--          request reserved under it at admission (its lease says; ignored for a concurrency
+--          slot), and the cost it settles to (at most MAX_COST, as for `decide`).
 -- A concurrency slot is given back (its cost ignored); a reservation is replaced by its actual
 -- cost (lua/reservation.lua), consumed even past the limit. Idempotent: a hold already gone
--- (settled, or run out) is left alone, and nothing is charged for it. A key of another shape is
--- left alone. Every argument is checked before anything is written.
+-- (settled, or run out) is left alone, and nothing is charged for it. A reservation of 0 held
+-- nothing (`consume` in lua/reservation.lua), so its cost is charged at once, each time it is
+-- settled, and it counts as found. A key of another shape is left alone. Every argument is
+-- checked before anything is written.
 -- Returns the number of holds found.
 local function settle(KEYS, ARGV)
   local now = instant(ARGV[1], {})
   local hold = hold_id(ARGV[2])
-  if now == nil or hold == nil or hold == '' or #ARGV ~= 2 + 2 * #KEYS then
-    return redis.error_reply('sluice: settle takes now ("" or µs), a hold id (decimal digits), then per key its rule parameters and cost')
+  if now == nil or hold == nil or hold == '' or #ARGV ~= 2 + 3 * #KEYS then
+    return redis.error_reply('sluice: settle takes now ("" or µs), a hold id (decimal digits), then per key its rule parameters, the estimate reserved and the cost')
   end
-  local rules, costs = {}, {}
+  local rules, reserved, costs = {}, {}, {}
   for i = 1, #KEYS do
-    rules[i], costs[i] = rule_params(ARGV[1 + 2 * i]), int(ARGV[2 + 2 * i])
-    if rules[i] == nil or costs[i] == nil then
+    rules[i], reserved[i], costs[i] = rule_params(ARGV[3 * i]), amount(ARGV[3 * i + 1]), amount(ARGV[3 * i + 2])
+    if rules[i] == nil or reserved[i] == nil or costs[i] == nil then
       return redis.error_reply('sluice: bad arguments for key ' .. i)
     end
   end
@@ -311,6 +316,8 @@ local function settle(KEYS, ARGV)
           found = found + 1
         end
       end
+    elseif l.ttl ~= nil and reserved[i] == 0 then
+      found = found + l.module.charge(key, l, now, hold, costs[i])
     elseif l.ttl ~= nil then
       found = found + l.module.settle(key, l, now, hold, costs[i])
     end
@@ -341,10 +348,10 @@ local function lease(KEYS, ARGV)
     local op = {
       l = rule_params(ARGV[a]),
       settle = hold_id(ARGV[a + 1]),
-      used = int(ARGV[a + 2]),
+      used = amount(ARGV[a + 2]),
       grant = hold_id(ARGV[a + 3]),
-      want = int(ARGV[a + 4]),
-      cap = int(ARGV[a + 5]),
+      want = amount(ARGV[a + 4]),
+      cap = amount(ARGV[a + 5]),
       ttl = int(ARGV[a + 6]),
     }
     if op.l == nil or not op.l.leased or op.settle == nil or op.used == nil or op.grant == nil or op.want == nil

@@ -32,9 +32,18 @@ local function idiv(a, b)
   return q
 end
 
--- Integers as command arguments: tostring() would give "1e+15" for large doubles.
+-- The largest integer a double holds exactly (MAX_EXACT in src/algorithm/mod.rs): every count
+-- and instant written saturates here, as in Rust.
+local MAX_EXACT = 9007199254740991
+-- The largest cost, estimate or settled amount taken (MAX_COST in src/algorithm/mod.rs): a larger
+-- argument is taken as this much.
+local MAX_COST = 4294967295
+
+-- Integers as command arguments: tostring() would give "1e+15" for large doubles. Saturates at
+-- MAX_EXACT: past 2^53 a double is not the integer meant, and past 2^63 '%d' wraps it negative
+-- (a count read back as nothing, a fresh window).
 local function fmt(x)
-  return string.format('%d', x)
+  return string.format('%d', math.min(x, MAX_EXACT))
 end
 
 -- A non-negative decimal integer stored by this script, or nil for anything else.
@@ -50,6 +59,16 @@ local function int(s)
     return nil
   end
   return n
+end
+
+-- A cost, estimate or settled amount argument: a non-negative integer (nil for anything else)
+-- taken as at most MAX_COST, as the algorithms take it in Rust (`clamp_cost`).
+local function amount(s)
+  local n = int(s)
+  if n == nil then
+    return nil
+  end
+  return math.min(n, MAX_COST)
 end
 
 -- Milliseconds until `pristine_at`, rounded up so a key never expires before its state is

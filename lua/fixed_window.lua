@@ -46,6 +46,8 @@ end
 
 function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   local start, count = fw_current(l, w, now)
+  -- The count saturates at MAX_EXACT (debt far past any limit), as in Rust.
+  local total = math.min(count + cost, MAX_EXACT)
   local pristine_at = start + l.per
   if not worth_writing(ktype, pristine_at, now) then
     return
@@ -56,12 +58,12 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   if w ~= nil and w.start == start then
     -- The stored window goes on: only its count changes, and its TTL when not yet set to its end.
     if w.e == pristine_at then
-      redis.call('HSET', key, 'count', fmt(count + cost))
+      redis.call('HSET', key, 'count', fmt(total))
       return
     end
-    redis.call('HSET', key, 'count', fmt(count + cost), 'e', fmt(pristine_at))
+    redis.call('HSET', key, 'count', fmt(total), 'e', fmt(pristine_at))
   else
-    redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(count + cost), 'e', fmt(pristine_at))
+    redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(total), 'e', fmt(pristine_at))
   end
   redis.call('PEXPIRE', key, ttl_ms(pristine_at, now))
 end

@@ -49,7 +49,9 @@ function sluice.gcra.check(l, tat, now, cost)
 end
 
 function sluice.gcra.consume(key, ktype, tat, l, now, cost)
-  local new_tat = math.max(tat or now, now) + cost * l.interval
+  -- A debt saturates the TAT at MAX_EXACT µs since the epoch, as in Rust.
+  local base = math.max(tat or now, now)
+  local new_tat = math.min(base + cost * l.interval, math.max(MAX_EXACT, base))
   if worth_writing(ktype, new_tat, now) then
     -- SET replaces a key of any type, so another algorithm's state needs no DEL.
     redis.call('SET', key, fmt(new_tat), 'PX', ttl_ms(new_tat, now))

@@ -11,8 +11,12 @@
 --
 -- Admission of `cost` (the estimate) is the algorithm's decision for reserved + cost; an admitted
 -- request with a hold id adds its reservation and consumes nothing yet (without one it consumes
--- at once). `settle` (check.lua) removes a live reservation and consumes its actual cost, even
+-- at once; a reservation of 0 holds nothing, and its settle is a `charge`). `settle` (check.lua) removes a live reservation and consumes its actual cost, even
 -- past the limit (debt). TTL of the reservation key = the latest until − now.
+
+-- The most holds of nothing (askers waiting while the bound is out in others' slices) one key
+-- keeps: MAX_WAITING_HOLDS in src/algorithm/lease.rs.
+local MAX_WAITING_HOLDS = 32
 
 local function reservation_key(key)
   return (string.gsub(key, '}:', '}:r:', 1))
@@ -59,6 +63,7 @@ local function add_hold(s, now, hold, amount, until_)
       latest = math.max(latest, h.until_)
     end
   end
+  amount = math.min(amount, MAX_COST)
   redis.call('HSET', s.rkey, hold, fmt(until_) .. ':' .. fmt(amount))
   redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
   live[#live + 1] = { id = hold, until_ = until_, amount = amount }
@@ -122,8 +127,12 @@ function sluice.reserving(inner)
   end
 
   function m.consume(key, ktype, s, l, now, cost, hold)
-    if hold == '' then
-      inner.consume(key, ktype, s.counted, l, now, cost, hold)
+    if hold == '' or l.ttl == nil or cost == 0 then
+      -- Consumed at once without a hold id, or for a leased rule (its holds are leases, granted
+      -- by `grant`). A reservation of 0 holds nothing (it would take no capacity, yet stay on the
+      -- key for the whole ttl): its settle charges without one (`charge`), as
+      -- `reservation::apply` in Rust.
+      inner.consume(key, ktype, s.counted, l, now, cost, '')
       return
     end
     -- A second reservation under one hold (two rules on one key) adds to the first, keeping its end.
@@ -142,6 +151,18 @@ function sluice.reserving(inner)
     if until_ == nil or tonumber(until_) <= now then
       return 0
     end
+    if actual > 0 then
+      local counted, ktype = inner.read(key)
+      inner.consume(key, ktype, counted, l, now, actual, '')
+    end
+    return 1
+  end
+
+  -- Charges `actual` for a reservation of 0 under `hold` at `key` (check.lua `settle`; mirrors
+  -- `reservation::charge` in Rust): consumed at once, even past the limit, and a hold of that id
+  -- left by an older version (which held reservations of 0) is dropped. Returns 1.
+  function m.charge(key, l, now, hold, actual)
+    redis.call('HDEL', reservation_key(key), hold)
     if actual > 0 then
       local counted, ktype = inner.read(key)
       inner.consume(key, ktype, counted, l, now, actual, '')
@@ -185,14 +206,22 @@ function sluice.reserving(inner)
     if amount <= 0 then
       -- Nothing granted. When the key has room but the bound is out in others' slices, the asker
       -- is counted as a holder (a hold of nothing), as in Rust.
-      if amount == 0 and room == 0 and ok and remaining > 0 then
-        return 0, 0, remaining, reset_after, #add_hold(s, now, hold, 0, until_)
-      end
-      local live = 0
+      -- At most MAX_WAITING_HOLDS such holds per key (src/algorithm/lease.rs): past that the
+      -- asker is not recorded, so fresh hold ids cannot grow the hash every operation reads.
+      local live, waiting, known = 0, 0, false
       for _, h in ipairs(s.holds) do
         if h.until_ > now then
           live = live + 1
+          if h.amount == 0 then
+            waiting = waiting + 1
+          end
+          if h.id == hold then
+            known = true
+          end
         end
+      end
+      if amount == 0 and room == 0 and ok and remaining > 0 and (known or waiting < MAX_WAITING_HOLDS) then
+        return 0, 0, remaining, reset_after, #add_hold(s, now, hold, 0, until_)
       end
       return 0, 0, remaining, reset_after, live
     end

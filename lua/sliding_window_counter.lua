@@ -5,8 +5,8 @@
 -- State: hash {a = "swc", start = the current window's start in µs, previous, current, e = the
 -- instant (µs) the key's TTL was last set to end at: a write whose pristine instant is `e` leaves
 -- the TTL alone, as in fixed_window.lua}. Counts
--- are capped at `requests` when read (a count above the limit denies the same either way, and the
--- cap keeps previous × per_ms exact after `requests` is cut).
+-- are capped when read at the largest count whose previous × per_ms stays below 2^53 (exact, after
+-- any edit of `requests`); validation keeps that above `requests`, so debt stays visible.
 -- Rule fields used: requests, per. A clock behind the stored window stays in it.
 -- TTL: end of the next window when current > 0, else end of this window when previous > 0.
 
@@ -28,12 +28,14 @@ end
 
 local function swc_roll(l, c, now)
   local start = idiv(now, l.per) * l.per
+  -- Counts are kept up to the largest whose previous × per_ms is exact (`count_cap` in Rust),
+  -- above `requests`, so a count in debt still refuses (even a cost of 0).
+  local most = idiv(MAX_EXACT, idiv(l.per, 1000))
   if c ~= nil and c.start >= start then
-    return { start = c.start, previous = math.min(c.previous, l.requests),
-      current = math.min(c.current, l.requests) }
+    return { start = c.start, previous = math.min(c.previous, most), current = math.min(c.current, most) }
   end
   if c ~= nil and c.start + l.per == start then
-    return { start = start, previous = math.min(c.current, l.requests), current = 0 }
+    return { start = start, previous = math.min(c.current, most), current = 0 }
   end
   return { start = start, previous = 0, current = 0 }
 end

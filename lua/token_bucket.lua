@@ -3,7 +3,8 @@
 -- State: hash {a = "tb", credit = µs of emission (one token = one interval), updated = µs}.
 -- Rule fields used: burst, interval. capacity = burst × interval; the level at `now` is
 -- min(credit + max(now − updated, 0), capacity) (a clock behind `updated` refills nothing).
--- TTL = updated + (capacity − credit) − now after consuming. A debt puts `updated` past now.
+-- TTL = updated + (capacity − credit) − now after consuming. A debt puts `updated` past now
+-- (at most to MAX_EXACT), and a bucket in debt refuses even a cost of 0.
 
 sluice.token_bucket = {}
 
@@ -41,7 +42,10 @@ function sluice.token_bucket.check(l, b, now, cost)
     return false, idiv(level, interval), capacity - level + waiting, -1, 0
   end
   local needed = cost * interval
-  if level >= needed then
+  -- A bucket in debt (empty, nothing refilling before `updated`) refuses even a cost of 0, as in
+  -- Rust; an empty bucket out of debt admits it.
+  local in_debt = level == 0 and waiting > 0
+  if level >= needed and not in_debt then
     local left = level - needed
     return true, idiv(left, interval), capacity - left + waiting, -1, 0
   end
@@ -58,9 +62,10 @@ function sluice.token_bucket.consume(key, ktype, b, l, now, cost)
   end
   -- More than the bucket holds (a settled cost above its reservation) is debt: `updated` moves
   -- past now by the shortfall, and nothing refills until the clock passes it.
+  -- The debt saturates at MAX_EXACT µs since the epoch, as in Rust.
   local credit = level - needed
   if credit < 0 then
-    updated = updated - credit
+    updated = math.min(updated - credit, math.max(MAX_EXACT, updated))
     credit = 0
   end
   local pristine_at = updated + (capacity - credit)

@@ -1032,7 +1032,7 @@ async fn concurrency_holds_and_releases_like_rust() {
                     taken[rng.random_range(0..taken.len())]
                 };
                 concurrency::release(&mut model[k], hold, now);
-                let settle = Settle { rule: 1, limit: &l, key: &keys[k], cost: 0 };
+                let settle = Settle { rule: 1, limit: &l, key: &keys[k], cost: 0, reserved: 0 };
                 store.settle_tagged(tag, Some(now), &[settle], hold).await.expect("released");
                 continue;
             }
@@ -1082,7 +1082,7 @@ async fn reservations_reserve_and_settle_like_rust() {
                         taken[rng.random_range(0..taken.len())]
                     };
                     let (found, _) = algorithm::settle(&l, &mut model[k], now, hold, cost);
-                    let settle = Settle { rule: 2, limit: &l, key: &keys[k], cost };
+                    let settle = Settle { rule: 2, limit: &l, key: &keys[k], cost, reserved: 1 };
                     let got = store.settle_tagged(tag, Some(now), &[settle], hold).await.expect("settled");
                     assert_eq!(got, u64::from(found), "{algorithm} seed {seed} step {step}: settle found");
                     continue;
@@ -1129,7 +1129,8 @@ async fn concurrent_reservations_never_overspend_when_the_estimate_bounds_the_co
                     let verdict = store.check_tagged("llm", None, &checks).await.expect("decided");
                     if verdict.allowed {
                         let actual = rng.random_range(0..=estimate);
-                        let settle = Settle { rule: 3, limit: &window, key: b"tenant", cost: actual };
+                        let settle =
+                            Settle { rule: 3, limit: &window, key: b"tenant", cost: actual, reserved: estimate };
                         // Settled twice: the second charges nothing.
                         for _ in 0..2 {
                             store.settle_tagged("llm", None, &[settle], hold).await.expect("settled");
@@ -1183,7 +1184,7 @@ async fn replicas_never_hold_more_than_the_limit_in_progress() {
                         // Counted out before the release: the store may admit the next one as
                         // soon as the slot is back.
                         in_progress.fetch_sub(1, Ordering::SeqCst);
-                        let settle = Settle { rule: 1, limit: &slots, key: b"exports", cost: 0 };
+                        let settle = Settle { rule: 1, limit: &slots, key: b"exports", cost: 0, reserved: 0 };
                         store.settle_tagged("in-flight", None, &[settle], hold).await.expect("released");
                     }
                 }

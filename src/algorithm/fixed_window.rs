@@ -5,7 +5,7 @@
 //! current one (and not ahead of it, which a stepped-back clock or a lengthened `per` produce)
 //! is simply over.
 
-use super::{Decision, Limit, Micros, State};
+use super::{Decision, Limit, MAX_EXACT, Micros, State};
 
 pub(super) fn view(state: Option<&State>) -> Option<(Micros, u64)> {
     match state {
@@ -26,7 +26,9 @@ fn current(limit: &Limit, window: Option<(Micros, u64)>, now: Micros) -> (Micros
 pub(super) fn check(limit: &Limit, window: Option<(Micros, u64)>, now: Micros, cost: u64) -> Decision {
     let (start, count) = current(limit, window, now);
     let reset_after = (start + limit.per).saturating_sub(now);
-    if count + cost <= limit.requests {
+    // Saturating: a stored count is at most MAX_EXACT and a cost at most MAX_COST, but a sum
+    // that wrapped would read as an empty window.
+    if count.saturating_add(cost) <= limit.requests {
         Decision { allowed: true, remaining: limit.requests - count - cost, reset_after, retry_after: None, delay: 0 }
     } else {
         Decision {
@@ -39,8 +41,10 @@ pub(super) fn check(limit: &Limit, window: Option<(Micros, u64)>, now: Micros, c
     }
 }
 
+/// Adds `cost` to the window's count, which saturates at [`MAX_EXACT`]: debt past that is still
+/// far past any limit, and Redis keeps the same number exactly.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
     let (start, count) = current(limit, view(state.as_ref()), now);
-    *state = Some(State::Window { start, count: count + cost });
+    *state = Some(State::Window { start, count: count.saturating_add(cost).min(MAX_EXACT) });
     start + limit.per
 }

@@ -5,7 +5,7 @@
 //! shapes instead: the request leaves at `max(tat, now)` (the caller waits `max(tat, now) − now`)
 //! and is refused when that wait exceeds `maxDelay` or the queue of B is full.
 
-use super::{Algorithm, Decision, Limit, Micros, State};
+use super::{Algorithm, Decision, Limit, MAX_EXACT, Micros, State};
 
 pub(super) fn view(state: Option<&State>) -> Option<Micros> {
     match state {
@@ -51,9 +51,11 @@ pub(super) fn check(limit: &Limit, tat: Option<Micros>, now: Micros, cost: u64) 
     }
 }
 
+/// Moves the TAT by `cost` intervals. A settled cost far above the limit (debt) saturates the
+/// TAT at [`MAX_EXACT`] µs since the epoch (the year 2255), which Redis keeps exactly.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Micros {
     let base = view(state.as_ref()).unwrap_or(now).max(now);
-    let new_tat = base + cost * limit.interval;
+    let new_tat = base.saturating_add(cost.saturating_mul(limit.interval)).min(MAX_EXACT.max(base));
     *state = Some(State::Tat(new_tat));
     new_tat
 }

@@ -33,6 +33,14 @@
 
 use super::{Algorithm, Decision, Hold, HoldId, Limit, Micros, State, check, reservation};
 
+/// The most holds of nothing (askers counted as holders while the bound is out in others'
+/// slices) one key keeps. Each ask under a fresh hold id would add one, kept to its lease's end,
+/// and every later operation on the key reads them all: past this many, an asker is not
+/// recorded (it still gets its answer; the holders the others size their slices by stop
+/// growing, at a count where a share is small anyway). Redis keeps the same bound
+/// (lua/reservation.lua).
+pub const MAX_WAITING_HOLDS: usize = 32;
+
 /// What a holder asks of one key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseAsk {
@@ -82,7 +90,7 @@ pub fn lease_end(limit: &Limit, now: Micros, ttl: Micros) -> (Micros, Micros) {
 /// wrote, when the key is pristine again.
 pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAsk) -> (LeaseGrant, Option<Micros>) {
     let outstanding = reservation::reserved(state.as_ref(), now);
-    let room = ask.cap.saturating_sub(outstanding).min(ask.want);
+    let room = super::clamp_cost(ask.cap).saturating_sub(outstanding).min(super::clamp_cost(ask.want));
     let free = check(limit, state.as_ref(), now, 0);
     let mut amount = if free.allowed { room.min(free.remaining) } else { 0 };
     // `remaining` is what costs of 1 may still take; one lease of that much must fit too.
@@ -97,7 +105,7 @@ pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAs
     if amount == 0 {
         // The key has room but the bound is out in others' slices: the asker is counted as a
         // holder (a hold of nothing) so the others size their next slices to leave it a share.
-        let waiting = room == 0 && free.allowed && free.remaining > 0;
+        let waiting = room == 0 && free.allowed && free.remaining > 0 && may_wait(state.as_ref(), now, ask.hold);
         let pristine = waiting
             .then(|| reservation::hold_units(limit, state, now, Hold { id: ask.hold, until: held_until, amount: 0 }));
         let holders = live_holds(state.as_ref(), now);
@@ -107,6 +115,14 @@ pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAs
     let after = check(limit, state.as_ref(), now, 0);
     let holders = live_holds(state.as_ref(), now);
     (LeaseGrant { amount, lasts: until - now, after, holders }, Some(pristine))
+}
+
+/// Whether `hold` may be recorded as a holder of nothing: it is one already, or the key has
+/// fewer than [`MAX_WAITING_HOLDS`] live holds of nothing.
+fn may_wait(state: Option<&State>, now: Micros, hold: HoldId) -> bool {
+    let Some(State::Reserved(r)) = state else { return true };
+    let live = || r.holds.iter().filter(|h| h.until > now);
+    live().any(|h| h.id == hold) || live().filter(|h| h.amount == 0).count() < MAX_WAITING_HOLDS
 }
 
 /// How many holds of `state` are live at `now`.

@@ -31,6 +31,17 @@ use crate::duration::{HumanDuration, MICROS_PER_MS};
 pub const MAX_EXACT: u64 = (1 << 53) - 1;
 /// The largest `requests` or `burst` a rule may declare.
 pub const MAX_REQUESTS: u64 = u32::MAX as u64;
+/// The largest cost, estimate or settled amount the algorithms take: anything larger is taken as
+/// this much. The APIs refuse larger costs already (`server::request::MAX_COST`, the same
+/// number); the algorithms clamp again because a store operation must never let an amount
+/// overflow a count, whoever called it (a lease token's estimate, a settle, a quota lease).
+/// No limit's capacity exceeds it, so a clamped cost decides as the original would.
+pub const MAX_COST: u64 = MAX_REQUESTS;
+
+/// `amount` as the algorithms take it: at most [`MAX_COST`].
+pub fn clamp_cost(amount: u64) -> u64 {
+    amount.min(MAX_COST)
+}
 /// The largest `requests` a slidingWindowLog rule may declare. The log keeps one entry per
 /// admitted request: a full log of 1 000 entries takes about 110 KB of Redis memory and 250
 /// units of the memory store's cap; slidingWindowCounter keeps two counters whatever the limit.
@@ -152,7 +163,7 @@ pub enum LimitError {
     MaxDelayNotApplicable(Algorithm),
     #[error("rate too high: {requests} per {per} is faster than one request per microsecond")]
     RateTooHigh { requests: u64, per: String },
-    #[error("requests × per (in ms) must stay below 2^53 so every store computes the same estimate")]
+    #[error("(requests + 1) × per (in ms) must stay below 2^53 so every store computes the same estimate")]
     WindowProductTooLarge,
     #[error("burst × emission interval must stay below 2^53 µs")]
     BucketTooLarge,
@@ -238,7 +249,9 @@ impl Limit {
         if requests > per {
             return Err(LimitError::RateTooHigh { requests, per: HumanDuration(per).to_string() });
         }
-        if requests.saturating_mul(per / MICROS_PER_MS) > MAX_EXACT {
+        // One more than `requests`: the sliding counter keeps counts up to the largest that stays
+        // exact when weighted, and that must tell a spent window from one in debt.
+        if (requests + 1).saturating_mul(per / MICROS_PER_MS) > MAX_EXACT {
             return Err(LimitError::WindowProductTooLarge);
         }
         let interval = per.div_ceil(requests);
@@ -388,6 +401,7 @@ pub enum State {
 
 /// Decides whether `cost` may pass now, without changing anything.
 pub fn check(limit: &Limit, state: Option<&State>, now: Micros, cost: u64) -> Decision {
+    let cost = clamp_cost(cost);
     // Holds count whatever the limit says now: leases and reservations taken before an edit
     // still hold their units until they end.
     if limit.reservation_ttl.is_some() || matches!(state, Some(State::Reserved(_))) {
@@ -419,6 +433,7 @@ pub fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -
 /// [`apply`] for a request whose holds are `hold` (its id: see [`concurrency`] and
 /// [`reservation`]).
 pub fn apply_held(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64, hold: HoldId) -> Micros {
+    let cost = clamp_cost(cost);
     if matches!(state, Some(State::Reserved(_))) || (limit.reservation_ttl.is_some() && hold != 0) {
         return reservation::apply(limit, state, now, cost, hold);
     }
@@ -449,11 +464,30 @@ pub fn settle(
     hold: HoldId,
     actual: u64,
 ) -> (bool, Option<Micros>) {
+    let actual = clamp_cost(actual);
     if limit.algorithm == Algorithm::Concurrency {
         let held = concurrency::view(state.as_ref()).iter().any(|h| h.id == hold && h.until > now);
         return (held, concurrency::release(state, hold, now));
     }
     reservation::settle(limit, state, now, hold, actual)
+}
+
+/// Settles a reservation of nothing under `hold`: admission held nothing for it (see
+/// [`reservation`]), so `actual` is charged at once, even past the limit, as any settle charges
+/// its actual cost. Nothing tells a repeated settle from the first here: the caller (the lease
+/// token) says the reservation was 0. A hold of that id left by an older version is dropped.
+/// For a concurrency rule, [`settle`]: its slot is a hold whatever it reserved.
+pub fn settle_unreserved(
+    limit: &Limit,
+    state: &mut Option<State>,
+    now: Micros,
+    hold: HoldId,
+    actual: u64,
+) -> (bool, Option<Micros>) {
+    if limit.algorithm == Algorithm::Concurrency || limit.reservation_ttl.is_none() {
+        return settle(limit, state, now, hold, actual);
+    }
+    reservation::charge(limit, state, now, hold, clamp_cost(actual))
 }
 
 /// `check`, then `apply` when admitted: the single-rule decision.

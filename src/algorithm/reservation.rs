@@ -108,10 +108,14 @@ fn take(state: &mut Option<State>) -> (Option<State>, Vec<Hold>) {
 }
 
 /// Admits `estimate` under `hold` (a reservation for the limit's ttl); with hold 0, consumes it
-/// at once. Returns when the key is pristine again.
+/// at once. A reservation of 0 holds nothing: it would take no capacity, yet each would stay on
+/// the key for the whole ttl (a `reportAfter` rule reserves 0 on every admission); its settle
+/// charges the actual cost without one ([`charge`]). Returns when the key is pristine again.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estimate: u64, hold: HoldId) -> Micros {
     match limit.reservation_ttl() {
-        Some(ttl) if hold != 0 => hold_units(limit, state, now, Hold { id: hold, until: now + ttl, amount: estimate }),
+        Some(ttl) if hold != 0 && estimate > 0 => {
+            hold_units(limit, state, now, Hold { id: hold, until: now.saturating_add(ttl), amount: estimate })
+        }
         _ => {
             let (mut counted, mut holds) = take(state);
             holds.retain(|h| h.until > now);
@@ -127,10 +131,30 @@ pub(super) fn hold_units(limit: &Limit, state: &mut Option<State>, now: Micros, 
     let (counted, mut holds) = take(state);
     holds.retain(|h| h.until > now);
     match holds.iter_mut().find(|h| h.id == new.id) {
-        Some(held) => held.amount = held.amount.saturating_add(new.amount),
-        None => holds.push(new),
+        Some(held) => held.amount = held.amount.saturating_add(new.amount).min(super::MAX_COST),
+        None => holds.push(Hold { amount: new.amount.min(super::MAX_COST), ..new }),
     }
     store(limit, state, counted, holds, now)
+}
+
+/// Charges `actual` for a reservation of nothing under `hold` (see [`super::settle_unreserved`]):
+/// consumed at once, even past the limit, and a hold of that id (left by an older version,
+/// which held reservations of 0) is dropped with the holds that ran out. Returns `true` (the
+/// charge is made) and when the key is pristine again (`None`: nothing is left).
+pub(super) fn charge(
+    limit: &Limit,
+    state: &mut Option<State>,
+    now: Micros,
+    hold: HoldId,
+    actual: u64,
+) -> (bool, Option<Micros>) {
+    let (mut counted, mut holds) = take(state);
+    holds.retain(|h| h.id != hold && h.until > now);
+    if actual > 0 {
+        super::apply_counted(limit, &mut counted, now, actual, 0);
+    }
+    let pristine = store(limit, state, counted, holds, now);
+    (true, state.is_some().then_some(pristine))
 }
 
 /// Replaces `hold`'s live reservation by its `actual` cost. Returns whether it was found, and
@@ -155,7 +179,7 @@ pub(super) fn settle(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::{Algorithm, apply_held, check, settle as settle_any};
+    use crate::algorithm::{Algorithm, apply_held, check, settle as settle_any, settle_unreserved};
 
     const T0: Micros = 1_699_920_000_000_000;
     const SEC: Micros = 1_000_000;
@@ -233,6 +257,88 @@ mod tests {
             assert!(reserve(&l, &mut state, T0 + 30 * SEC, 1, 2).allowed, "{algorithm}: the reservation ran out");
             assert!(!settle_any(&l, &mut state, T0 + 31 * SEC, 1, 1000).0, "{algorithm}");
             assert_eq!(check(&l, state.as_ref(), T0 + 31 * SEC, 0).remaining, 999, "{algorithm}");
+        }
+    }
+
+    /// `reportAfter` admits at cost 0 and charges after the response: a key whose settled
+    /// costs went past its limit must refuse those admissions until the debt is waited out, on
+    /// every algorithm that can be in debt (issue 38, item 1).
+    #[test]
+    fn a_key_in_debt_refuses_a_cost_of_zero() {
+        for algorithm in [Algorithm::LeakyBucket].into_iter().chain(RATE) {
+            let l = limit(algorithm, 10_000);
+            let mut state = None;
+            for (n, hold) in [1, 3, 5].into_iter().enumerate() {
+                let admission = reserve(&l, &mut state, T0, 0, hold);
+                assert_eq!(admission.allowed, n < 2, "{algorithm}: admission {n} after {} settled", n * 9000);
+                if admission.allowed {
+                    assert!(settle_unreserved(&l, &mut state, T0, hold, 9000).0, "{algorithm}");
+                }
+            }
+            let refused = check(&l, state.as_ref(), T0, 0);
+            assert_eq!((refused.allowed, refused.remaining), (false, 0), "{algorithm}: 18000 charged of 10000");
+            let wait = refused.retry_after.expect("a debt is waited out");
+            assert!(wait > 0 && wait <= 120 * SEC, "{algorithm}: {wait}");
+            assert!(check(&l, state.as_ref(), T0 + wait, 0).allowed, "{algorithm}: the debt is paid at {wait}");
+        }
+    }
+
+    /// An empty key out of debt (exactly spent) still admits a cost of 0, as it always did.
+    #[test]
+    fn an_exactly_spent_key_admits_a_cost_of_zero() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            reserve(&l, &mut state, T0, 0, 1);
+            settle_unreserved(&l, &mut state, T0, 1, 1000);
+            let d = check(&l, state.as_ref(), T0, 0);
+            assert_eq!((d.allowed, d.remaining), (true, 0), "{algorithm}");
+            assert!(!check(&l, state.as_ref(), T0, 1).allowed, "{algorithm}");
+        }
+    }
+
+    /// A reservation of 0 takes nothing, so it holds nothing: no hold stays on the key for the
+    /// ttl (issue 37, item 8). Its settle, told the reservation was 0, charges the actual cost.
+    #[test]
+    fn a_reservation_of_zero_holds_nothing_and_its_settle_charges() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            for hold in 1..=500 {
+                assert!(reserve(&l, &mut state, T0, 0, hold).allowed, "{algorithm}");
+            }
+            assert!(!matches!(state, Some(State::Reserved(_))), "{algorithm}: {state:?}");
+            assert_eq!(settle_unreserved(&l, &mut state, T0, 7, 300).0, true, "{algorithm}");
+            assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 700, "{algorithm}");
+            // Beside a live reservation of another request, which it leaves alone.
+            reserve(&l, &mut state, T0, 200, 9);
+            settle_unreserved(&l, &mut state, T0, 8, 100);
+            assert_eq!(reserved(state.as_ref(), T0), 200, "{algorithm}");
+            assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 400, "{algorithm}");
+        }
+    }
+
+    /// An estimate or a cost past any count (an edited lease token: 2^64 − 100) is taken as
+    /// MAX_COST: the counts saturate, never wrap round to a fresh window (issue 37, items 9–10).
+    #[test]
+    fn a_settle_with_a_huge_cost_never_resets_a_spent_limit() {
+        for algorithm in [Algorithm::LeakyBucket].into_iter().chain(RATE) {
+            let l = limit(algorithm, 10);
+            let mut state = None;
+            for hold in 1..=10 {
+                assert!(reserve(&l, &mut state, T0, 1, hold).allowed, "{algorithm}");
+                settle_any(&l, &mut state, T0, hold, 1);
+            }
+            for hold in [11, 12, 13] {
+                let mut probe = state.clone();
+                apply_held(&l, &mut probe, T0, u64::MAX - 100, hold);
+                settle_any(&l, &mut state, T0, hold, u64::MAX - 100);
+                settle_unreserved(&l, &mut state, T0, hold, u64::MAX - 100);
+            }
+            let admitted = (0..30).filter(|_| crate::algorithm::decide(&l, &mut state, T0 + SEC, 1).allowed).count();
+            assert_eq!(admitted, 0, "{algorithm}: {state:?}");
+            assert!(!check(&l, state.as_ref(), T0 + SEC, 0).allowed, "{algorithm}: deep in debt");
+            assert!(!check(&l, state.as_ref(), T0 + SEC, u64::MAX).allowed, "{algorithm}");
         }
     }
 

@@ -3,10 +3,12 @@
 //! `previous × per_ms` stays an exact integer in every store.
 //!
 //! The state keeps the current window's start time (not its index, which an edit of `per` would
-//! reinterpret), and counts are capped at `requests` when read: a count above the limit denies
-//! the same either way, and the cap keeps `previous × per_ms` exact after `requests` is cut.
+//! reinterpret), and counts are capped when read at the largest count whose `previous × per_ms`
+//! stays exact (below 2^53, in every store, whatever `requests` is now). Validation keeps that cap
+//! above `requests`, so a count over the limit — debt, from a settled cost above its estimate —
+//! is still seen as over it: it refuses even a cost of 0 and is waited out as the window slides.
 
-use super::{Decision, Limit, Micros, State};
+use super::{Decision, Limit, MAX_EXACT, Micros, State};
 use crate::duration::MICROS_PER_MS;
 
 #[derive(Clone, Copy)]
@@ -28,7 +30,8 @@ pub(super) fn view(state: Option<&State>) -> Option<Counts> {
 /// The counts as seen from `now`'s window (a clock behind the stored window stays in it).
 fn roll(limit: &Limit, counts: Option<Counts>, now: Micros) -> Counts {
     let start = now - now % limit.per;
-    let capped = |n: u64| n.min(limit.requests);
+    let most = count_cap(limit);
+    let capped = |n: u64| n.min(most);
     match counts {
         Some(c) if c.start >= start => {
             Counts { start: c.start, previous: capped(c.previous), current: capped(c.current) }
@@ -36,6 +39,12 @@ fn roll(limit: &Limit, counts: Option<Counts>, now: Micros) -> Counts {
         Some(c) if c.start + limit.per == start => Counts { start, previous: capped(c.current), current: 0 },
         _ => Counts { start, previous: 0, current: 0 },
     }
+}
+
+/// The largest count kept when read: `previous × per_ms` stays exact. At least `requests + 1`
+/// ([`super::Limit::new`] checks it), so a count in debt stays above the limit.
+fn count_cap(limit: &Limit) -> u64 {
+    MAX_EXACT / (limit.per / MICROS_PER_MS)
 }
 
 /// floor(previous × (per − elapsed) / per) with per and elapsed in whole milliseconds.

@@ -431,7 +431,8 @@ pub fn replay(
     // Requests in progress that hold a concurrency slot: when each ends, and what it holds.
     let mut ending: BinaryHeap<Reverse<(Micros, HoldId)>> = BinaryHeap::new();
     // A reservation's rule (a cost known after the response) settles to the arrival's cost.
-    let mut holding: HashMap<HoldId, Vec<(usize, &CompiledRule, String, u64)>> = HashMap::new();
+    // Each hold's (rule index, rule, key, estimate reserved, actual cost).
+    let mut holding: HashMap<HoldId, Vec<(usize, &CompiledRule, String, u64, u64)>> = HashMap::new();
     for (n, arrival) in arrivals.iter().enumerate() {
         let now = start + arrival.at;
         clock.set(now);
@@ -442,8 +443,9 @@ pub fn replay(
             && end <= now
         {
             ending.pop();
-            for (i, rule, key, actual) in holding.remove(&hold).unwrap_or_default() {
-                let settle = Settle { rule: rule.id(), limit: rule.limit(), key: key.as_bytes(), cost: actual };
+            for (i, rule, key, reserved, actual) in holding.remove(&hold).unwrap_or_default() {
+                let settle =
+                    Settle { rule: rule.id(), limit: rule.limit(), key: key.as_bytes(), cost: actual, reserved };
                 store.settle_at(end, &[settle], hold);
                 if rule.algorithm().holds() {
                     tallies[i].ended(&key);
@@ -507,9 +509,9 @@ pub fn replay(
             tallies[i].record(&m.key, arrival.at, charged, decision, consumed, slot);
             if consumed && m.rule.algorithm().holds() && m.cost > 0 {
                 tallies[i].started(&m.key);
-                held.push((i, m.rule, m.key.clone(), 0));
+                held.push((i, m.rule, m.key.clone(), 0, 0));
             } else if consumed && m.rule.response_cost().is_some() {
-                held.push((i, m.rule, m.key.clone(), actual));
+                held.push((i, m.rule, m.key.clone(), m.cost, actual));
             }
         }
         if !held.is_empty() {

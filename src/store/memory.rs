@@ -633,17 +633,49 @@ impl MemoryStore {
     }
 
     /// Settles what `hold` holds under each (rule, key) of `settles` (see
-    /// [`algorithm::settle`]); idempotent. Returns how many holds were found.
+    /// [`algorithm::settle`]); idempotent, but for reservations of 0, which held nothing and are
+    /// charged at once ([`algorithm::settle_unreserved`]). Returns how many holds were found
+    /// (a reservation of 0 counts as found). A key a charge creates goes to the unnamed scope.
     pub fn settle_at(&self, now: Micros, settles: &[super::Settle<'_>], hold: algorithm::HoldId) -> u64 {
+        self.settle_scoped_at(Scope::UNNAMED, now, settles, hold)
+    }
+
+    fn settle_scoped_at(
+        &self,
+        scope: Scope,
+        now: Micros,
+        settles: &[super::Settle<'_>],
+        hold: algorithm::HoldId,
+    ) -> u64 {
         let mut found = 0;
         for settle in settles {
-            let slot = self.slot_key(Scope::UNNAMED, settle.rule, settle.key);
+            let slot = self.slot_key(scope, settle.rule, settle.key);
             let mut table = self.shards[self.shard_of(slot)].table.lock();
+            let unreserved = settle.reserved == 0 && settle.limit.reservation_ttl().is_some();
+            if unreserved && !table.slots.contains_key(&slot) {
+                // Nothing held and nothing counted yet: the charge is a consumption like any.
+                found += 1;
+                let mut state = None;
+                let (_, pristine_at) = algorithm::settle_unreserved(settle.limit, &mut state, now, hold, settle.cost);
+                if let (Some(state), Some(expires_at)) = (state, pristine_at) {
+                    let units = units_of(&state);
+                    if table.units + units > self.shard_capacity {
+                        self.make_room(&mut table, now, slot.scope(), units);
+                    }
+                    table.units += units;
+                    table.slots.insert(slot, Entry { state, expires_at });
+                }
+                continue;
+            }
             let Table { slots, units, .. } = &mut *table;
             let Some(entry) = slots.get_mut(&slot) else { continue };
             let before = units_of(&entry.state);
             let mut state = Some(std::mem::replace(&mut entry.state, State::Tat(0)));
-            let (held, pristine_at) = algorithm::settle(settle.limit, &mut state, now, hold, settle.cost);
+            let (held, pristine_at) = if unreserved {
+                algorithm::settle_unreserved(settle.limit, &mut state, now, hold, settle.cost)
+            } else {
+                algorithm::settle(settle.limit, &mut state, now, hold, settle.cost)
+            };
             found += u64::from(held);
             match (pristine_at, state) {
                 (Some(pristine_at), Some(state)) => {
@@ -835,12 +867,12 @@ impl Store for MemoryStore {
 
     async fn settle_for(
         &self,
-        _namespace: &str,
+        namespace: &str,
         now: Option<Micros>,
         settles: &[super::Settle<'_>],
         hold: algorithm::HoldId,
     ) -> Result<u64, StoreError> {
-        Ok(self.settle_at(now.unwrap_or_else(|| self.clock.now()), settles, hold))
+        Ok(self.settle_scoped_at(self.scope(namespace), now.unwrap_or_else(|| self.clock.now()), settles, hold))
     }
 
     async fn lease_for(

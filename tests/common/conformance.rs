@@ -58,6 +58,10 @@ pub struct Step {
     /// Instead of a check: settle `hold` at `cost` (its actual cost) in the selected rules.
     #[serde(default)]
     pub settle: bool,
+    /// For a settle: the estimate the hold reserved, as its lease would say; by default the cost
+    /// of the last admitted step under that hold (1 when none was: a hold the store must look
+    /// for).
+    pub reserved: Option<u64>,
     pub expect: Expect,
 }
 
@@ -198,6 +202,8 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
     let mut failures = Vec::new();
     for (vi, vector) in vectors.iter().enumerate() {
         let rules = compile_rules(vi, vector);
+        // The estimate each hold id reserved when admitted (what its lease would carry).
+        let mut reserved: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
         for (si, step) in vector.steps.iter().enumerate() {
             let key = step.key.clone().unwrap_or_else(|| "k".to_string());
             let selected: Vec<&CompiledRule> = match &step.rules {
@@ -225,7 +231,13 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
             if step.settle {
                 let settles: Vec<Settle<'_>> = selected
                     .iter()
-                    .map(|r| Settle { rule: r.id, limit: &r.limit, key: key.as_bytes(), cost: step.cost })
+                    .map(|r| Settle {
+                        rule: r.id,
+                        limit: &r.limit,
+                        key: key.as_bytes(),
+                        cost: step.cost,
+                        reserved: step.reserved.or_else(|| reserved.get(&step.hold).copied()).unwrap_or(1),
+                    })
                     .collect();
                 match store.settle_for(DEFAULT_TAG, Some(now), &settles, step.hold).await {
                     Ok(found) => {
@@ -243,6 +255,9 @@ pub async fn run_vectors<S: Store>(store: &S, vectors: &[Vector]) -> Vec<String>
                 match store.check(Some(now), &checks).await {
                     Ok(verdict) => {
                         admitted += verdict.allowed as u64;
+                        if verdict.allowed && step.hold != 0 {
+                            reserved.insert(step.hold, step.cost);
+                        }
                         last = Some(verdict);
                     }
                     Err(e) => {
