@@ -4,7 +4,9 @@
 //!
 //! The outcome settles the request's reservations: the actual cost per rule; the rule's
 //! `onFailure` cost when the application failed (5xx, a broken-off response) or the client left
-//! before any of it; the estimate when the cost could not be read.
+//! before any of it; the estimate when the cost could not be read. A cost read before a response
+//! broke off (a header, or the usage event of a stream whose last chunk never came) is charged:
+//! the work it counts was done, and a client must not be able to erase it by breaking the stream.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -93,11 +95,25 @@ impl Metering {
         SettleCost::Actual { all: None, by_rule }
     }
 
-    /// The body broke off (`upstream_failed`: the application's side), or the client left: a
-    /// failure when nothing reached the client or the application broke it, otherwise an
-    /// unknown cost (the estimate stays charged).
+    /// The body broke off (`upstream_failed`: the application's side), or the client left: the
+    /// costs read so far (a stated header; usage already streamed), each other rule keeping its
+    /// estimate; with none read, a failure when nothing reached the client or the application
+    /// broke it, otherwise an unknown cost (the estimate stays charged).
     pub fn broken(self, upstream_failed: bool) -> SettleCost {
-        if self.failed || upstream_failed || self.sent == 0 { SettleCost::Failed } else { SettleCost::AsReserved }
+        if self.failed {
+            return SettleCost::Failed;
+        }
+        let sent = self.sent;
+        let mut by_rule = self.stated;
+        for (_, rules, meter) in self.meters {
+            if let Ok(cost) = meter.finish() {
+                by_rule.extend(rules.into_iter().map(|rule| (rule, cost)));
+            }
+        }
+        if !by_rule.is_empty() {
+            return SettleCost::Actual { all: None, by_rule };
+        }
+        if upstream_failed || sent == 0 { SettleCost::Failed } else { SettleCost::AsReserved }
     }
 }
 
@@ -159,5 +175,26 @@ mod tests {
         let mut reset = Metering::start(costs(), http::StatusCode::OK, &mut json_headers()).unwrap();
         reset.feed(b"{\"usa");
         assert_eq!(reset.broken(true), SettleCost::Failed, "the application broke it off");
+    }
+
+    /// Issue #37: a stream whose usage event was sent, then broken off before its end, cost 0
+    /// (the rule's onFailure): the usage read counts when it was read.
+    #[test]
+    fn usage_read_before_a_stream_broke_off_is_charged() {
+        let costs = || vec![("total".to_string(), cost(&["usage.total_tokens"], None))];
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+        let mut stream = Metering::start(costs(), http::StatusCode::OK, &mut headers.clone()).unwrap();
+        stream.feed(b"data: {\"choices\": []}\n\ndata: {\"usage\": {\"total_tokens\": 812}}\n\n");
+        let expected = SettleCost::Actual { all: None, by_rule: BTreeMap::from([("total".into(), 812)]) };
+        assert_eq!(stream.broken(true), expected, "the application broke it off after the usage");
+        let mut left = Metering::start(costs(), http::StatusCode::OK, &mut headers).unwrap();
+        left.feed(b"data: {\"usage\": {\"total_tokens\": 812}}\n\n");
+        assert_eq!(left.broken(false), expected, "the client left after the usage");
+        let mut stated = json_headers();
+        stated.insert("x-sluice-cost", "9".parse().unwrap());
+        let header = vec![("total".to_string(), cost(&[], Some("x-sluice-cost")))];
+        let broken = Metering::start(header, http::StatusCode::OK, &mut stated).unwrap();
+        assert_eq!(broken.broken(true), SettleCost::Actual { all: None, by_rule: BTreeMap::from([("total".into(), 9)]) });
     }
 }
