@@ -251,56 +251,168 @@ fn parse_document(value: Value) -> Result<RateLimitPolicy, Vec<String>> {
     if !problems.is_empty() {
         return Err(problems);
     }
-    let policy: RateLimitPolicy = match serde_path_to_error::deserialize(value.clone()) {
-        Ok(p) => p,
-        Err(e) => return Err(vec![format!("{}: {}", e.path(), e.inner())]),
-    };
-    // The API server prunes unknown fields and `kubectl apply` refuses them; a file has neither,
-    // so a misspelt `brust:` would silently vanish. Anything the typed policy does not
-    // serialize back was not understood.
-    if let Ok(back) = serde_yaml::to_value(&policy) {
-        if let Value::Mapping(map) = &value {
-            for key in map.keys().filter_map(Value::as_str) {
-                if !matches!(key, "apiVersion" | "kind" | "metadata" | "spec" | "status") {
-                    problems.push(format!("{key}: unknown field"));
-                }
+    // Unknown fields are looked for first, against the CRD's own schema: a misspelt required
+    // field (`algoritm:`) would otherwise be reported as the missing `algorithm`, and a
+    // misspelt optional one (`brust:`) would vanish silently. The API server prunes unknown
+    // fields and `kubectl apply` refuses them; a file has neither.
+    if let Value::Mapping(map) = &value {
+        for key in map.keys().filter_map(Value::as_str) {
+            if !matches!(key, "apiVersion" | "kind" | "metadata" | "spec" | "status") {
+                problems.push(format!("{key}: unknown field"));
             }
-        }
-        if let (Some(input), Some(output)) = (value.get("spec"), back.get("spec")) {
-            unknown_fields(input, output, "spec", &mut problems);
         }
     }
-    if problems.is_empty() { Ok(policy) } else { Err(problems) }
+    if let (Some(spec), Some(schema)) = (value.get("spec"), spec_schema()) {
+        unknown_fields(spec, schema, "spec", &mut problems);
+    }
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    match serde_path_to_error::deserialize(value) {
+        Ok(policy) => Ok(policy),
+        Err(e) => {
+            let path = e.path().to_string();
+            let message = in_yaml_terms(&e.inner().to_string(), &path);
+            Err(vec![format!("{path}: {message}")])
+        }
+    }
 }
 
-fn unknown_fields(input: &Value, output: &Value, path: &str, problems: &mut Vec<String>) {
-    match (input, output) {
-        (Value::Mapping(i), Value::Mapping(o)) => {
-            for (k, v) in i {
+/// The OpenAPI schema of `spec`, as the generated CRD states it: the one list of the fields a
+/// policy has, so a file is held to exactly what the API server would accept.
+fn spec_schema() -> Option<&'static serde_json::Value> {
+    static SCHEMA: std::sync::OnceLock<Option<serde_json::Value>> = std::sync::OnceLock::new();
+    SCHEMA
+        .get_or_init(|| {
+            use kube::CustomResourceExt;
+            let crd = serde_json::to_value(RateLimitPolicy::crd()).ok()?;
+            crd.pointer("/spec/versions/0/schema/openAPIV3Schema/properties/spec").cloned()
+        })
+        .as_ref()
+}
+
+/// Pushes `path.field: unknown field` for every key of `input` that `schema` does not declare,
+/// with the declared field it is likely a misspelling of.
+fn unknown_fields(input: &Value, schema: &serde_json::Value, path: &str, problems: &mut Vec<String>) {
+    match input {
+        Value::Mapping(map) => {
+            let Some(properties) = schema.get("properties").and_then(serde_json::Value::as_object) else {
+                // A map of free keys (`headers`, `matchLabels`): its values may still be objects.
+                if let Some(values) = schema.get("additionalProperties").filter(|v| v.is_object()) {
+                    for (k, v) in map {
+                        let name = k.as_str().map_or_else(|| format!("{k:?}"), str::to_string);
+                        unknown_fields(v, values, &format!("{path}.{name}"), problems);
+                    }
+                }
+                return;
+            };
+            for (k, v) in map {
                 let Some(name) = k.as_str() else { continue };
                 let child = format!("{path}.{name}");
-                match o.get(k) {
-                    Some(ov) => unknown_fields(v, ov, &child, problems),
-                    None if is_empty(v) => {}
-                    None => problems.push(format!("{child}: unknown field")),
+                match properties.get(name) {
+                    Some(field_schema) => unknown_fields(v, field_schema, &child, problems),
+                    None => {
+                        let hint = closest(name, properties.keys().map(String::as_str))
+                            .map(|known| format!(" (did you mean `{known}`?)"))
+                            .unwrap_or_default();
+                        problems.push(format!("{child}: unknown field `{name}`{hint}"));
+                    }
                 }
             }
         }
-        (Value::Sequence(i), Value::Sequence(o)) => {
-            for (n, (iv, ov)) in i.iter().zip(o).enumerate() {
-                unknown_fields(iv, ov, &format!("{path}[{n}]"), problems);
+        Value::Sequence(items) => {
+            if let Some(item_schema) = schema.get("items") {
+                for (n, item) in items.iter().enumerate() {
+                    unknown_fields(item, item_schema, &format!("{path}[{n}]"), problems);
+                }
             }
         }
         _ => {}
     }
 }
 
-/// Values a serializer may leave out without losing anything: null, `[]`, `{}`.
-fn is_empty(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Sequence(s) => s.is_empty(),
-        Value::Mapping(m) => m.is_empty(),
-        _ => false,
+/// The declared field `name` is most likely a misspelling of: a small edit away, or differing
+/// only in case (`clientIp` for `clientIP`).
+fn closest<'a>(name: &str, known: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let lower = name.to_ascii_lowercase();
+    known
+        .map(|k| (edit_distance(&lower, &k.to_ascii_lowercase()), k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 4))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != *cb)).min(row[j] + 1).min(above + 1);
+            diagonal = above;
+        }
     }
+    row[b.len()]
+}
+
+/// Duration fields: a bare number there is a missing unit, not a wrong type.
+const DURATION_FIELDS: &[&str] =
+    &["per", "maxDelay", "maxStaleness", "reservationTtl", "retryAfter", "retryAfterJitter", "criticalWait"];
+
+/// serde's message for a field of the wrong type, in the words of the YAML the user wrote
+/// rather than of the Rust types it is read into (`expected struct PathMatch`, `expected u64`),
+/// with the fix where it is clear: a duration written as a bare number needs its unit.
+fn in_yaml_terms(message: &str, path: &str) -> String {
+    let field = path.rsplit('.').next().unwrap_or(path);
+    let field = field.split('[').next().unwrap_or(field);
+    let mut out = message.to_string();
+    if let Some(start) = out.find("expected struct ") {
+        let end = out[start + "expected struct ".len()..]
+            .find(|c: char| !c.is_alphanumeric() && c != '_')
+            .map_or(out.len(), |n| start + "expected struct ".len() + n);
+        let fields = spec_schema()
+            .and_then(|schema| schema_at(schema, path))
+            .and_then(|s| s.get("properties")?.as_object().map(|p| p.keys().cloned().collect::<Vec<_>>()))
+            .filter(|fields| !fields.is_empty())
+            .map(|fields| format!(" with fields {}", fields.join(", ")))
+            .unwrap_or_default();
+        out.replace_range(start..end, &format!("expected a mapping{fields}"));
+    }
+    for (rust, yaml) in [
+        ("expected u16", "expected a whole number"),
+        ("expected u32", "expected a whole number"),
+        ("expected u64", "expected a whole number"),
+        ("expected i32", "expected a whole number"),
+        ("expected i64", "expected a whole number"),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected a list"),
+        ("expected a boolean", "expected true or false"),
+    ] {
+        if let Some(rest) = out.strip_suffix(rust) {
+            out = format!("{rest}{yaml}");
+        }
+    }
+    let bare_number = out.starts_with("invalid type: integer") || out.starts_with("invalid type: floating point");
+    if DURATION_FIELDS.contains(&field) && bare_number && out.ends_with("expected a string") {
+        out.push_str(": a duration needs its unit, such as `60s`, `1m` or `500ms`");
+    }
+    out
+}
+
+/// The schema of the value at `path` (`spec.rules[0].match.paths[0]`) under `spec`'s schema.
+fn schema_at<'a>(spec: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
+    let mut schema = spec;
+    for segment in path.strip_prefix("spec")?.split('.').filter(|s| !s.is_empty()) {
+        let mut parts = segment.split('[');
+        let name = parts.next().unwrap_or("");
+        if !name.is_empty() {
+            schema = schema.get("properties")?.get(name)?;
+        }
+        for _index in parts {
+            schema = schema.get("items")?;
+        }
+    }
+    Some(schema)
 }

@@ -329,16 +329,59 @@ fn load_names_file_document_and_field() {
     assert_eq!(lines.len(), 5, "{errs}");
     assert_eq!(
         lines[0],
-        r#"p.yaml: document 2: spec.rules[0].limit.requests: invalid type: string "ten", expected u64"#
+        r#"p.yaml: document 2: spec.rules[0].limit.requests: invalid type: string "ten", expected a whole number"#
     );
     assert!(
         lines[1].starts_with("p.yaml: document 3: policy default/c: spec.rules[0].limit.per: invalid duration"),
         "{}",
         lines[1]
     );
-    assert_eq!(lines[2], "p.yaml: document 4: spec.rules[0].limit.brust: unknown field");
+    assert_eq!(
+        lines[2],
+        "p.yaml: document 4: spec.rules[0].limit.brust: unknown field `brust` (did you mean `burst`?)"
+    );
     assert_eq!(lines[3], r#"p.yaml: document 5: apiVersion: expected sluice.dev/v1alpha1, got "v1""#);
     assert_eq!(lines[4], r#"p.yaml: document 5: kind: expected RateLimitPolicy, got "ConfigMap""#);
+}
+
+/// The first error of loading `text` (one policy document).
+fn load_error(text: &str) -> String {
+    load_str(text, Path::new("p.yaml")).unwrap_err().to_string()
+}
+
+#[test]
+fn a_misspelt_required_field_is_named_as_unknown_not_as_missing() {
+    let err = load_error(&GOOD.replace("algorithm: gcra", "algoritm: gcra"));
+    assert_eq!(err, "p.yaml: document 1: spec.rules[0].algoritm: unknown field `algoritm` (did you mean `algorithm`?)");
+    let err = load_error(&GOOD.replace("rules:", "rulez:"));
+    assert_eq!(err, "p.yaml: document 1: spec.rulez: unknown field `rulez` (did you mean `rules`?)");
+}
+
+#[test]
+fn unknown_fields_are_found_in_lists_and_nested_mappings() {
+    let text = GOOD.replace("limit:", "match: {paths: [{prefix: /a, exakt: /b}]}, limit:");
+    let err = load_error(&text);
+    assert_eq!(
+        err,
+        "p.yaml: document 1: spec.rules[0].match.paths[0].exakt: unknown field `exakt` (did you mean `exact`?)"
+    );
+}
+
+#[test]
+fn type_errors_speak_yaml_not_rust() {
+    let err = load_error(&GOOD.replace("limit:", "match: {paths: [/orders]}, limit:"));
+    assert!(!err.contains("struct") && !err.contains("PathMatch"), "{err}");
+    assert!(
+        err.contains("spec.rules[0].match.paths[0]: invalid type: string \"/orders\", expected a mapping with fields "),
+        "{err}"
+    );
+    assert!(err.contains("prefix"), "{err}");
+
+    let err = load_error(&GOOD.replace("per: 1s", "per: 60"));
+    assert_eq!(
+        err,
+        "p.yaml: document 1: spec.rules[0].limit.per: invalid type: integer `60`, expected a string: a duration needs its unit, such as `60s`, `1m` or `500ms`"
+    );
 }
 
 #[test]
