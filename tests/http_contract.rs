@@ -515,8 +515,14 @@ async fn concurrency_rules_hold_a_slot_until_released() {
     let released = api.post_body("/v1/release", release(&lease)).await;
     assert_eq!(released.status, 200, "{}", released.text());
     assert_eq!(released.json()["released"], true);
+    assert_eq!(released.json()["settled"], 1);
     let again = api.post_body("/v1/release", release(&lease)).await;
     assert_eq!(again.status, 200, "releasing twice is fine: {}", again.text());
+    assert_eq!(
+        (again.json()["released"].clone(), again.json()["settled"].clone()),
+        (json!(false), json!(0)),
+        "the second release found no hold and says so"
+    );
     assert_eq!(api.check(&export).await["allowed"], true, "one slot freed");
     assert_eq!(api.check(&export).await["allowed"], false, "and only one: the second release freed nothing");
 

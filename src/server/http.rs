@@ -256,7 +256,9 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     match engine.settle(&lease, &cost).await {
         Ok(found) => {
             metrics.responses_ok.inc();
-            (StatusCode::OK, axum::Json(json!({ "settled": found, "released": true }))).into_response()
+            // `released` says whether this call found a hold to give back: a second release of
+            // the same lease, or one whose hold ran out, frees nothing and must not say it did.
+            (StatusCode::OK, axum::Json(json!({ "settled": found, "released": found > 0 }))).into_response()
         }
         Err(error) => {
             metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
