@@ -744,12 +744,113 @@ async fn the_sidecar_verifies_the_endpoint_and_presents_its_token() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let logs = anonymous.process.logs.lock().unwrap().join("\n");
-        if logs.contains("refused this sidecar's credential (401 Unauthorized)") && logs.contains("none is cached") {
+        if logs.contains("refused this sidecar's credential (401 Unauthorized")
+            && logs.contains("decided by --on-endpoint-failure")
+        {
             break;
         }
         assert!(Instant::now() < deadline, "the refusal is not in the log:\n{logs}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// `/readyz` of `sidecar` once it answers `status` (within 10 s): its body.
+async fn readiness_once(sidecar: &Sidecar, status: u16) -> String {
+    let c = client();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let response = c.get(format!("http://{}/readyz", sidecar.admin)).send().await.unwrap();
+        let (got, body) = (response.status().as_u16(), response.text().await.unwrap());
+        if got == status {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "/readyz still answers {got} ({body}), not {status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A scheme, TLS or credential mismatch with the endpoint is a configuration error, not an
+/// outage: the sidecar names the cause in its log and on `/readyz`, which answers 503 so that the
+/// pod takes no traffic it cannot limit. An endpoint that is merely away leaves it ready.
+#[tokio::test]
+async fn a_sidecar_configured_wrong_for_its_endpoint_names_the_cause_and_is_not_ready() {
+    let (up, _state) = start_upstream().await;
+    let dir = policy_dir();
+    let (ca, cert, key) = tls_files(dir.path(), "real");
+    let (other_ca, _, _) = tls_files(dir.path(), "impostor");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "sidecar-token-0123456789\n").unwrap();
+    let tokens = dir.path().join("tokens.yaml");
+    std::fs::write(&tokens, "tokens: [{name: sidecars, token: sidecar-token-0123456789, namespaces: [tenant-acme]}]\n")
+        .unwrap();
+    let policies = dir.path().join("policies.yaml");
+    let policies = policies.to_str().unwrap();
+    let tls_serve = SluiceProcess::start(&[
+        "serve",
+        "--policies",
+        policies,
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]);
+    let plain_serve = SluiceProcess::start(&["serve", "--policies", policies, "--listen", "127.0.0.1:0"]);
+    let tls_port = tls_serve.addr.port();
+    let token = token_file.to_str().unwrap();
+
+    let cases: [(String, Vec<&str>, String); 4] = [
+        // The docs' hand-written pod once did this against the chart's defaults.
+        (
+            format!("http://127.0.0.1:{tls_port}"),
+            vec!["--token-file", token],
+            format!(
+                "does not answer plain HTTP (client error (SendRequest): invalid HTTP version parsed): it serves HTTPS, so --endpoint must be https://127.0.0.1:{tls_port}"
+            ),
+        ),
+        (
+            format!("https://127.0.0.1:{}", plain_serve.addr.port()),
+            vec!["--endpoint-ca", &ca],
+            "does not answer TLS".to_string(),
+        ),
+        (
+            format!("https://127.0.0.1:{tls_port}"),
+            vec!["--endpoint-ca", &other_ca, "--token-file", token],
+            "presents a certificate --endpoint-ca does not vouch for".to_string(),
+        ),
+        (
+            format!("https://127.0.0.1:{tls_port}"),
+            vec!["--endpoint-ca", &ca],
+            "the endpoint refused this sidecar's credential (401 Unauthorized".to_string(),
+        ),
+    ];
+    for (endpoint, extra, cause) in &cases {
+        let sidecar = start_sidecar(up, endpoint, extra);
+        let body = readiness_once(&sidecar, 503).await;
+        assert!(body.starts_with("not ready: ") && body.contains(cause.as_str()), "{endpoint} {extra:?}: {body}");
+        let logs = sidecar.process.logs.lock().unwrap().join("\n");
+        assert!(
+            logs.contains("the sidecar is configured wrong for its endpoint") && logs.contains(cause.as_str()),
+            "{logs}"
+        );
+    }
+
+    // Configured right: ready; and an endpoint that is only away leaves readiness alone.
+    let good =
+        start_sidecar(up, &format!("https://127.0.0.1:{tls_port}"), &["--endpoint-ca", &ca, "--token-file", token]);
+    readiness_once(&good, 200).await;
+    // A port nothing listens on: bound, then let go.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let away = start_sidecar(up, &format!("http://127.0.0.1:{closed}"), &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !away.process.logs.lock().unwrap().iter().any(|l| l.contains("cannot fetch the policy snapshot")) {
+        assert!(Instant::now() < deadline, "the endpoint's absence is not logged");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(readiness_once(&away, 200).await, "ready\n");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 
 use super::batch::Checks;
 use super::config::{Config, OnFailure};
-use super::endpoint::{Credential, Endpoint, MAX_ENDPOINT_BODY, endpoint_client};
+use super::endpoint::{Credential, Endpoint, ExchangeFailure, MAX_ENDPOINT_BODY, endpoint_client};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
 use super::verdict::{Held, decision_of, error_chain};
@@ -129,6 +129,32 @@ fn yes() -> bool {
     true
 }
 
+/// What the sidecar's `/readyz` answers. An endpoint that is away leaves readiness alone (taking
+/// every pod out of its Service because a shared dependency is down would be worse than the
+/// failure modes); one whose answers show this sidecar is configured wrong for it (a scheme, TLS
+/// or credential mismatch: [`ExchangeFailure::Misconfigured`]) makes it not ready, naming the
+/// cause, since that never heals by itself and every request would go to the failure mode: the
+/// pod should take no traffic it cannot limit. Cleared by the next exchange that succeeds.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    misconfigured: parking_lot::Mutex<Option<String>>,
+}
+
+impl Readiness {
+    /// Why the sidecar is not ready, or `None` when it is.
+    pub fn not_ready_because(&self) -> Option<String> {
+        self.misconfigured.lock().clone()
+    }
+
+    /// Records the latest exchange's verdict on the configuration; true when that changed it.
+    fn record(&self, misconfigured: Option<String>) -> bool {
+        let mut current = self.misconfigured.lock();
+        let changed = *current != misconfigured;
+        *current = misconfigured;
+        changed
+    }
+}
+
 pub struct Decider {
     endpoint: Arc<Endpoint>,
     checks: Checks,
@@ -157,6 +183,8 @@ pub struct Decider {
     metrics: Arc<SidecarMetrics>,
     /// The application's protection from overload, configured by each snapshot installed.
     pub protection: Arc<super::overload::Protection>,
+    /// What `/readyz` answers, from the snapshot requests' outcomes.
+    pub readiness: Arc<Readiness>,
 }
 
 impl Decider {
@@ -202,6 +230,7 @@ impl Decider {
             clock,
             protection: super::overload::Protection::new(metrics.clone(), config.cgroup_root.clone()),
             metrics,
+            readiness: Arc::default(),
         })
     }
 
@@ -298,9 +327,10 @@ impl Decider {
             if matches!(**self.header_filter.load(), HeaderFilter::Unknown)
                 && let Some(permit) = self.breaker.try_acquire(self.clock.now())
             {
-                let fetched = tokio::time::timeout(self.timeout, self.fetch_snapshot(None, false))
-                    .await
-                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.timeout)));
+                let fetched =
+                    tokio::time::timeout(self.timeout, self.fetch_snapshot(None, false)).await.unwrap_or_else(|_| {
+                        Err(ExchangeFailure::Unavailable(format!("no answer within {:?}", self.timeout)))
+                    });
                 match fetched {
                     Ok(_) => {
                         permit.success(self.clock.now());
@@ -484,17 +514,31 @@ impl Decider {
             let asked = self.installed.lock().clone();
             let fetch = tokio::time::timeout(limit, self.fetch_snapshot(asked.clone(), true));
             let outcome = tokio::select! {
-                outcome = fetch => outcome.unwrap_or_else(|_| Err("timed out".into())),
+                outcome = fetch => outcome.unwrap_or_else(|_| Err(ExchangeFailure::Unavailable("timed out".into()))),
                 _ = shutdown.wait_for(|stop| *stop) => return,
             };
             let held = match outcome {
                 Ok(fetched) => {
                     was_failing = false;
+                    if self.readiness.record(None) {
+                        tracing::info!("the endpoint accepts this sidecar's configuration now: /readyz answers ready");
+                    }
                     // Pushed: the endpoint held a request about exactly the installed snapshot,
                     // or answered it with the one this fetch installed.
                     fetched.held && (fetched.etag.is_some() || *self.installed.lock() == asked)
                 }
-                Err(message) => {
+                Err(ExchangeFailure::Misconfigured(cause)) => {
+                    if self.readiness.record(Some(cause.clone())) {
+                        tracing::error!(
+                            error = %cause,
+                            on_endpoint_failure = ?self.on_failure,
+                            "the sidecar is configured wrong for its endpoint: /readyz answers 503 until that is fixed, and requests that still come are decided by --on-endpoint-failure"
+                        );
+                    }
+                    was_failing = true;
+                    false
+                }
+                Err(ExchangeFailure::Unavailable(message)) => {
                     // Log transitions only: a dead endpoint must not flood the log once a second.
                     if !was_failing {
                         if self.installed.lock().is_some() {
@@ -530,34 +574,35 @@ impl Decider {
     /// asks the endpoint to hold the request while it does not. An install by the first request's
     /// fetch (no `wait`) clears the pushed state: the poller's held request may be about another
     /// version, so only its next answer says the installed one is current.
-    async fn fetch_snapshot(&self, etag: Option<HeaderValue>, wait: bool) -> Result<Fetched, String> {
+    async fn fetch_snapshot(&self, etag: Option<HeaderValue>, wait: bool) -> Result<Fetched, ExchangeFailure> {
         let uri = if wait { &self.endpoint.snapshot_wait_uri } else { &self.endpoint.snapshot_uri };
         let mut request = self.endpoint.authorize(Request::get(uri.clone()));
         if let Some(etag) = &etag {
             request = request.header(IF_NONE_MATCH, etag.clone());
         }
-        let request = request.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
-        let response = self.endpoint.client.request(request).await.map_err(|e| error_chain(&e))?;
+        let unavailable = |message: String| ExchangeFailure::Unavailable(message);
+        let request = request.body(Full::new(Bytes::new())).map_err(|e| unavailable(e.to_string()))?;
+        let response = self
+            .endpoint
+            .client
+            .request(request)
+            .await
+            .map_err(|e| ExchangeFailure::of_transport(uri, error_chain(&e)))?;
         let held = response.headers().contains_key(crate::server::http::SNAPSHOT_WAIT_HEADER);
         if response.status() == StatusCode::NOT_MODIFIED {
             return Ok(Fetched { etag: None, held });
         }
-        if matches!(response.status(), StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
-            return Err(format!(
-                "the endpoint refused this sidecar's credential ({}): check --token-file (in a cluster, the pod's projected token and --token-audience) and --namespace",
-                response.status()
-            ));
-        }
         if !response.status().is_success() {
-            return Err(format!("snapshot request answered {}", response.status()));
+            return Err(ExchangeFailure::of_status(response.status(), "GET /v1/snapshot"));
         }
         let new_etag = response.headers().get(ETAG).cloned();
         let body = Limited::new(response.into_body(), MAX_ENDPOINT_BODY)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| unavailable(e.to_string()))?
             .to_bytes();
-        let document: SnapshotDocument = serde_json::from_slice(&body).map_err(|e| format!("snapshot: {e}"))?;
+        let document: SnapshotDocument =
+            serde_json::from_slice(&body).map_err(|e| unavailable(format!("snapshot: {e}")))?;
         if !document.loaded {
             // The endpoint has no policies yet; an empty cache would wrongly admit everything.
             return Ok(Fetched { etag: None, held: false });

@@ -75,6 +75,64 @@ impl Endpoint {
     }
 }
 
+/// A failed exchange with the endpoint, by what it means. An endpoint that is away, slow or
+/// failing is what the failure modes are for; one that answers in a way that shows this sidecar
+/// is set up wrong for it (plain HTTP to an HTTPS endpoint or the reverse, a certificate its CA
+/// did not sign, a credential refused) fails every request alike and never heals by itself, so
+/// it is named and the sidecar is not ready ([`super::decide::Readiness`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExchangeFailure {
+    #[error("{0}")]
+    Misconfigured(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl ExchangeFailure {
+    /// A request to `uri` failed before any answer: `chain` is the client's error chain
+    /// ([`error_chain`]), whose words say whether the two ends disagree on the protocol or the
+    /// certificate (the client has no typed error for either).
+    pub fn of_transport(uri: &Uri, chain: String) -> ExchangeFailure {
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        let endpoint = format!("the endpoint {}://{authority}", uri.scheme_str().unwrap_or("http"));
+        let https = uri.scheme_str() == Some("https");
+        let cause = if !https && chain.contains("invalid HTTP version parsed") {
+            // A TLS server's answer (an alert) to a plain HTTP request.
+            format!(
+                "{endpoint} does not answer plain HTTP ({chain}): it serves HTTPS, so --endpoint must be https://{authority} with --endpoint-ca the CA that signed its certificate (in a cluster, the operator's: docs/sidecar.md)"
+            )
+        } else if https && (chain.contains("InvalidContentType") || chain.contains("corrupt message")) {
+            // A plain HTTP server's answer to a TLS handshake.
+            format!(
+                "{endpoint} does not answer TLS ({chain}): it serves plain HTTP, so --endpoint must be http://{authority}, or the endpoint must serve HTTPS (--tls-cert)"
+            )
+        } else if https && chain.contains("invalid peer certificate") {
+            format!(
+                "{endpoint} presents a certificate --endpoint-ca does not vouch for ({chain}): give the CA that signed it (in a cluster, the operator's: docs/sidecar.md)"
+            )
+        } else {
+            return ExchangeFailure::Unavailable(chain);
+        };
+        ExchangeFailure::Misconfigured(cause)
+    }
+
+    /// The endpoint answered `status` where it answers 2xx (or 304) to a sidecar it accepts:
+    /// 401 and 403 say the credential was refused.
+    pub fn of_status(status: StatusCode, what: &str) -> ExchangeFailure {
+        if matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+            return ExchangeFailure::Misconfigured(format!(
+                "the endpoint refused this sidecar's credential ({status} to {what}): check --token-file (in a cluster, the pod's projected token and the operator's --token-audience) and --namespace"
+            ));
+        }
+        ExchangeFailure::Unavailable(format!("{what} answered {status}"))
+    }
+
+    #[cfg(test)]
+    fn is_misconfigured(&self) -> bool {
+        matches!(self, ExchangeFailure::Misconfigured(_))
+    }
+}
+
 /// The endpoint grants this pod's slices of hot keys' quota (`POST /v1/leases`): the sidecar
 /// holds them for its own pod's requests ([`crate::quota_leases`]).
 impl crate::store::LeaseStore for Endpoint {
@@ -279,4 +337,37 @@ pub(super) fn endpoint_client(config: &Config) -> Result<EndpointClient, super::
         .enable_http1()
         .wrap_connector(http);
     Ok(Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scheme_tls_or_credential_mismatch_is_told_from_an_outage() {
+        let http: Uri = "http://sluice.sluice-system.svc:8080/v1/snapshot".parse().unwrap();
+        let https: Uri = "https://sluice.sluice-system.svc:8080/v1/snapshot".parse().unwrap();
+        let failure =
+            ExchangeFailure::of_transport(&http, "client error (SendRequest): invalid HTTP version parsed".into());
+        assert!(failure.is_misconfigured(), "{failure}");
+        assert!(failure.to_string().contains("--endpoint must be https://sluice.sluice-system.svc:8080"), "{failure}");
+        let failure = ExchangeFailure::of_transport(
+            &https,
+            "client error (Connect): received corrupt message of type InvalidContentType".into(),
+        );
+        assert!(failure.to_string().contains("does not answer TLS"), "{failure}");
+        let failure = ExchangeFailure::of_transport(
+            &https,
+            "client error (Connect): invalid peer certificate: UnknownIssuer".into(),
+        );
+        assert!(failure.to_string().contains("--endpoint-ca does not vouch for"), "{failure}");
+        assert!(ExchangeFailure::of_status(StatusCode::UNAUTHORIZED, "GET /v1/snapshot").is_misconfigured());
+        assert!(ExchangeFailure::of_status(StatusCode::FORBIDDEN, "GET /v1/snapshot").is_misconfigured());
+
+        for outage in ["client error (Connect): tcp connect error: Connection refused (os error 111)", "timed out"] {
+            assert!(!ExchangeFailure::of_transport(&https, outage.into()).is_misconfigured(), "{outage}");
+            assert!(!ExchangeFailure::of_transport(&http, outage.into()).is_misconfigured(), "{outage}");
+        }
+        assert!(!ExchangeFailure::of_status(StatusCode::SERVICE_UNAVAILABLE, "GET /v1/snapshot").is_misconfigured());
+    }
 }

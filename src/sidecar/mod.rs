@@ -41,22 +41,34 @@ pub enum SidecarError {
     Admin(std::io::Error),
 }
 
-/// `/healthz`, `/readyz` and `/metrics`. Health and readiness report the sidecar process only:
-/// failing them because the endpoint is down would restart or unroute the application, which the
-/// failure modes exist to prevent. The admin server starts after the proxy's listener is bound,
-/// so answering `/readyz` means the proxy accepts connections. The application's own probes, when
+/// `/healthz`, `/readyz` and `/metrics`. Health reports the sidecar process only, and readiness
+/// does not wait for the endpoint either: failing them because the endpoint is down would
+/// restart or unroute the application, which the failure modes exist to prevent. Readiness fails
+/// (503, naming the cause) only while the endpoint's answers show this sidecar is configured
+/// wrong for it ([`decide::Readiness`]). The admin server starts after the proxy's listener is
+/// bound, so answering `/readyz` means the proxy accepts connections. The application's own probes, when
 /// the webhook moved them here, are under `/app-health/` ([`probes`]).
 pub fn admin_router(
     metrics: Arc<SidecarMetrics>,
     app_health: Arc<probes::AppHealth>,
     protection: Arc<overload::Protection>,
+    readiness: Arc<decide::Readiness>,
 ) -> Router {
     let app_probes = Router::new().route("/app-health/{container}/{kind}", get(probes::handler)).with_state(app_health);
     Router::new()
         .merge(app_probes)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/overload", get(move || std::future::ready(axum::Json(protection.state()))))
-        .route("/readyz", get(|| async { "ready\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let cause = readiness.not_ready_because();
+                std::future::ready(match cause {
+                    None => (axum::http::StatusCode::OK, "ready\n".to_string()),
+                    Some(cause) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {cause}\n")),
+                })
+            }),
+        )
         .route(
             "/metrics",
             get(move || {
@@ -107,7 +119,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
     let admin_server = tokio::spawn(crate::server::listen::serve(
         admin,
-        admin_router(metrics, app_health, decider.protection.clone()),
+        admin_router(metrics, app_health, decider.protection.clone(), decider.readiness.clone()),
         None,
         config.listen_limits,
         stopped.clone(),
@@ -140,6 +152,7 @@ mod tests {
                 Arc::new(SidecarMetrics::new()),
                 health,
                 overload::Protection::new(Arc::new(SidecarMetrics::new()), "/sys/fs/cgroup".into()),
+                Arc::default(),
             )
             .oneshot(request)
             .await
