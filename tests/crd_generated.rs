@@ -37,3 +37,16 @@ fn crd_has_names_columns_and_cel_rules() {
         assert!(yaml.contains(needle), "CRD lacks {needle:?}");
     }
 }
+
+/// Kubernetes knows the integer formats `int32` and `int64` only; schemars' `uint16`, `uint32`
+/// and `uint64` made the API server warn "unrecognized format" on every `kubectl apply`.
+#[test]
+fn crd_uses_only_integer_formats_kubernetes_knows() {
+    let yaml = sluice::policy::crd_yaml();
+    let unknown: Vec<&str> = yaml
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("format: ") && !matches!(*l, "format: int32" | "format: int64" | "format: date-time"))
+        .collect();
+    assert!(unknown.is_empty(), "formats the API server does not know: {unknown:?}");
+}
