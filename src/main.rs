@@ -165,8 +165,15 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("Error: {error}");
+            // Many errors (kube's, io's wrapped in ours) already say their cause in their own
+            // message; printing it again as a cause repeated one sentence up to four times.
+            let mut shown = error.to_string();
             for cause in error.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                let text = cause.to_string();
+                if !shown.contains(&text) {
+                    eprintln!("  caused by: {text}");
+                    shown = text;
+                }
             }
             std::process::ExitCode::FAILURE
         }

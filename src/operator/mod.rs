@@ -187,7 +187,15 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
     let shutdown = role::termination_signal();
     tokio::pin!(shutdown);
     let _ = futures::poll!(&mut shutdown);
-    let client = kube::Client::try_default().await?;
+    let client = kube::Client::try_default().await.map_err(|error| match error {
+        // Neither a pod's service account nor a kubeconfig: say what the operator looked for
+        // and how to give it one, once, rather than kube's nested restatements of one cause.
+        kube::Error::InferConfig(cause) => Error::Config(format!(
+            "no cluster to talk to: {cause}; run the operator in a pod (its service account) or point \
+             KUBECONFIG at a kubeconfig"
+        )),
+        other => Error::Kube(other),
+    })?;
     let identity = args.identity.clone().unwrap_or_else(default_identity);
     tracing::info!(%identity, namespaces = ?args.namespaces, "starting operator");
 
