@@ -64,6 +64,11 @@ pub fn parse_seconds(text: &str) -> Result<Micros, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// A trace time no trace of seconds reaches (about 3,170 years) and every Unix time in
+/// milliseconds since March 1973 passes: a trace written in epoch milliseconds (or
+/// microseconds), which read as seconds would replay an empty millennium.
+const EPOCH_MILLIS_AS_SECONDS: Micros = 100_000_000_000 * MICROS_PER_SECOND;
+
 /// Parses a trace file (format in the module docs), sorted by time.
 pub fn parse_trace(text: &str) -> Result<Vec<Arrival>, SimulateError> {
     let mut arrivals = Vec::new();
@@ -74,6 +79,13 @@ pub fn parse_trace(text: &str) -> Result<Vec<Arrival>, SimulateError> {
         let Some(time) = fields.next() else { continue };
         let bad = |message: String| SimulateError::Trace { line: line_number, message };
         let at = parse_seconds(time).map_err(bad)?;
+        if at >= EPOCH_MILLIS_AS_SECONDS {
+            return Err(bad(format!(
+                "{time} seconds is over 3,000 years: times are seconds since the trace's start, and this looks like \
+                 Unix time in milliseconds (or microseconds); convert it to seconds from the first arrival \
+                 (docs/simulate.md shows how)"
+            )));
+        }
         let key = fields.next().filter(|k| *k != "-").map(str::to_string);
         let cost = match fields.next() {
             None | Some("-") => None,
@@ -350,6 +362,15 @@ mod tests {
         let error = parse_trace("0\nx\n").unwrap_err().to_string();
         assert!(error.contains("line 2"), "{error}");
         assert!(parse_trace("1 k 2 extra").unwrap_err().to_string().contains("extra"));
+    }
+
+    #[test]
+    fn a_trace_in_epoch_milliseconds_is_refused_not_replayed_as_seconds() {
+        let error = parse_trace("0.5\n1733390000123 k1\n").unwrap_err().to_string();
+        assert!(error.starts_with("trace line 2: 1733390000123 seconds is over 3,000 years"), "{error}");
+        assert!(error.contains("milliseconds"), "{error}");
+        // Unix time in seconds is a long lead-in, not a unit mistake: still read as written.
+        assert_eq!(parse_trace("1733390000.5\n").unwrap()[0].at, 1_733_390_000_500_000);
     }
 
     #[test]
