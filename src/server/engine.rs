@@ -495,6 +495,12 @@ impl<S: Store> Engine<S> {
     /// A counter several descriptors reach is decided once: with `sum_repeated` (a gateway, which
     /// may set costs) at the sum of their costs, capped at [`MAX_COST`]; otherwise at its
     /// cost once, so repeating a descriptor is no way for a tenant to set a price.
+    ///
+    /// A rule whose cost is known after the response (`responseCost`) is told that cost by Envoy
+    /// once the stream is done (`hits_addend` with `apply_on_stream_done`): a descriptor of cost
+    /// above 0 reaching it is such a report, charged in full whatever is left (debt, as a settle
+    /// charges), and the request is decided at cost 0 for it. Its admission is a descriptor of
+    /// cost 0 (`hits_addend: 0`), refused while the key is in debt.
     pub async fn check_descriptors(
         &self,
         namespace: &str,
@@ -535,9 +541,47 @@ impl<S: Store> Engine<S> {
             }
             rules_of.push(indices);
         }
+        let reported: Vec<u64> = matched
+            .iter_mut()
+            .map(|m| if m.rule.response_cost().is_some() { std::mem::take(&mut m.cost) } else { 0 })
+            .collect();
+        if reported.iter().any(|&cost| cost > 0) {
+            self.charge_reports(&live, namespace, &matched, &reported).await;
+        }
         let response = self.decide(&live, namespace, &matched, store_budget, false).await;
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         DescriptorsChecked { response, rules_of }
+    }
+
+    /// Charges the costs Envoy reported after responses (`reported[i]` for `matched[i]`, 0: none)
+    /// as settles of reservations of 0: in full, even past the limit. A store that fails loses
+    /// the charge (logged): the report's answer is not Envoy's to act on, the stream is over.
+    async fn charge_reports(&self, live: &Live, namespace: &str, matched: &[Matched<'_>], reported: &[u64]) {
+        let charges: Vec<Settle<'_>> = matched
+            .iter()
+            .zip(reported)
+            .filter(|(_, cost)| **cost > 0)
+            .map(|(m, &cost)| Settle {
+                rule: m.rule.id(),
+                limit: m.rule.limit(),
+                key: m.key.as_bytes(),
+                cost,
+                reserved: 0,
+            })
+            .collect();
+        // Any id but 0: nothing is held under it, a reservation of 0 is charged without one.
+        let hold = rand::random::<u64>() | 1;
+        match self.store.settle_for(namespace, None, &charges, hold).await {
+            Ok(_) => {
+                for charge in &charges {
+                    let counters = live.extras.get(&charge.rule).and_then(|e| e.counters.reservations.as_ref());
+                    if let Some(counters) = counters {
+                        counters.settled.inc_by(charge.cost);
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(namespace, %error, "costs reported after the response were not charged"),
+        }
     }
 
     /// `leased`: the caller settles what an admitted request holds (it gets a lease); otherwise a

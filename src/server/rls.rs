@@ -236,9 +236,11 @@ fn validate(request: &RateLimitRequest, caller: &Caller) -> Result<Vec<u64>, Ref
         if descriptor.is_negative_hits {
             return Err(Refusal::Invalid(format!("descriptors[{i}].is_negative_hits: refunds are not supported")));
         }
+        // A descriptor's own hits_addend overrides the request's, 0 included (Envoy's check
+        // without consuming: what a gateway sends to admit a request whose cost it reports later).
         let cost = match descriptor.hits_addend {
-            Some(hits) if hits.value > 0 => hits.value,
-            _ => request_cost,
+            Some(hits) => hits.value,
+            None => request_cost,
         };
         if cost > MAX_COST {
             return Err(Refusal::Invalid(format!("descriptors[{i}].hits_addend: at most {MAX_COST}")));

@@ -353,6 +353,10 @@ impl RuleTally<'_> {
     }
 }
 
+/// What a request holds under one rule until its response ends: the rule's index and the rule,
+/// the key, the estimate it reserved, and the actual cost its settle charges.
+type Held<'r> = (usize, &'r CompiledRule, String, u64, u64);
+
 /// Replays `arrivals` (sorted by time) through `snapshot` with a fresh memory store: each one is
 /// the `template` request with the arrival's key and cost, decided at its own simulated time.
 ///
@@ -431,8 +435,7 @@ pub fn replay(
     // Requests in progress that hold a concurrency slot: when each ends, and what it holds.
     let mut ending: BinaryHeap<Reverse<(Micros, HoldId)>> = BinaryHeap::new();
     // A reservation's rule (a cost known after the response) settles to the arrival's cost.
-    // Each hold's (rule index, rule, key, estimate reserved, actual cost).
-    let mut holding: HashMap<HoldId, Vec<(usize, &CompiledRule, String, u64, u64)>> = HashMap::new();
+    let mut holding: HashMap<HoldId, Vec<Held<'_>>> = HashMap::new();
     for (n, arrival) in arrivals.iter().enumerate() {
         let now = start + arrival.at;
         clock.set(now);
