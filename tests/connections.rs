@@ -1,8 +1,11 @@
 //! What a client without a credential can hold on the endpoint's listeners (`src/server/listen.rs`):
-//! a connection whose headers never finish, an idle keep-alive connection and a TLS handshake
-//! that never starts are all closed after the header-read timeout; connections past the cap wait
-//! instead of taking file descriptors; and a body is never read before the caller is verified.
-//! Each would hold its connection (or the endpoint's attention) forever before.
+//! a connection whose headers never finish, an idle keep-alive connection, a connection that sends
+//! nothing and a TLS handshake that never starts are all closed after the header-read timeout;
+//! past the connection cap, a new connection takes the place of the one idle longest, and waits
+//! (instead of taking file descriptors) only while every connection has a request in flight; and
+//! a body is never read before the caller is verified. Each would hold its connection (or the
+//! endpoint's attention) forever before; connections that sent nothing, opened past the cap, kept
+//! every check from being answered (issue 37).
 
 #[path = "support/sluice_process.rs"]
 mod sluice_process;
@@ -93,9 +96,14 @@ async fn unfinished_headers_and_idle_connections_are_closed() {
         String::from_utf8_lossy(&first[..n])
     );
     let idle_closed = closed_within(&mut idle);
-    let (slow_closed, idle_closed) = tokio::join!(slow_closed, idle_closed);
+    // A connection that never sends a byte: hyper's own header clock starts only once it has
+    // told HTTP/1 from HTTP/2 by the first bytes, so this one was held until its client left.
+    let mut silent = connect(server.process.addr).await;
+    let silent_closed = closed_within(&mut silent);
+    let (slow_closed, idle_closed, silent_closed) = tokio::join!(slow_closed, idle_closed, silent_closed);
     assert!(slow_closed.is_some(), "a connection with unfinished headers stayed open");
     assert!(idle_closed.is_some(), "an idle keep-alive connection stayed open");
+    assert!(silent_closed.is_some(), "a connection that sent nothing stayed open");
 }
 
 #[tokio::test]
@@ -110,23 +118,149 @@ async fn a_tls_handshake_that_never_starts_is_dropped() {
     assert!(closed_within(&mut silent).await.is_some(), "a TLS connection without a handshake stayed open");
 }
 
+/// A verified check whose body has not finished arriving, on its own connection: once hyper
+/// asks for the body (answering `Expect: 100-continue`), the request is in flight, so its
+/// connection is one the listener will not close to make room. Returns the connection and the
+/// rest of the body.
+async fn check_in_flight(addr: SocketAddr) -> (TcpStream, &'static [u8]) {
+    const BODY: &[u8] = br#"{"namespace": "tenant-a", "path": "/", "headers": {"x-api-key": "k"}}"#;
+    let mut stream = connect(addr).await;
+    let head = format!(
+        "POST /v1/check HTTP/1.1\r\nHost: x\r\nx-sluice-authorization: Bearer {TOKEN}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        BODY.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let interim = read_until_blank_line(&mut stream).await;
+    assert!(interim.starts_with("HTTP/1.1 100"), "{interim}");
+    let (first, rest) = BODY.split_at(10);
+    stream.write_all(first).await.unwrap();
+    (stream, rest)
+}
+
+/// Reads one response head (up to its blank line), waiting up to PATIENCE.
+async fn read_until_blank_line(stream: &mut TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(PATIENCE, stream.read(&mut byte))
+            .await
+            .unwrap_or_else(|_| panic!("no response head: {:?}", String::from_utf8_lossy(&head)))
+            .unwrap();
+        assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&head));
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
 #[tokio::test]
-async fn connections_past_the_cap_wait_for_a_free_one() {
+async fn connections_past_the_cap_wait_while_every_one_has_a_request_in_flight() {
     let server = serve(&["--max-connections", "2", "--header-read-timeout", "30s"]);
     let addr = server.process.addr;
-    let (mut a, _b) = (connect(addr).await, connect(addr).await);
-    // Both slots are taken (by connections that have sent nothing): a third is accepted by the
-    // kernel but not served.
+    let (mut a, a_rest) = check_in_flight(addr).await;
+    let (_b, _) = check_in_flight(addr).await;
+    // Both slots are taken by requests in flight: a third is accepted but not served, and
+    // neither of them is closed for it.
     let mut third = connect(addr).await;
     third.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
     let mut reply = Vec::new();
     let early = tokio::time::timeout(Duration::from_millis(700), third.read_to_end(&mut reply)).await;
     assert!(early.is_err() && reply.is_empty(), "served past the cap: {:?}", String::from_utf8_lossy(&reply));
-    // One slot frees: the third is served.
-    a.shutdown().await.unwrap();
-    drop(a);
+    // A's request finishes; its connection stays open, idle between requests (the header-read
+    // timeout, 30 s, would close it only later): the third takes its place at once.
+    a.write_all(a_rest).await.unwrap();
+    let answer = read_until_blank_line(&mut a).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     tokio::time::timeout(PATIENCE, third.read_to_end(&mut reply)).await.expect("served once a slot freed").unwrap();
     assert!(String::from_utf8_lossy(&reply).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&reply));
+    assert!(closed_within(&mut a).await.is_some(), "the idle connection was not closed for the new one");
+}
+
+/// Starts `sluice serve` (as [`serve`] does) with its open-file limit, soft and hard, set to
+/// `open_files`, so that its default `--max-connections` follows from it (three quarters).
+fn serve_with_open_files_limit(open_files: u32, extra: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICY).unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let tokens = secrets.path().join("tokens.yaml");
+    std::fs::write(&tokens, format!("tokens: [{{name: a, token: {TOKEN}, namespaces: [tenant-a]}}]\n")).unwrap();
+    // The shell's `ulimit` rather than a pre_exec hook: no unsafe code, no libc dependency.
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", &format!("ulimit -n {open_files} && exec \"$0\" \"$@\""), env!("CARGO_BIN_EXE_sluice")])
+        .args(["serve", "--policies", dir.path().to_str().unwrap(), "--tokens", tokens.to_str().unwrap()])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env("SLUICE_LOG_FORMAT", "text")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (found, addresses) = std::sync::mpsc::channel();
+    let sink = logs.clone();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(at) = line.find("address=") {
+                let _ = found.send(line[at + 8..].split_whitespace().next().unwrap_or("").to_string());
+            }
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let Ok(addr) = addresses.recv_timeout(Duration::from_secs(20)) else {
+        let _ = child.kill();
+        panic!("no listening line; logs:\n{}", logs.lock().unwrap().join("\n"));
+    };
+    let addr = addr.parse().unwrap();
+    Server { process: SluiceProcess { child, addr, logs }, _dirs: (dir, secrets) }
+}
+
+/// Issue 37, round 3: under an open-file limit of 128, 130 connections that sent nothing kept a
+/// tenant's check unanswered for as long as they stayed open (35 s and more). The slots are three
+/// quarters of 128, 96; the connections past them take the places of the ones idle longest, and
+/// the check's connection takes one more. The header-read timeout is far beyond the test, so only
+/// that can answer the check in time.
+#[tokio::test]
+async fn connections_that_send_nothing_cannot_keep_a_check_from_being_answered() {
+    const SILENT: usize = 130;
+    const SLOTS: usize = 128 / 4 * 3;
+    let server = serve_with_open_files_limit(128, &["--header-read-timeout", "120s"]);
+    let addr = server.process.addr;
+    let mut silent = Vec::with_capacity(SILENT);
+    for _ in 0..SILENT {
+        silent.push(connect(addr).await);
+    }
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let check = client
+        .post(server.process.url("/v1/check"))
+        .header("x-sluice-authorization", format!("Bearer {TOKEN}"))
+        .json(&serde_json::json!({"namespace": "tenant-a", "path": "/", "headers": {"x-api-key": "k"}}))
+        .send();
+    // Generous for a loaded machine: the answer takes milliseconds; before, it never came while
+    // the silent connections stayed open.
+    let check = tokio::time::timeout(Duration::from_secs(5), check)
+        .await
+        .unwrap_or_else(|_| panic!("no answer in {:?} while {SILENT} connections sent nothing", started.elapsed()))
+        .unwrap();
+    assert_eq!(check.status(), 200);
+    // Room was made by closing silent connections, not by serving past the cap: with the check's
+    // connection (kept alive by the client), at most SLOTS are open.
+    let closed = futures::future::join_all(silent.iter_mut().map(|stream| async move {
+        let mut buffer = [0u8; 64];
+        matches!(tokio::time::timeout(Duration::from_secs(3), stream.read(&mut buffer)).await, Ok(Ok(0) | Err(_)))
+    }))
+    .await
+    .into_iter()
+    .filter(|closed| *closed)
+    .count();
+    assert!(
+        SILENT - closed < SLOTS,
+        "{} silent connections still open beside the check's ({SLOTS} slots)",
+        SILENT - closed
+    );
 }
 
 /// The credential is checked before the body is read: a client without one is refused at once,

@@ -1,32 +1,60 @@
 //! Accepting connections, for every HTTP server of Sluice that speaks to callers it has not yet
-//! verified: the check API (plain and TLS), the admin ports, the sidecar's admin port and the
-//! webhooks. One place bounds what a client without a credential can hold:
+//! verified: the check API (plain and TLS), the admin ports, the sidecar's proxy and admin ports
+//! and the webhooks. One place bounds what a client without a credential can hold:
 //!
 //! - **headers**: a request's head must arrive within the header-read timeout; hyper starts that
 //!   clock whenever the connection waits for a head, so an idle keep-alive connection is closed
 //!   after it too, and a slow-header client holds its connection for that long at most;
-//! - **TLS**: the handshake must finish within the same bound;
+//! - **the first request**: a connection's first request head (its TLS handshake included) must
+//!   arrive within the header-read timeout of the moment the connection is served. hyper's own clock starts only once
+//!   the protocol has been told from the first bytes (HTTP/1 or HTTP/2), so on its own a
+//!   connection that sent nothing was held until its client left;
 //! - **connections**: at most `max_connections` at once (by default three quarters of the
 //!   process's file descriptor limit, leaving the rest to Redis, the API server and the
-//!   listeners); past it, new connections wait in the kernel's backlog rather than taking the
-//!   descriptors the existing ones need.
+//!   listeners). When they are all taken, a new connection takes the place of the connection that
+//!   has been doing nothing longest — one with no request in flight: it has not sent a complete
+//!   request head yet (or not finished its TLS handshake), or it is a keep-alive connection
+//!   between requests — which is closed. Only when every connection has a request in flight does
+//!   the new one wait (accepted, one at a time; the rest in the kernel's backlog) for a request to
+//!   finish. Without this, connections that merely stay open took every slot for as long as they
+//!   liked, and a verified tenant's check waited behind them.
+//!
+//! Why evict rather than queue: a connection that has sent nothing costs its client nothing to
+//! hold, so any fixed number of slots is filled by one client opening that many; only a
+//! connection with a request in flight (whose caller, on the check API, has been verified before
+//! its body is read) is worth keeping a newcomer out for. Production servers do the same — nginx
+//! closes its "reusable" connections (waiting for a first request or idle between requests),
+//! oldest first, when `worker_connections` run out. The longest-idle choice means a connection is
+//! closed for a newcomer only after every connection idle longer has been, so a client sending
+//! its request promptly is never the one closed while older idle ones remain: a tenant's
+//! connection is closed before its head arrives only if `max_connections` other connections are
+//! accepted meanwhile. Closing a connection with no request in flight loses nothing an HTTP
+//! client does not already expect (RFC 9112 §9.3.1: an idle connection may be closed at any
+//! time).
 //!
 //! Request bodies are read by the handlers after the caller is verified (`super::http`).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
 use axum_server::tls_rustls::RustlsConfig;
-use hyper::body::Incoming;
+use http::{Request, Response};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::time::Instant;
 use tower::ServiceExt;
 
 /// How long in-flight requests may finish after shutdown before connections are dropped.
@@ -35,9 +63,11 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 /// What one unverified client can hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
-    /// For a request's head (and so for an idle keep-alive connection), and for a TLS handshake.
+    /// For each request's head (so for an idle keep-alive connection too); the first one, TLS
+    /// handshake included, counted from the moment the connection is given its slot.
     pub header_read_timeout: Duration,
-    /// Connections served at once.
+    /// Connections served at once; past it, a new connection takes the place of the one idle
+    /// longest.
     pub max_connections: usize,
 }
 
@@ -66,11 +96,14 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
 /// The flags of every role that serves HTTP.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ListenArgs {
-    /// How long a client may take to send a request's headers (and a TLS handshake); an idle
-    /// keep-alive connection is closed after it too.
+    /// How long a client may take to send a request's headers (the first request's, TLS handshake
+    /// included, from the moment its connection is served); an idle keep-alive connection is
+    /// closed after it too.
     #[arg(long, env = "SLUICE_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = crate::duration::parse_positive_std_duration)]
     pub header_read_timeout: Duration,
-    /// Connections served at once per listener; default: three quarters of the open-file limit.
+    /// Connections served at once per listener; when all are taken, a new connection takes the
+    /// place of the one idle longest (no request in flight). Default: three quarters of the
+    /// open-file limit.
     #[arg(long, env = "SLUICE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: Option<u32>,
 }
@@ -111,28 +144,31 @@ pub fn http_builder(limits: ConnectionLimits) -> auto::Builder<TokioExecutor> {
 }
 
 /// Accepts connections on `listener` until `shutdown` flips, at most `limits.max_connections`
-/// at once, and runs `handle` on each (with its peer and the shutdown signal); then waits up to
-/// 20 s for the connections to finish their in-flight requests.
+/// at once, and runs `handle` on each (with its peer, the shutdown signal and the activity its
+/// service must report through [`ConnectionActivity::track`]); then waits up to 20 s for the
+/// connections to finish their in-flight requests.
+///
+/// A connection is closed (its `handle` future dropped) when no request has started on it within
+/// `limits.header_read_timeout` of being served, or when a new connection needs its slot while
+/// it has no request in flight (see the module's documentation).
 pub async fn accept_loop<F, Fut>(
     listener: TcpListener,
     limits: ConnectionLimits,
     mut shutdown: watch::Receiver<bool>,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, watch::Receiver<bool>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
+    F: Fn(TcpStream, SocketAddr, watch::Receiver<bool>, ConnectionActivity) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let table = Arc::new(ConnectionTable::default());
     // Each connection task holds a sender; when all are gone, draining is complete.
     let (alive, mut drained) = mpsc::channel::<()>(1);
     loop {
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-            _ = stopped(&mut shutdown) => break,
-        };
+        // Accepted before a slot is found: a connection past the cap may take the place of an idle
+        // one, which the listener can only know once it is here. At most this one waits accepted
+        // (one descriptor past the cap, well inside the quarter of the limit left over); the rest
+        // wait in the kernel's backlog as before.
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -145,16 +181,295 @@ pub async fn accept_loop<F, Fut>(
             },
             _ = stopped(&mut shutdown) => break,
         };
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => match make_room(&slots, &table, limits.max_connections, &mut shutdown).await {
+                Some(slot) => slot,
+                None => break,
+            },
+        };
         let _ = stream.set_nodelay(true);
-        let connection = handle(stream, peer, shutdown.clone());
+        let (activity, registration) = table.register();
+        let connection = handle(stream, peer, shutdown.clone(), ConnectionActivity(activity.clone()));
         let alive = alive.clone();
+        // Counted from the slot, not from the accept: the time spent waiting for a slot was the
+        // listener's, not the client's.
+        let first_request_due = Instant::now() + limits.header_read_timeout;
         tokio::spawn(async move {
-            connection.await;
-            drop((slot, alive));
+            tokio::select! {
+                () = connection => {}
+                reason = activity.closing(first_request_due) => {
+                    tracing::debug!(%peer, reason = reason.as_str(), "connection closed");
+                }
+            }
+            drop((registration, slot, alive));
         });
     }
     drop(alive);
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained.recv()).await;
+}
+
+/// A slot for a connection accepted while all are taken: the one freed by closing the connection
+/// idle longest, or, while every connection has a request in flight, the first to free. None on
+/// shutdown.
+async fn make_room(
+    slots: &Arc<Semaphore>,
+    table: &ConnectionTable,
+    max_connections: usize,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<OwnedSemaphorePermit> {
+    loop {
+        // Listening before looking: a connection falling idle just after the look still wakes us.
+        let became_idle = table.clock.became_idle.notified();
+        tokio::pin!(became_idle);
+        became_idle.as_mut().enable();
+        let made_room = table.evict_longest_idle();
+        if made_room {
+            table.warn_slots_full(max_connections);
+        }
+        tokio::select! {
+            // The evicted connection's task ends at once and gives its slot back.
+            slot = slots.clone().acquire_owned() => return slot.ok(),
+            () = &mut became_idle, if !made_room => {}
+            _ = stopped(shutdown) => return None,
+        }
+    }
+}
+
+/// `ActivityState::in_flight` once the connection has been chosen to make room: no request starts
+/// counting on it, and it is not chosen twice.
+const EVICTED: usize = usize::MAX;
+
+/// How often at most the listener says its slots are full (a connection flood would otherwise log
+/// once per connection).
+const SLOTS_FULL_WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The connections one listener serves, so that a newcomer can take the place of an idle one.
+#[derive(Default)]
+struct ConnectionTable {
+    connections: Mutex<HashMap<u64, Arc<ActivityState>>>,
+    next_id: AtomicU64,
+    clock: Arc<IdleClock>,
+    last_slots_full_warning: Mutex<Option<Instant>>,
+}
+
+/// Orders the moments connections fall idle (a counter: only the order matters), and wakes a
+/// newcomer waiting for one to.
+#[derive(Default)]
+struct IdleClock {
+    ticks: AtomicU64,
+    became_idle: Notify,
+}
+
+impl IdleClock {
+    fn now(&self) -> u64 {
+        self.ticks.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Removes a connection from its listener's table when its task ends.
+struct Registration {
+    table: Arc<ConnectionTable>,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.table.connections.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+    }
+}
+
+impl ConnectionTable {
+    fn register(self: &Arc<Self>) -> (Arc<ActivityState>, Registration) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let activity = Arc::new(ActivityState {
+            in_flight: AtomicUsize::new(0),
+            idle_since: AtomicU64::new(self.clock.now()),
+            first_request_started: AtomicBool::new(false),
+            evicted: Notify::new(),
+            clock: self.clock.clone(),
+        });
+        self.connections.lock().unwrap_or_else(PoisonError::into_inner).insert(id, activity.clone());
+        (activity, Registration { table: self.clone(), id })
+    }
+
+    /// Marks the connection idle longest for closing and wakes its task; false when every
+    /// connection has a request in flight. One linear pass per newcomer, only while the slots are
+    /// full: cheaper than keeping an order up to date on every request.
+    fn evict_longest_idle(&self) -> bool {
+        let connections = self.connections.lock().unwrap_or_else(PoisonError::into_inner);
+        // A request starting between the look and the mark makes the mark fail; look again a few
+        // times, then wait for a connection to fall idle.
+        for _ in 0..4 {
+            let victim = connections
+                .values()
+                .filter(|activity| activity.in_flight.load(Ordering::Acquire) == 0)
+                .min_by_key(|activity| activity.idle_since.load(Ordering::Acquire));
+            let Some(victim) = victim else { return false };
+            if victim.in_flight.compare_exchange(0, EVICTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                // A stored permit: the task sees it even if it has not been polled yet.
+                victim.evicted.notify_one();
+                return true;
+            }
+        }
+        false
+    }
+
+    fn warn_slots_full(&self, max_connections: usize) {
+        let mut last = self.last_slots_full_warning.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.is_none_or(|at| at.elapsed() >= SLOTS_FULL_WARNING_INTERVAL) {
+            *last = Some(Instant::now());
+            tracing::warn!(
+                max_connections,
+                "every connection slot is taken: closing the connections idle longest to serve new ones \
+                 (raise --max-connections or the open-file limit if this is ordinary traffic)"
+            );
+        }
+    }
+}
+
+/// What the listener knows of one connection: its requests in flight, and since when it has had
+/// none.
+struct ActivityState {
+    /// Requests whose response has not been sent to its end; [`EVICTED`] once chosen to make room.
+    in_flight: AtomicUsize,
+    /// The [`IdleClock`] when the connection last fell idle (accepted, or its last response sent):
+    /// the smallest has been doing nothing longest.
+    idle_since: AtomicU64,
+    /// For the first-request deadline: a request has started on this connection.
+    first_request_started: AtomicBool,
+    /// Chosen to make room.
+    evicted: Notify,
+    clock: Arc<IdleClock>,
+}
+
+/// Why the listener closed a connection.
+enum Closing {
+    MadeRoom,
+    NoFirstRequest,
+}
+
+impl Closing {
+    fn as_str(&self) -> &'static str {
+        match self {
+            Closing::MadeRoom => "idle longest while every slot was taken: closed for a new connection",
+            Closing::NoFirstRequest => "no request head within the header-read timeout",
+        }
+    }
+}
+
+impl ActivityState {
+    /// Resolves when the listener closes the connection: chosen to make room, or no request
+    /// started by `first_request_due`.
+    async fn closing(&self, first_request_due: Instant) -> Closing {
+        let no_first_request = async {
+            tokio::time::sleep_until(first_request_due).await;
+            if self.first_request_started.load(Ordering::Acquire) {
+                // hyper's header-read timeout bounds every later head.
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            () = self.evicted.notified() => Closing::MadeRoom,
+            () = no_first_request => Closing::NoFirstRequest,
+        }
+    }
+}
+
+/// A connection's activity, for its service to report its requests through
+/// [`ConnectionActivity::track`]: a connection with a request in flight is never closed to make
+/// room.
+#[derive(Clone)]
+pub struct ConnectionActivity(Arc<ActivityState>);
+
+impl ConnectionActivity {
+    /// `service`, counting each request in flight from the moment its head is read to the end of
+    /// its response body.
+    pub fn track<S>(&self, service: S) -> TrackedService<S> {
+        TrackedService { inner: service, activity: self.0.clone() }
+    }
+}
+
+/// A request in flight on its connection, until dropped (with its response body, or with the
+/// response future if the connection ends first).
+struct InFlight(Arc<ActivityState>);
+
+impl InFlight {
+    /// None when the connection has already been chosen to make room (it is about to close).
+    fn start(activity: &Arc<ActivityState>) -> Option<InFlight> {
+        activity.first_request_started.store(true, Ordering::Release);
+        activity
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n != EVICTED).then_some(n + 1))
+            .ok()
+            .map(|_| InFlight(activity.clone()))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let activity = &self.0;
+        // Set before the count reaches zero, so that whoever sees it idle sees since when.
+        if activity.in_flight.load(Ordering::Acquire) == 1 {
+            activity.idle_since.store(activity.clock.now(), Ordering::Release);
+        }
+        let before = activity
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n != EVICTED && n > 0).then(|| n - 1));
+        if before == Ok(1) {
+            activity.clock.became_idle.notify_waiters();
+        }
+    }
+}
+
+/// A hyper service whose requests count as in flight on their connection (see
+/// [`ConnectionActivity::track`]).
+pub struct TrackedService<S> {
+    inner: S,
+    activity: Arc<ActivityState>,
+}
+
+impl<S, RequestBody, ResponseBody> hyper::service::Service<Request<RequestBody>> for TrackedService<S>
+where
+    S: hyper::service::Service<Request<RequestBody>, Response = Response<ResponseBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<TrackedBody<ResponseBody>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn call(&self, request: Request<RequestBody>) -> Self::Future {
+        let in_flight = InFlight::start(&self.activity);
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            Ok(response.map(|body| TrackedBody { inner: body, _in_flight: in_flight }))
+        })
+    }
+}
+
+/// A response body that keeps its request in flight until hyper has sent it to its end and
+/// dropped it. Every frame, the end and the size hint (hence `Content-Length`) pass unchanged.
+pub struct TrackedBody<B> {
+    inner: B,
+    _in_flight: Option<InFlight>,
+}
+
+impl<B: Body + Unpin> Body for TrackedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Serves `router` on `listener` (over TLS with `tls`) until `shutdown` flips, then lets
@@ -167,9 +482,9 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let builder = Arc::new(http_builder(limits));
-    accept_loop(listener, limits, shutdown, |stream, peer, shutdown| {
+    accept_loop(listener, limits, shutdown, |stream, peer, shutdown, activity| {
         let (router, builder, tls) = (router.clone(), builder.clone(), tls.clone());
-        async move { serve_connection(stream, peer, router, &builder, tls, limits.header_read_timeout, shutdown).await }
+        async move { serve_connection(stream, peer, router, &builder, tls, shutdown, activity).await }
     })
     .await;
     Ok(())
@@ -202,24 +517,24 @@ async fn serve_connection(
     router: Router,
     builder: &auto::Builder<TokioExecutor>,
     tls: Option<RustlsConfig>,
-    handshake_timeout: Duration,
     shutdown: watch::Receiver<bool>,
+    activity: ConnectionActivity,
 ) {
     let service = router.map_request(move |mut request: http::Request<Incoming>| {
         request.extensions_mut().insert(ConnectInfo(peer));
         request
     });
-    let service = TowerToHyperService::new(service.map_err(|never: Infallible| match never {}));
+    let service = activity.track(TowerToHyperService::new(service.map_err(|never: Infallible| match never {})));
     match tls {
         None => drive!(builder.serve_connection_with_upgrades(TokioIo::new(stream), service), shutdown),
         Some(tls) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.get_inner());
-            match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
-                Ok(Ok(stream)) => {
-                    drive!(builder.serve_connection_with_upgrades(TokioIo::new(stream), service), shutdown)
-                }
-                Ok(Err(error)) => tracing::debug!(%error, %peer, "TLS handshake failed"),
-                Err(_) => tracing::debug!(%peer, "TLS handshake not finished in time"),
+            // No timeout of its own: the handshake counts against the first request's deadline
+            // (`accept_loop`), and a connection still shaking hands has no request in flight, so
+            // it may be closed to make room.
+            match acceptor.accept(stream).await {
+                Ok(stream) => drive!(builder.serve_connection_with_upgrades(TokioIo::new(stream), service), shutdown),
+                Err(error) => tracing::debug!(%error, %peer, "TLS handshake failed"),
             }
         }
     }

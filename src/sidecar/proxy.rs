@@ -720,9 +720,10 @@ fn problem(status: StatusCode, title: &str, detail: &str, headers: HeaderList) -
 }
 
 /// Accepts connections until `shutdown`, then lets each finish its in-flight requests (up to
-/// 20 s). At most `limits.max_connections` at once (the others wait in the
-/// backlog), each given `limits.header_read_timeout` for every request's head (an idle keep-alive
-/// connection is closed after it too).
+/// 20 s). At most `limits.max_connections` at once (past it, a new connection takes the place of
+/// the one idle longest, or waits while every one has a request in flight), each given
+/// `limits.header_read_timeout` for every request's head (an idle keep-alive connection is closed
+/// after it too).
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
@@ -730,14 +731,16 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let builder = Arc::new(crate::server::listen::http_builder(limits));
-    crate::server::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown| {
+    crate::server::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown, activity| {
         let upstream = Arc::new(proxy.upstream_for(&stream));
         let (proxy, builder) = (proxy.clone(), builder.clone());
         async move {
-            let service = service_fn(move |request| {
+            // Counted in flight until the response is sent: only a connection without one may be
+            // closed to make room for a new one (listen.rs).
+            let service = activity.track(service_fn(move |request| {
                 let (proxy, upstream) = (proxy.clone(), upstream.clone());
                 async move { Ok::<_, Infallible>(proxy.handle(peer, &upstream, request).await) }
-            });
+            }));
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(connection);
             tokio::select! {
