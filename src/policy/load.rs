@@ -110,13 +110,11 @@ pub fn why_empty<P: AsRef<Path>>(paths: &[P]) -> String {
         let likeliest = below.iter().find(|d| d.file_name().is_some_and(|n| n == "policies")).or(below.first());
         let hint = match likeliest {
             None => String::new(),
-            Some(first) => {
-                format!(
-                    "; its subdirectories are not read, and {} hold YAML files: name the one meant, e.g. --policies {}",
-                    shown_list(&below),
-                    first.display()
-                )
-            }
+            Some(meant) => format!(
+                "; its subdirectories are not read, and {} hold YAML files: name the one meant, e.g. --policies {}",
+                shown_list(&below),
+                meant.display()
+            ),
         };
         reasons.push(format!("directory {shown} {files}{hint}"));
     }
@@ -379,6 +377,20 @@ fn in_yaml_terms(message: &str, path: &str) -> String {
             .map(|fields| format!(" with fields {}", fields.join(", ")))
             .unwrap_or_default();
         out.replace_range(start..end, &format!("expected a mapping{fields}"));
+    }
+    // An enum given a mapping or a boolean: serde_yaml names its own internal type
+    // (`expected a Value::Tagged enum`); the schema has the words the user can write.
+    for rust in ["expected a Value::Tagged enum", "expected enum "] {
+        if let Some(start) = out.find(rust) {
+            let choices = spec_schema()
+                .and_then(|schema| schema_at(schema, path))
+                .and_then(|s| s.get("enum")?.as_array().cloned())
+                .map(|values| values.iter().filter_map(|v| v.as_str().map(|v| format!("`{v}`"))).collect::<Vec<_>>())
+                .filter(|choices| !choices.is_empty());
+            let words =
+                choices.map_or_else(|| "expected a name".to_string(), |c| format!("expected one of {}", c.join(", ")));
+            out.replace_range(start.., &words);
+        }
     }
     for (rust, yaml) in [
         ("expected u16", "expected a whole number"),

@@ -377,6 +377,17 @@ fn type_errors_speak_yaml_not_rust() {
     );
     assert!(err.contains("prefix"), "{err}");
 
+    let err = load_error(&GOOD.replace("algorithm: gcra", "algorithm: gcra, mode: true"));
+    assert_eq!(
+        err,
+        "p.yaml: document 1: spec.rules[0].mode: invalid type: boolean `true`, expected one of `enforce`, `shadow`"
+    );
+    let err = load_error(&GOOD.replace("requests: 1,", "requests: -1,"));
+    assert!(
+        err.ends_with("spec.rules[0].limit.requests: invalid value: integer `-1`, expected a whole number"),
+        "{err}"
+    );
+
     let err = load_error(&GOOD.replace("per: 1s", "per: 60"));
     assert_eq!(
         err,
