@@ -275,7 +275,7 @@ spec:
 
         let empty = dir.path().join("empty.yaml");
         std::fs::write(&empty, "---\n").unwrap();
-        let message = empty_policy_set(&[empty.clone()]);
+        let message = empty_policy_set(std::slice::from_ref(&empty));
         assert!(message.contains(&format!("{} holds none (it is empty", empty.display())), "{message}");
     }
 

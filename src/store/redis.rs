@@ -600,10 +600,10 @@ impl RedisStore {
     async fn handshake_refusal(&self, error: &RedisError) -> Option<HandshakeRefusal> {
         let url = self.handshake.as_ref().map(|(url, _)| url.as_str());
         let refusal = HandshakeRefusal::of(error, url)?;
-        if let (HandshakeRefusal::Credentials(_), Some((url, tls))) = (&refusal, &self.handshake) {
-            if let Some(words) = replay_handshake(url, tls.clone(), Duration::from_secs(1)).await {
-                return Some(HandshakeRefusal::Credentials(words));
-            }
+        if let (HandshakeRefusal::Credentials(_), Some((url, tls))) = (&refusal, &self.handshake)
+            && let Some(words) = replay_handshake(url, tls.clone(), Duration::from_secs(1)).await
+        {
+            return Some(HandshakeRefusal::Credentials(words));
         }
         Some(refusal)
     }
