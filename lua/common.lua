@@ -15,8 +15,10 @@
 --                                       PEXPIRE equal to the time until it is pristine again
 --
 -- They mirror src/algorithm/*.rs line by line. Lua numbers are doubles: every value here is an
--- integer below 2^53 (Limit::new guarantees it), where + - * and comparisons are exact; division
--- goes through idiv, which corrects the one rounding a double quotient can make.
+-- integer below 2^53 (Limit::new guarantees it for the limits; amounts are taken as at most
+-- MAX_COST, and what a debt adds to a stored count or instant saturates at MAX_EXACT, as in Rust),
+-- where + - * and comparisons are exact; division goes through idiv, which corrects the one
+-- rounding a double quotient can make.
 
 local sluice = {}
 

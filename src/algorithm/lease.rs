@@ -211,6 +211,26 @@ mod tests {
         assert!(!settle(&l, &mut state, T0 + 10 * SEC, 1, 100).0, "a settle after the end charges nothing");
     }
 
+    /// Askers waiting on a key whose bound is out are counted, up to MAX_WAITING_HOLDS: asks
+    /// under ever fresh hold ids leave the key's holds bounded and every answer the same.
+    #[test]
+    fn holds_of_nothing_are_bounded_per_key() {
+        for algorithm in LEASABLE {
+            let l = limit(algorithm, 1000);
+            let mut state = None;
+            assert_eq!(grant(&l, &mut state, T0, ask(1, 100)).0.amount, 100, "{algorithm}");
+            let first = grant(&l, &mut state, T0, ask(2, 1)).0;
+            assert_eq!((first.amount, first.holders), (0, 2), "{algorithm}: the asker is counted in");
+            for hold in 3..3000 {
+                let answer = grant(&l, &mut state, T0 + hold, ask(hold, 1)).0;
+                assert_eq!((answer.amount, answer.after.remaining), (0, 900), "{algorithm}: ask {hold}");
+            }
+            assert_eq!(live_holds(state.as_ref(), T0 + 3000), 1 + MAX_WAITING_HOLDS as u64, "{algorithm}");
+            // One already waiting asks again: still counted, nothing added.
+            assert_eq!(grant(&l, &mut state, T0 + 3000, ask(2, 1)).0.holders, 1 + MAX_WAITING_HOLDS as u64);
+        }
+    }
+
     #[test]
     fn hold_zero_or_nothing_left_grants_nothing_and_writes_nothing() {
         let l = limit(Algorithm::FixedWindow, 10);
