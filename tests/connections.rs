@@ -11,11 +11,13 @@
 mod sluice_process;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_process::SluiceProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 
 const POLICY: &str = "apiVersion: sluice.dev/v1alpha1
 kind: RateLimitPolicy
@@ -261,6 +263,71 @@ async fn connections_that_send_nothing_cannot_keep_a_check_from_being_answered()
         "{} silent connections still open beside the check's ({SLOTS} slots)",
         SILENT - closed
     );
+}
+
+/// An application for the sidecar to proxy to: `/hold` answers only once `release` is notified
+/// (telling `entered` it has the request), anything else at once.
+async fn start_application(entered: tokio::sync::mpsc::Sender<()>, release: Arc<Notify>) -> SocketAddr {
+    let app = axum::Router::new()
+        .route(
+            "/hold",
+            axum::routing::get(move || async move {
+                entered.send(()).await.unwrap();
+                release.notified().await;
+                "released"
+            }),
+        )
+        .fallback(|| async { "ok" });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// The sidecar's proxy port is served by the same listener: a request the application is still
+/// working on keeps its connection, the connections that send nothing take one another's places
+/// (not its), and a new request is still served. Were the proxy's requests not counted in flight,
+/// the held request's connection, idle longest, would be the one closed.
+#[tokio::test]
+async fn the_sidecars_proxy_port_makes_room_the_same_way() {
+    let (entered, mut application_has_it) = tokio::sync::mpsc::channel(1);
+    let release = Arc::new(Notify::new());
+    let application = start_application(entered, release.clone()).await;
+    // The endpoint's own timeout long too: the sidecar's pooled connections to it stay open.
+    let endpoint = serve(&["--header-read-timeout", "60s"]);
+    let token_dir = tempfile::tempdir().unwrap();
+    let token_file = token_dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let sidecar = SluiceProcess::sidecar(
+        &application.to_string(),
+        &endpoint.process.url(""),
+        "tenant-a",
+        &["--token-file", token_file.to_str().unwrap(), "--max-connections", "2", "--header-read-timeout", "60s"],
+    );
+    // A new connection for every request: a pooled one would already hold a slot.
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let through_sidecar = |key: &'static str| client.get(sidecar.url("/")).header("x-api-key", key).send();
+    // Until the sidecar has its policies (its first snapshot), it may not answer 200 yet.
+    let deadline = Instant::now() + PATIENCE;
+    while through_sidecar("warm-up").await.map(|r| r.status()).ok() != Some(reqwest::StatusCode::OK) {
+        assert!(Instant::now() < deadline, "the sidecar never served a request");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut held = connect(sidecar.addr).await;
+    held.write_all(b"GET /hold HTTP/1.1\r\nHost: app\r\nX-API-Key: held\r\n\r\n").await.unwrap();
+    tokio::time::timeout(PATIENCE, application_has_it.recv()).await.expect("the held request reached the application");
+    let mut silent = Vec::new();
+    for _ in 0..8 {
+        silent.push(connect(sidecar.addr).await);
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(5), through_sidecar("new"))
+        .await
+        .expect("no answer while connections that sent nothing filled the other slot")
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    release.notify_one();
+    let head = read_until_blank_line(&mut held).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "the held request lost its connection: {head}");
 }
 
 /// The credential is checked before the body is read: a client without one is refused at once,
