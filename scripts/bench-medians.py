@@ -4,6 +4,8 @@
 criterion prints the mean's confidence interval on the terminal; the brief's targets are
 medians, which criterion keeps in <target>/criterion/<group>/<bench>/new/estimates.json.
 Usage: scripts/bench-medians.py [$CARGO_TARGET_DIR (default: target)]
+Exits 1 when it finds no estimates (no `cargo bench` ran into that directory), rather than
+printing nothing as if that were a result.
 """
 import json, os, sys
 
@@ -17,5 +19,7 @@ for dirpath, _, files in os.walk(root):
             name = json.load(f)["full_id"]
         m = est["median"]
         rows.append((name, m["point_estimate"], m["confidence_interval"]["lower_bound"], m["confidence_interval"]["upper_bound"]))
+if not rows:
+    sys.exit(f"no criterion estimates under {root}: run `cargo bench` first")
 for name, med, lo, hi in sorted(rows):
     print(f"{name}\t{med:.1f}\t[{lo:.1f} .. {hi:.1f}]")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need (Debian packages,
-# the Go-built control plane), then runs every Rust test. CI (.ci/run) runs exactly this.
+# the Go-built control plane), then runs every Rust test, every benchmark and reliability script
+# the docs name in its smoke mode (scripts/smoke.sh), the fuzzers briefly and the one-node
+# cluster. CI (.ci/run) runs exactly this. The closing line says FAILED when anything failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,7 +61,7 @@ helm="$(PATH="$PATH:/usr/local/go/bin" e2e/control-plane.sh helm)"
   || { echo "charts/sluice/rendered/default.yaml is stale: regenerate it (charts/sluice/README.md)"; exit 1; }
 
 echo "==> formatting and lints"
-shellcheck -x e2e/*.sh scripts/test.sh scripts/fuzz.sh scripts/bench/*.sh scripts/reliability/*.sh .ci/run
+shellcheck -x e2e/*.sh scripts/test.sh scripts/fuzz.sh scripts/smoke.sh scripts/bench/*.sh scripts/reliability/*.sh .ci/run
 cargo fmt --check || { echo "cargo fmt --check failed: run cargo fmt"; exit 1; }
 cargo clippy --locked --all-targets --quiet -- -D warnings
 
@@ -70,7 +72,16 @@ echo "==> cargo test"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --locked --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
+cargo_status=0
+cargo test --locked --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-4}" 2>&1 | tee "$log" || cargo_status=$?
+status=$cargo_status
+# Every benchmark and reliability script the docs name, for a second or two each (tiny loads,
+# peers that are not built skipped with a note), so that a script that no longer works against
+# this code fails here instead of printing numbers (scripts/smoke.sh).
+echo "==> scripts (smoke)"
+smoke_start=$SECONDS smoke_status=0
+scripts/smoke.sh 2>&1 | tee -a "$log" || smoke_status=$?
+if [ "$smoke_status" -eq 0 ]; then smoke_result="passed"; else smoke_result="FAILED"; status=$smoke_status; fi
 # Every parser of outside input under libFuzzer for a few seconds each (scripts/fuzz.sh runs
 # longer); a crash fails the run with its input saved.
 echo "==> fuzzing (short)"
@@ -85,6 +96,19 @@ e2e/local-node.sh 2>&1 | tee -a "$log" || node_status=$?
 if [ "$node_status" -eq 0 ]; then node_result="passed"; else node_result="FAILED"; status=$node_status; fi
 # One closing line for the whole run (cargo's last line is the doc-tests', which has none).
 echo "sluice: real-node flow $node_result in $((SECONDS - node_start)) s"
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
-     END { printf "sluice: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"
+echo "sluice: scripts smoke $smoke_result in $((node_start - smoke_start)) s"
+# The tests' counts come from cargo's "test result:" lines; a test binary that died (a panic while
+# panicking aborts it, a signal, a timeout) prints none, so its tests are in no count: cargo's
+# "process didn't exit successfully: … (signal: …)" lines name them, and cargo's own status says the run failed.
+# The line says FAILED whenever anything did, whatever the counts.
+aborted=$(grep "process didn't exit successfully: .*(signal: " "$log" | grep -oE '/[^ ]+/deps/[^ ]+' |
+  sed 's|.*/||; s/-[0-9a-f]*$//' | sort -u | paste -sd, -)
+awk -v status="$status" -v cargo="$cargo_status" -v aborted="$aborted" '
+  /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
+  END {
+    line = sprintf("%d passed, %d failed, %d skipped", p, f, s)
+    if (aborted != "") line = line sprintf("; test binaries without a result (aborted): %s", aborted)
+    if (cargo != 0 && f == 0 && aborted == "") line = line sprintf("; cargo test exited %d", cargo)
+    printf "sluice: %s%s\n", (status != 0 ? "FAILED: " : ""), line
+  }' "$log"
 exit "$status"

@@ -19,12 +19,20 @@
 #      CARGO_TARGET_DIR (cargo's), SKIP_BUILD (1 to reuse built binaries), HALF_RT (1: repeat
 #      the half-load runs with the servers in SCHED_FIFO, see below),
 #      NICE (0; e.g. -20 as root on a machine busy with other work, so the servers and the load
-#      generator are not starved by it; the servers' CPU use is reported either way).
+#      generator are not starved by it; the servers' CPU use is reported either way),
+#      SMOKE (1: one round of 1 s at 16 connections over 1000 keys, no warm-up, the test
+#      command's check that the script works).
+# A run with non-2xx answers, socket errors or nothing answered fails the script: its numbers
+# would be those of failures.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BENCH="$ROOT/scripts/bench"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+if [ "${SMOKE:-0}" = 1 ]; then
+    DURATION="${DURATION:-1}" WARMUP="${WARMUP:-0}" CONNS="${CONNS:-16}" RUNS="${RUNS:-1}" KEYS="${KEYS:-1000}"
+    HALF_CONNS="${HALF_CONNS:-16}"
+fi
 DURATION="${DURATION:-15}"
 WARMUP="${WARMUP:-5}"
 CONNS="${CONNS:-16 64}"
@@ -68,7 +76,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     # One invocation, so the server, the baseline and the client share one feature resolution.
     (cd "$ROOT" && cargo build --release --quiet --bin sluice --example minimal_axum --example open_loop)
 fi
-SLUICE="$TARGET/release/sluice"
+SLUICE="${SLUICE_BIN:-$TARGET/release/sluice}"
 MINIMAL="$TARGET/release/examples/minimal_axum"
 OPEN_LOOP="$TARGET/release/examples/open_loop"
 for b in "$SLUICE" "$MINIMAL" "$OPEN_LOOP"; do [ -x "$b" ] || { log "missing $b"; exit 1; }; done
@@ -129,6 +137,9 @@ wrk_run() { # port conns seconds
     p50=$(to_us "$(awk '$1 == "50%" {print $2}' <<<"$out")")
     p99=$(to_us "$(awk '$1 == "99%" {print $2}' <<<"$out")")
     errs=$(awk '/Non-2xx|Socket errors/ {printf "%s ", $0}' <<<"$out")
+    if [ -n "$errs" ] || ! awk -v r="$rps" 'BEGIN { exit !(r > 0) }'; then
+        log "FAILED: wrk on :$port, $conns connections: ${errs:-no requests answered}"; exit 1
+    fi
     printf '%s %s %s %s %s\n' "$rps" "$p50" "$p99" \
         "$(awk -v a="$t0" -v b="$t1" -v s="$secs" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.0f", (b - a) / hz / s * 100 }')" \
         "${errs:-none}"
@@ -140,7 +151,7 @@ LOAD_BEFORE="$(cut -d' ' -f1-3 /proc/loadavg)"
 for run in $(seq "$RUNS"); do
     for conns in $CONNS; do
         for port in $PORT_S1 $PORT_S3 $PORT_MIN; do
-            wrk_run "$port" "$conns" "$WARMUP" >/dev/null
+            [ "$WARMUP" = 0 ] || wrk_run "$port" "$conns" "$WARMUP" >/dev/null
             line=$(wrk_run "$port" "$conns" "$DURATION")
             load=$(cut -d' ' -f1 /proc/loadavg)
             log "run $run  $(name_of "$port")  c=$conns  rps p50 p99 cpu%: $line  (load $load)"
@@ -197,6 +208,9 @@ half_run() { # port peak
     line=$(timeout $((DURATION + WARMUP + 30)) nice -n "$NICE" taskset -c "$CLIENT_CPU" "$OPEN_LOOP" --addr "127.0.0.1:$1" \
         --rate "$rate" --connections "$HALF_CONNS" --duration "$DURATION" --warmup "$WARMUP" --keys "$KEYS" | grep '^RESULT')
     log "half load $(name_of "$1"): $line (load $(cut -d' ' -f1 /proc/loadavg))"
+    awk -v l="$line" 'BEGIN { split(l, f, " "); for (i in f) { split(f[i], kv, "="); v[kv[1]] = kv[2] }
+        exit !(v["non200"] + v["errors"] + v["missing"] == 0 && v["achieved"] > 0) }' \
+        || { log "FAILED: open loop on :$1: $line"; exit 1; }
     awk -v n="$(name_of "$1")" -v p="$2" -v l="$line" 'BEGIN {
         split(l, f, " "); for (i in f) { split(f[i], kv, "="); v[kv[1]] = kv[2] }
         printf "| %s | %.0f | %s | %s | %s µs | %s µs | %s µs | %s µs |\n", n, p, v["rate"], v["achieved"], v["p50_us"], v["p99_us"], v["p999_us"], v["max_us"]

@@ -4,6 +4,7 @@
 # local Redis, driven by e2e/rls-client.
 #
 #   scripts/bench/envoy-ratelimit.sh build                          build (or reuse); print the binary
+#   scripts/bench/envoy-ratelimit.sh built                          print the binary if built, else fail
 #   scripts/bench/envoy-ratelimit.sh redis DIR REDIS_PORT           exec redis-server on 127.0.0.1 (foreground)
 #   scripts/bench/envoy-ratelimit.sh run DIR REDIS_PORT GRPC_PORT   write the bench config into DIR and exec
 #                                                                   the server on 127.0.0.1 (foreground)
@@ -116,7 +117,8 @@ EOF
 
 case "${1:-}" in
   build) cmd_build ;;
+  built) [ -x "$BIN" ] || { log "not built: $BIN (scripts/bench/envoy-ratelimit.sh build)"; exit 1; }; echo "$BIN" ;;
   redis) [ $# -eq 3 ] || { echo "usage: $0 redis DIR REDIS_PORT" >&2; exit 2; }; shift; cmd_redis "$@" ;;
   run) [ $# -eq 4 ] || { echo "usage: $0 run DIR REDIS_PORT GRPC_PORT" >&2; exit 2; }; shift; cmd_run "$@" ;;
-  *) echo "usage: $0 build | redis DIR REDIS_PORT | run DIR REDIS_PORT GRPC_PORT" >&2; exit 2 ;;
+  *) echo "usage: $0 build | built | redis DIR REDIS_PORT | run DIR REDIS_PORT GRPC_PORT" >&2; exit 2 ;;
 esac

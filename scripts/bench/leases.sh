@@ -24,6 +24,13 @@
 # source tree (SLUICE_LIMITADOR_SRC) or a built binary (SLUICE_LIMITADOR_BIN) its runs are left
 # out, and the script says so.
 set -euo pipefail
+# The smoke run of the test command (SMOKE=1): 2 servers, 1 s windows, a few seconds per run;
+# numbers meaningless, every step of the script exercised. Any transport error or non-200 in a
+# run without a kill fails the script.
+if [ "${SMOKE:-0}" = 1 ]; then
+    ENFORCERS="${ENFORCERS:-2}" LIMIT="${LIMIT:-100}" PER="${PER:-1}" MULTIPLE="${MULTIPLE:-2}" COLD_KEYS="${COLD_KEYS:-10}"
+    COLD_RATE="${COLD_RATE:-20}" HOT_DURATION="${HOT_DURATION:-1}" DURATION="${DURATION:-1}"
+fi
 # lib.sh sets its own default DURATION: keep the caller's, or this script's.
 requested_duration="${DURATION:-80}"
 # shellcheck source=scripts/reliability/lib.sh
@@ -151,6 +158,7 @@ run() { # KIND PHASE COLD_RATE DURATION
          p50_ms: $hot.latency_ms.p50, p99_ms: $hot.latency_ms.p99,
          server_cpu_s_per_1000: (1000 * $cpu / $answered), redis_cpu_s_per_1000: (1000 * $rcpu / $answered)}' "$WORK/load.json")")
     printf '%s\n' "${RESULTS[-1]}"
+    jq -e '.errors == 0 and .hot_sent > 0' <<<"${RESULTS[-1]}" >/dev/null || fail "$kind $phase: failed calls (errors) or none sent"
     kill_all
 }
 
@@ -174,6 +182,8 @@ kill_run() { # leased, one server killed -9 holding slices half a second into a 
          windows: ($hot.admitted_per_window | map(. / $limit)), admitted_per_window: $hot.admitted_per_window,
          errors: ($hot.transport_errors + $hot.non_200)}' "$WORK/load.json")")
     printf '%s\n' "${RESULTS[-1]}"
+    # The killed server's calls fail by design; the others' must have been decided.
+    jq -e '([.admitted_per_window[]] | add // 0) > 0' <<<"${RESULTS[-1]}" >/dev/null || fail "kill: nothing admitted"
     kill_all
 }
 

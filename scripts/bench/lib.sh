@@ -33,3 +33,50 @@ start_redis() {
 
 # redis_cpu PORT: Redis's own CPU seconds so far (used_cpu_user + used_cpu_sys).
 redis_cpu() { redis-cli -p "$1" INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
+
+# The smoke mode of the test command (scripts/smoke.sh sets SMOKE=1): tiny runs, peers that are
+# not built left out with a note, and any failed measured call fails the script.
+SMOKE="${SMOKE:-0}"
+
+# fail MESSAGE: a measurement that cannot be trusted (failed calls, nothing measured) ends the
+# script with an error instead of printing numbers.
+fail() { log "FAILED: $*"; exit 1; }
+
+# skip_peer WHY: a peer this script compares against is not built. In the smoke run the script
+# stops there with a note scripts/smoke.sh reports as skipped (never as passed); in a real run
+# it fails.
+skip_peer() {
+    if [ "$SMOKE" = 1 ]; then log "SMOKE-SKIP: $*"; exit 0; fi
+    fail "$*"
+}
+
+# lua_library_files: the decision code's Lua files in the order src/store/redis_library.rs
+# concatenates them (DECISION_CODE), so a script loading the library by hand loads what Sluice
+# loads; fails when that file no longer lists them.
+lua_library_files() {
+    local files
+    files=$(sed -n 's|.*include_str!("\.\./\.\./\(lua/[a-z_]*\.lua\)").*|\1|p' "$ROOT/src/store/redis_library.rs")
+    [ -n "$files" ] || fail "no include_str!(\"../../lua/…\") in src/store/redis_library.rs: update lua_library_files"
+    printf '%s\n' "$files"
+}
+
+# fcall_stats PORT: "calls failed_calls rejected_calls" of FCALL since the last CONFIG RESETSTAT.
+fcall_stats() {
+    redis-cli -p "$1" INFO commandstats | tr -d '\r' | awk -F'[:,=]' '/^cmdstat_fcall:/ {
+        for (i = 2; i < NF; i += 2) v[$i] = $(i + 1)
+        printf "%d %d %d\n", v["calls"], v["failed_calls"], v["rejected_calls"]; found = 1 }
+        END { if (!found) print "0 0 0" }'
+}
+
+# sluice_bin: SLUICE_BIN when set, else this checkout's release build (built here unless
+# SKIP_BUILD=1). Prints the path.
+sluice_bin() {
+    if [ -n "${SLUICE_BIN:-}" ]; then
+        [ -x "$SLUICE_BIN" ] || fail "SLUICE_BIN=$SLUICE_BIN is not an executable"
+        echo "$SLUICE_BIN"; return
+    fi
+    local target="${CARGO_TARGET_DIR:-$ROOT/target}"
+    if [ "${SKIP_BUILD:-0}" != 1 ]; then (cd "$ROOT" && cargo build --release --quiet --bin sluice) >&2; fi
+    [ -x "$target/release/sluice" ] || fail "$target/release/sluice is not built"
+    echo "$target/release/sluice"
+}

@@ -8,11 +8,14 @@
 #   SLUICE_BIN=path/to/sluice N=200 scripts/bench/nagle.sh
 #
 # Loopback only. Prints median and p90 of curl's time_total for direct and through the sidecar.
+# Any answer but a 200 fails the script (a fast error is no latency figure). SMOKE=1 (the test
+# command's check that the script works): N=5.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${SMOKE:-0}" = 1 ]; then N="${N:-5}"; fi
 N="${N:-100}"
 BIN="${SLUICE_BIN:-${CARGO_TARGET_DIR:-target}/release/sluice}"
-[ -x "$BIN" ] || cargo build --release --quiet
+[ -x "$BIN" ] || cargo build --release --quiet --bin sluice
 command -v curl >/dev/null || { echo "needs curl"; exit 1; }
 work="$(mktemp -d)"
 pids=()
@@ -37,11 +40,16 @@ python3 scripts/bench/nagle_upstream.py "$up" & pids+=($!)
 for p in "$up" "$endpoint" "$sidecar"; do
   for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break; sleep 0.05; done
 done
+for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$admin/readyz" && break; sleep 0.05; done
 measure() {
   curl -s -o /dev/null "$1"   # warm: the sidecar's snapshot and its upstream connection
-  for _ in $(seq "$N"); do curl -s -o /dev/null -w '%{time_total}\n' "$1"; done | sort -n |
-    awk '{a[NR]=$1*1000} END {printf "median %.2f ms  p90 %.2f ms  (n=%d)\n", a[int(NR/2)+1], a[int(NR*0.9)], NR}'
+  for _ in $(seq "$N"); do curl -s -o /dev/null -w '%{http_code} %{time_total}\n' "$1" || echo "000 0"; done | sort -k2 -n |
+    awk '$1 != 200 {bad++; code=$1} {a[NR]=$2*1000}
+      END {if (bad) {printf "FAILED: %d of %d answers were not 200 (e.g. %s)\n", bad, NR, code; exit 1}
+           printf "median %.2f ms  p90 %.2f ms  (n=%d)\n", a[int(NR/2)+1], a[int(NR*0.9)], NR}'
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "direct:        $(measure "http://127.0.0.1:$up/x")"
-echo "via sidecar:   $(measure "http://127.0.0.1:$sidecar/x")"
+direct="$(measure "http://127.0.0.1:$up/x")" || { echo "direct: $direct" >&2; exit 1; }
+echo "direct:        $direct"
+sidecar_line="$(measure "http://127.0.0.1:$sidecar/x")" || { echo "via sidecar: $sidecar_line" >&2; exit 1; }
+echo "via sidecar:   $sidecar_line"

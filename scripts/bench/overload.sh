@@ -21,12 +21,28 @@
 #   scripts/bench/overload.sh                       # prints JSON lines and a Markdown table
 #   PHASES=cpu scripts/bench/overload.sh            # only some of: load cpu convergence
 #   WORKERS=8 SERVICE_MS=20 DURATION=20 OUT=/tmp/overload scripts/bench/overload.sh
+#
+# Env besides those above: FACTORS ("0.7 1 2 4"), PAUSE (3 s between load steps), CPU_SECONDS
+# (10), CONV_SECONDS (30: the capacity halved over its middle third), SKIP_BUILD (1: use the
+# binaries already built), SMOKE (1: the test command's check that the script works: 1 s steps
+# at 2x, one CPU round of 1 s, a 3 s convergence run).
+# A step in which nothing was admitted, or a CPU run (an application that never queues) with any
+# failed request (an error or a timeout; a refusal is the limiter's decision), fails the script:
+# its figures would be those of failures.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/bench/lib.sh
 . scripts/bench/lib.sh
 install_missing curl:curl jq:jq
 
+if [ "$SMOKE" = 1 ]; then
+    DURATION=${DURATION:-1} FACTORS=${FACTORS:-2} PAUSE=${PAUSE:-0} ROUNDS=${ROUNDS:-1} CPU_SECONDS=${CPU_SECONDS:-1}
+    CONV_SECONDS=${CONV_SECONDS:-3}
+fi
+FACTORS=${FACTORS:-0.7 1 2 4}
+PAUSE=${PAUSE:-3}
+CPU_SECONDS=${CPU_SECONDS:-10}
+CONV_SECONDS=${CONV_SECONDS:-30}
 WORKERS=${WORKERS:-8}
 SERVICE_MS=${SERVICE_MS:-20}
 DURATION=${DURATION:-20}
@@ -35,9 +51,9 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 capacity=$((WORKERS * 1000 / SERVICE_MS))
 
-cargo build --release --quiet --bin sluice --example overload_bench --example overload_plot
+[ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release --quiet --bin sluice --example overload_bench --example overload_plot
 target="${CARGO_TARGET_DIR:-target}/release"
-sluice="$target/sluice"
+sluice="${SLUICE_BIN:-$target/sluice}"
 bench="$target/examples/overload_bench"
 
 work=$(mktemp -d)
@@ -112,29 +128,32 @@ ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 : >"$results"
 phase load && for setup in none static adaptive-150 adaptive-120; do
     start "$setup"
-    for factor in 0.7 1 2 4; do
+    for factor in $FACTORS; do
         rate=$(awk -v c="$capacity" -v f="$factor" 'BEGIN {print c * f}')
         line=$("$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$rate" --duration "$DURATION" --timeout-ms "$TIMEOUT_MS")
         echo "$line" | jq -c --arg setup "$setup" --argjson factor "$factor" --argjson capacity "$capacity" \
             '. + {setup: $setup, factor: $factor, capacity: $capacity}' | tee -a "$results"
-        sleep 3
+        jq -e '.critical.ok + .sheddable.ok > 0' <<<"$line" >/dev/null || fail "$setup at ${factor}x: nothing admitted: $line"
+        sleep "$PAUSE"
     done
     stop_all
 done
 
 CPU_RATE=${CPU_RATE:-3000}
 ROUNDS=${ROUNDS:-2}
-phase cpu && log "sidecar CPU per request, protection off and on: $CPU_RATE requests/s for 10 s, $ROUNDS rounds"
+phase cpu && log "sidecar CPU per request, protection off and on: $CPU_RATE requests/s for $CPU_SECONDS s, $ROUNDS rounds"
 cpu="$OUT/cpu.jsonl"
 : >"$cpu"
 phase cpu && for _ in $(seq "$ROUNDS"); do
     for setup in none adaptive-120; do
         # 4096 workers of 1 ms: the application never queues, so nothing is shed.
         start "$setup" 4096 1
-        "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration 2 >/dev/null
+        "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration "$(awk -v s="$CPU_SECONDS" 'BEGIN {print (s < 2 ? s / 2 : 2)}')" >/dev/null
         before=$(ticks "$SIDECAR_PID")
-        line=$("$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration 10)
+        line=$("$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$CPU_RATE" --duration "$CPU_SECONDS")
         after=$(ticks "$SIDECAR_PID")
+        jq -e '.critical.sent + .sheddable.sent > 0 and .critical.failed + .sheddable.failed == 0' \
+            <<<"$line" >/dev/null || fail "CPU run, $setup: failed requests: $line"
         echo "$line" | jq -c --arg setup "$setup" --argjson t "$((after - before))" --argjson hz "$(getconf CLK_TCK)" \
             '{setup: $setup, sent: (.critical.sent + .sheddable.sent), ok: (.critical.ok + .sheddable.ok),
               usPerRequest: ($t / $hz * 1e6 / (.critical.sent + .sheddable.sent) | floor)}' | tee -a "$cpu"
@@ -144,22 +163,24 @@ done
 
 if phase convergence; then
     CONV_FACTOR=${CONV_FACTOR:-4}
-    log "convergence: adaptive at ${CONV_FACTOR}x for 30 s, capacity halved from 10 s to 20 s"
+    log "convergence: adaptive at ${CONV_FACTOR}x for $CONV_SECONDS s, capacity halved over its middle third"
     start adaptive-120
     csv="$OUT/convergence.csv"
     echo "seconds,limit,in_flight,latency_ms,capacity" >"$csv"
-    "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * CONV_FACTOR))" --duration 30 --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
+    "$bench" load --addr "127.0.0.1:$SIDECAR" --rate "$((capacity * CONV_FACTOR))" --duration "$CONV_SECONDS" --timeout-ms "$TIMEOUT_MS" >"$OUT/convergence.json" &
     load=$!
     begin=$(date +%s%N)
     while kill -0 "$load" 2>/dev/null; do
         elapsed=$(( ($(date +%s%N) - begin) / 1000000 ))
-        if [ "$elapsed" -ge 10000 ] && [ "$elapsed" -lt 20000 ]; then workers=$((WORKERS / 2)); else workers=$WORKERS; fi
+        if [ "$elapsed" -ge $((CONV_SECONDS * 1000 / 3)) ] && [ "$elapsed" -lt $((CONV_SECONDS * 2000 / 3)) ]; then workers=$((WORKERS / 2)); else workers=$WORKERS; fi
         echo "$workers" >"$work/capacity"
         curl -s "127.0.0.1:$ADMIN/overload" | jq -r --arg t "$(awk -v ms="$elapsed" 'BEGIN {print ms / 1000}')" \
             --arg c "$((workers * 1000 / SERVICE_MS))" \
             '[$t, .protection.state.limit, .protection.state.inFlight, .protection.state.estimate.shortLatencyMs, $c] | @csv' >>"$csv"
         sleep 0.2
     done
+    wait "$load" || fail "convergence: the load failed"
+    jq -e '.critical.ok + .sheddable.ok > 0' "$OUT/convergence.json" >/dev/null || fail "convergence: nothing admitted"
     stop_all
     "$target/examples/overload_plot" "$csv" "$OUT/convergence.svg" "$CONV_FACTOR"
 fi

@@ -13,12 +13,17 @@
 # Env: DURATION (s, 10), CONNS ("16 64"), KEYS (100000), REDIS_CPU (0), OTHER_CPU (1),
 #      SKIP_BUILD (1 to reuse the release binary), OUT (markdown results file), POLICIES
 #      (policies-1rule; policies-3rules checks that 3 matching rules still cost one FCALL —
-#      the redis-benchmark ceiling stays the one-rule script).
+#      the redis-benchmark ceiling stays the one-rule script), SLUICE_BIN (a sluice binary),
+#      SMOKE (1: 1 s at 16 connections over 1000 keys, the test command's check that the script
+#      works).
+# Every call is checked: a redis-benchmark FCALL that Redis failed (a library or arguments that
+# no longer match lua/), a non-2xx or socket error in wrk, or a decision Sluice made without
+# Redis (its store errors and fallbacks) fails the script instead of printing a ratio.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BENCH="$ROOT/scripts/bench"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+if [ "${SMOKE:-0}" = 1 ]; then DURATION="${DURATION:-1}" CONNS="${CONNS:-16}" KEYS="${KEYS:-1000}" CALLS_PER_CONN=100; fi
 DURATION="${DURATION:-10}"
 CONNS="${CONNS:-16 64}"
 KEYS="${KEYS:-100000}"
@@ -30,10 +35,7 @@ export BENCH_KEYS="$KEYS"
 . "$BENCH/lib.sh"
 
 install_missing wrk:wrk redis-server:redis-server redis-benchmark:redis-tools
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    (cd "$ROOT" && cargo build --release --quiet --bin sluice)
-fi
-SLUICE="$TARGET/release/sluice"
+SLUICE="$(sluice_bin)"
 
 REDIS_PORT=18379
 SLUICE_PORT=18380
@@ -44,16 +46,22 @@ trap 'exit 130' INT TERM
 
 cli() { redis-cli -p "$REDIS_PORT" "$@"; }
 script_calls() { cli INFO commandstats | awk -F'[=,:]' '/^cmdstat_fcall:/ {print $3}'; }
+store_failures() { # store errors + fallbacks so far, from sluice's /metrics
+    curl -s "http://127.0.0.1:$SLUICE_PORT/metrics" | awk '/^sluice_store_(errors|fallbacks)/ {s += $NF} END {printf "%.0f", s}'
+}
 
 start_redis "$REDIS_PORT" "$REDIS_CPU"; PIDS+=("$REDIS_PID")
-# The library sluice loads itself, under a name of its own for redis-benchmark.
+# The library sluice loads itself (in src/store/redis_library.rs's order), under a name of its
+# own for redis-benchmark.
 LIBRARY_FILE=$(mktemp)
+files=$(lua_library_files)
 {
     echo '#!lua name=sluice_bench'
-    cat "$ROOT"/lua/{common,token_bucket,gcra,fixed_window,sliding_window_log,sliding_window_counter,check}.lua
+    for part in $files; do cat "$ROOT/$part"; done
     echo "redis.register_function('sluice_bench', decide)"
 } > "$LIBRARY_FILE"
-cli -x FUNCTION LOAD REPLACE < "$LIBRARY_FILE" >/dev/null
+loaded=$(cli -x FUNCTION LOAD REPLACE < "$LIBRARY_FILE" 2>&1)
+[ "$loaded" = sluice_bench ] || fail "FUNCTION LOAD: $loaded"
 
 RUST_LOG=warn taskset -c "$OTHER_CPU" "$SLUICE" serve --policies "$BENCH/${POLICIES:-policies-1rule}" \
     --listen "127.0.0.1:$SLUICE_PORT" --redis "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s 2>/dev/null & PIDS+=($!)
@@ -69,10 +77,18 @@ curl -s -d "$sample" "http://127.0.0.1:$SLUICE_PORT/v1/check" | grep -q '"allowe
 for c in $CONNS; do
     # The ceiling: the same function, one fixed-window rule (1e9 per hour, so nothing is denied),
     # random keys, `c` connections.
-    n=$((c * 4000))
+    # Arguments as lua/check.lua's `decide` takes them: now and hold id ("": the server's clock,
+    # no hold), then the rule's parameters and cost.
+    n=$((c * ${CALLS_PER_CONN:-4000}))
+    cli CONFIG RESETSTAT >/dev/null
     ceiling=$(taskset -c "$OTHER_CPU" redis-benchmark -p "$REDIS_PORT" -c "$c" -n "$n" -r "$KEYS" -q \
-        FCALL sluice_bench 1 "sl1:{bench}:bench:9:key-__rand_int__" "" "4:1000000000:3600000000:1000000000:4:-1:1" 1 \
+        FCALL sluice_bench 1 "sl1:{bench}:bench:9:key-__rand_int__" "" "" "4:1000000000:3600000000:1000000000:4:-1:1" 1 \
         | tr '\r' '\n' | awk '/requests per second/ {for (i = 1; i <= NF; i++) if ($i ~ /^[0-9.]+$/) v = $i} END {print v}')
+    read -r calls failed rejected <<<"$(fcall_stats "$REDIS_PORT")"
+    if [ "$calls" != "$n" ] || [ "$failed" != 0 ] || [ "$rejected" != 0 ]; then
+        fail "redis-benchmark FCALL: $calls calls of $n, $failed failed, $rejected rejected"
+    fi
+    failures0=$(store_failures)
     before=$(script_calls)
     out=$(taskset -c "$OTHER_CPU" wrk -t1 -c "$c" -d "${DURATION}s" --latency -s "$BENCH/check.lua" \
         "http://127.0.0.1:$SLUICE_PORT/v1/check")
@@ -82,6 +98,10 @@ for c in $CONNS; do
     p50=$(awk '$1 == "50%" {print $2}' <<<"$out")
     p99=$(awk '$1 == "99%" {print $2}' <<<"$out")
     non2xx=$(awk '/Non-2xx/ {print $4}' <<<"$out")
+    errors=$(awk '/Non-2xx|Socket errors/ {printf "%s ", $0}' <<<"$out")
+    if [ -n "$errors" ] || [ "${total:-0}" -le 0 ]; then fail "wrk, $c connections: ${errors:-no request answered}"; fi
+    failures=$(($(store_failures) - failures0))
+    [ "$failures" = 0 ] || fail "wrk, $c connections: $failures decisions without Redis (store errors and fallbacks)"
     per=$(awk -v a="$after" -v b="$before" -v t="$total" 'BEGIN { printf "%.3f", (a - b) / t }')
     ratio=$(awk -v s="$rps" -v r="$ceiling" 'BEGIN { printf "%.0f%%", 100 * s / r }')
     log "c=$c ceiling=$ceiling sluice=$rps ($ratio) p50=$p50 p99=$p99 fcall/decision=$per non2xx=${non2xx:-0}"

@@ -1,11 +1,13 @@
 -- Profiling steps for scripts/bench/redis-profile.sh: appended to Sluice's decision library
--- (lua/*.lua, in the order src/store/redis.rs loads them) so they reach its local functions.
+-- (lua/*.lua, in the order src/store/redis_library.rs concatenates them) so they reach its local
+-- functions.
 -- Each step does what the one before did plus one more part of a fixedWindow decision, so the
 -- difference between two steps' µs per call is that part's cost inside Redis. Not part of the
 -- product: nothing here is loaded by Sluice.
 --
--- KEYS[i] a rule's key; ARGV[1] ignored (the decision's now: ""), ARGV[2i] the rule's parameter
--- text, ARGV[2i + 1] its cost, as for `decide` (lua/check.lua). Returns 1 + 5 integers per rule.
+-- KEYS[i] a rule's key; ARGV[1] and ARGV[2] ignored (the decision's now and hold id: ""),
+-- ARGV[2i + 1] the rule's parameter text, ARGV[2i + 2] its cost, as for `decide`
+-- (lua/check.lua). Returns 1 + 5 integers per rule.
 
 -- The commands alone: TIME, then per rule the HMGET a fixed window reads with and an HSET of a
 -- constant count.
@@ -27,7 +29,11 @@ local function step(part)
     local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
     local out = { 1 }
     for i = 1, #KEYS do
-      local r1, r2, r3, r4 = part(KEYS[i], rule_params(ARGV[2 * i]), int(ARGV[2 * i + 1]), now)
+      local l = rule_params(ARGV[2 * i + 1])
+      if l == nil then
+        return redis.error_reply('profile: bad parameters for rule ' .. i)
+      end
+      local r1, r2, r3, r4 = part(KEYS[i], l, int(ARGV[2 * i + 2]), now)
       out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = 1, r1, r2, r3, r4
     end
     return out
@@ -60,7 +66,7 @@ end)
 local profile_consume = step(function(key, l, cost, now)
   local state, ktype = l.module.read(key)
   local _, remaining, reset_after, retry_after, delay = l.module.check(l, state, now, cost)
-  l.module.consume(key, ktype, state, l, now, cost)
+  l.module.consume(key, ktype, state, l, now, cost, '')
   return remaining, reset_after, retry_after, delay
 end)
 

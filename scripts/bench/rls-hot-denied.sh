@@ -9,10 +9,15 @@
 #   SLUICE_BIN=target/release/sluice scripts/bench/rls-hot-denied.sh
 #
 # Env: DURATION (10), SERVER_CPU (0; the server and Redis), CLIENT_CPU (1), SLUICE_BIN (else
-#      `cargo build --release --bin sluice`), LIMITADOR (1; 0 skips Limitador).
+#      `cargo build --release --bin sluice`), LIMITADOR (auto: Limitador's rows when
+#      `scripts/bench/limitador.sh build` has a binary, else left out with a note; 1: required;
+#      0: skipped), SMOKE (1: DURATION 1, the test command's check that the script works).
+# A run with any failed call, or none answered or admitted, fails the script instead of printing
+# the figures of failures.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+if [ "${SMOKE:-0}" = 1 ]; then DURATION="${DURATION:-1}"; fi
 DURATION="${DURATION:-10}"
 SERVER_CPU="${SERVER_CPU:-0}"
 CLIENT_CPU="${CLIENT_CPU:-1}"
@@ -25,9 +30,13 @@ if [ -z "${SLUICE_BIN:-}" ]; then
 fi
 CLIENT="$("$ROOT/e2e/rls-client.sh")"
 LIMITADOR_BIN=""
-if [ "${LIMITADOR:-1}" = 1 ]; then
-    LIMITADOR_BIN="$("$ROOT/scripts/bench/limitador.sh" build)"
-fi
+case "${LIMITADOR:-auto}" in
+    0) log "*** Limitador rows skipped: LIMITADOR=0 ***" ;;
+    1) LIMITADOR_BIN="$("$ROOT/scripts/bench/limitador.sh" build)" ;;
+    auto) LIMITADOR_BIN="$("$ROOT/scripts/bench/limitador.sh" build 2>/dev/null)" ||
+        log "*** Limitador rows skipped: not built and no source tree (scripts/bench/limitador.sh build SRC; LIMITADOR=1 requires them) ***" ;;
+    *) log "LIMITADOR must be auto, 1 or 0"; exit 2 ;;
+esac
 
 WORK="$(mktemp -d)"
 PIDS=()
@@ -54,10 +63,11 @@ YAML
 echo "| server | decisions/s | admitted in ${DURATION} s | server CPU µs/decision | Redis CPU µs/decision | Redis calls/decision |"
 echo "|---|---:|---:|---:|---:|---:|"
 run() { # name, grpc port, server pid
-    local name=$1 port=$2 pid=$3
-    for _ in $(seq 100); do
+    local name=$1 port=$2 pid=$3 i
+    for i in $(seq 100); do
         echo '{"op":"rls","domain":"bench","descriptors":[{"entries":[{"key":"api_key","value":"warm"}]}]}' \
             | "$CLIENT" stdio -addr "127.0.0.1:$port" 2>/dev/null | grep -q '"ok":true' && break
+        [ "$i" != 100 ] || fail "$name: no answer on 127.0.0.1:$port in 10 s"
         sleep 0.1
     done
     cli FLUSHALL >/dev/null; cli CONFIG RESETSTAT >/dev/null
@@ -72,7 +82,9 @@ run() { # name, grpc port, server pid
 import json, sys
 name, out, c0, c1, t0, t1, calls, hz = sys.argv[1:]
 r = json.loads(out)
-n = max(r["requests"], 1)
+if r["requests"] == 0 or r["errors"] != 0 or r["ok"] == 0:
+    sys.exit(f"FAILED: {name}: {r['requests']} calls, {r['errors']} failed, {r['ok']} admitted: {out}")
+n = r["requests"]
 print(f"| {name} | {r['rps']:.0f} | {r['ok']} | {(float(t1) - float(t0)) / float(hz) * 1e6 / n:.1f} | "
       f"{(float(c1) - float(c0)) * 1e6 / n:.2f} | {int(calls) / n:.3f} |")
 PY

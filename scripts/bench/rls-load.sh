@@ -33,19 +33,26 @@
 #      CLIENT_CPU (1), REDIS_PORT (18479), GRPC_PORT (18481), HTTP_PORT (18480, Limitador's HTTP
 #      API), SLUICE_BIN (a sluice binary; else `cargo build --release --bin sluice`, honouring
 #      CARGO_TARGET_DIR), OUT (markdown results file, appended to), SLUICE_CACHE (where
-#      envoy-ratelimit.sh, limitador.sh and rls-client.sh cache builds), LIMITADOR (1: Limitador
-#      rows required, fail if `limitador.sh build` has no binary (it needs a source tree, see
-#      there: SLUICE_LIMITADOR_SRC); auto: skip them if so, saying so on stderr and in OUT; 0: skip),
+#      envoy-ratelimit.sh, limitador.sh and rls-client.sh cache builds), LIMITADOR (auto, the
+#      default: skip the Limitador rows when `limitador.sh build` has no binary (it needs a source
+#      tree, see there: SLUICE_LIMITADOR_SRC), saying so on stderr and in OUT; 1: Limitador rows
+#      required, fail without them; 0: skip), ENVOY_RATELIMIT (1, the default: build it if not
+#      cached, about a minute; auto: its rows only if already built, skipped with a note
+#      otherwise; 0: skip), SMOKE (1: the test command's smoke run, DURATION 500ms, WARMUP 200ms,
+#      ENVOY_RATELIMIT auto),
 #      SLUICE_LIMITADOR_BIN (a limitador-server binary), REDIS_CPU (SERVER_CPU: Redis's core),
 #      HOG_CPUS (cores given a busy loop for the whole run, e.g. "0" or "0 1": other work on the
 #      machine, at the servers' priority), ONLY (batching: only Sluice on Redis, with each
 #      --redis-batches of BATCHES ("2 0"; 0 is one call per request), ROUNDS times alternately, so
 #      all see the same machine), ROUNDS (3).
+# A measured run with any error, no request, or (Sluice) store errors or fallbacks fails the
+# script: its numbers would be those of failures.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BENCH="$ROOT/scripts/bench"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+if [ "${SMOKE:-0}" = 1 ]; then DURATION="${DURATION:-500ms}" WARMUP="${WARMUP:-200ms}" ENVOY_RATELIMIT="${ENVOY_RATELIMIT:-auto}"; fi
 DURATION="${DURATION:-10s}"
 WARMUP="${WARMUP:-2s}"
 CONNS="${CONNS:-4}"
@@ -56,7 +63,8 @@ CLIENT_CPU="${CLIENT_CPU:-1}"
 REDIS_PORT="${REDIS_PORT:-18479}"
 GRPC_PORT="${GRPC_PORT:-18481}"
 HTTP_PORT="${HTTP_PORT:-18480}"
-LIMITADOR="${LIMITADOR:-1}"
+LIMITADOR="${LIMITADOR:-auto}"
+ENVOY_RATELIMIT="${ENVOY_RATELIMIT:-1}"
 REDIS_CPU="${REDIS_CPU:-$SERVER_CPU}"
 HOG_CPUS="${HOG_CPUS:-}"
 ONLY="${ONLY:-}"
@@ -83,9 +91,21 @@ else
 fi
 [ -x "$SLUICE" ] || { log "missing $SLUICE"; exit 1; }
 RLS="$("$ROOT/e2e/rls-client.sh")"
-RATELIMIT="$("$BENCH/envoy-ratelimit.sh" build)"
-RL_VERSION="$(basename "$(dirname "$RATELIMIT")")"
-RL_VERSION="${RL_VERSION#envoy-ratelimit-}"
+RATELIMIT_SKIPPED=
+case "$ENVOY_RATELIMIT" in
+    0) RATELIMIT_SKIPPED="envoyproxy/ratelimit rows skipped: ENVOY_RATELIMIT=0" ;;
+    1) RATELIMIT="$("$BENCH/envoy-ratelimit.sh" build)" ;;
+    auto) RATELIMIT="$("$BENCH/envoy-ratelimit.sh" built)" ||
+        RATELIMIT_SKIPPED="envoyproxy/ratelimit rows skipped: not built (scripts/bench/envoy-ratelimit.sh build)" ;;
+    *) log "ENVOY_RATELIMIT must be 1, auto or 0"; exit 2 ;;
+esac
+if [ -n "$RATELIMIT_SKIPPED" ]; then
+    log "*** $RATELIMIT_SKIPPED ***"
+    RL_VERSION="skipped"
+else
+    RL_VERSION="$(basename "$(dirname "$RATELIMIT")")"
+    RL_VERSION="${RL_VERSION#envoy-ratelimit-}"
+fi
 LIMITADOR_SKIPPED=
 case "$LIMITADOR" in
     0) LIMITADOR_SKIPPED="Limitador rows skipped: LIMITADOR=0" ;;
@@ -263,6 +283,7 @@ sluice_failures() { # store errors + fallbacks so far, from /metrics
     echo "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); servers on CPU $SERVER_CPU, Redis $REDIS_VERSION on CPU $REDIS_CPU, rls-client on CPU $CLIENT_CPU."
     echo "sluice: $SLUICE; envoyproxy/ratelimit $RL_VERSION; Kuadrant/Limitador $LIMITADOR_VERSION."
     [ -z "$LIMITADOR_SKIPPED" ] || { echo; echo "**$LIMITADOR_SKIPPED.**"; }
+    [ -z "$RATELIMIT_SKIPPED" ] || { echo; echo "**$RATELIMIT_SKIPPED.**"; }
     echo
     echo "| target | descriptors | decisions/s | p50 µs | p99 µs | p99.9 µs | server CPU µs/decision | Redis CPU µs/decision | Redis commands/decision | requests | ok | over_limit | errors | load before | load after |"
     echo "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"
@@ -320,6 +341,14 @@ measure() { # name descriptors uses_redis(0|1) [commands the server sends beside
     log "$row"
     [ "$redis" = 0 ] || log "  Redis calls in the measured run (${cmds//;/ }) for $(grep -o '"requests":[0-9]*' <<<"$out")"
     echo "$row" >>"$OUT"
+    # Numbers of failed calls are no measurement: errors, nothing answered, or decisions Sluice
+    # made without its store fail the run.
+    local requests errors
+    requests=$(grep -o '"requests":[0-9]*' <<<"$out" | cut -d: -f2)
+    errors=$(grep -o '"errors":[0-9]*' <<<"$out" | cut -d: -f2)
+    [ "${requests:-0}" -gt 0 ] || fail "$name, $nd descriptors: no request answered: $out"
+    [ "${errors:-1}" = 0 ] || fail "$name, $nd descriptors: $errors of $requests calls failed: $out"
+    [ "$f0" = "-" ] || [ "$f0" = "$f1" ] || fail "$name, $nd descriptors: $((f1 - f0)) store errors/fallbacks"
 }
 
 for cpu in $HOG_CPUS; do
@@ -358,10 +387,14 @@ start_sluice --grpc-response-headers off --redis "redis://127.0.0.1:$REDIS_PORT"
 measure "Sluice Redis, batched (--redis-batches 2)" 1 1
 measure "Sluice Redis, batched (--redis-batches 2)" 3 1
 stop_server
-start_ratelimit
-measure "envoyproxy/ratelimit Redis" 1 1
-measure "envoyproxy/ratelimit Redis" 3 1
-stop_server
+if [ -z "$RATELIMIT_SKIPPED" ]; then
+    start_ratelimit
+    measure "envoyproxy/ratelimit Redis" 1 1
+    measure "envoyproxy/ratelimit Redis" 3 1
+    stop_server
+else
+    log "*** $RATELIMIT_SKIPPED ***"
+fi
 if [ -z "$LIMITADOR_SKIPPED" ]; then
     start_limitador redis
     measure "Limitador Redis" 1 1 MGET

@@ -14,21 +14,25 @@
 #   scripts/bench/shared-fate.sh                               # this checkout's release build
 #   SLUICE=/path/to/sluice scripts/bench/shared-fate.sh        # another build, side by side
 #
-# Env: SLUICE, SAMPLES (200), FLOODERS (4), SECONDS_EACH (8).
+# Env: SLUICE (or SLUICE_BIN), SAMPLES (200), FLOODERS (4), SECONDS_EACH (8), SMOKE (1: 1 s per
+#      attack, 1 flooder, the test command's check that the script works).
+# An answer that is neither a decision (200, 429) nor expected, a request that got no answer,
+# or no sample of b at all, fails the script: those figures would be of failures.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck source=scripts/bench/lib.sh
 . "$ROOT/scripts/bench/lib.sh"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+if [ "$SMOKE" = 1 ]; then SAMPLES="${SAMPLES:-20}" FLOODERS="${FLOODERS:-1}" SECONDS_EACH="${SECONDS_EACH:-1.5}"; fi
 SAMPLES="${SAMPLES:-200}"
 FLOODERS="${FLOODERS:-4}"
 SECONDS_EACH="${SECONDS_EACH:-8}"
 
 install_missing redis-server:redis-server redis-cli:redis-tools
-SLUICE="${SLUICE:-}"
+SLUICE="${SLUICE:-${SLUICE_BIN:-}}"
 if [ -z "$SLUICE" ]; then
-    (cd "$ROOT" && cargo build --release --quiet --bin sluice)
+    [ "${SKIP_BUILD:-0}" = 1 ] || (cd "$ROOT" && cargo build --release --quiet --bin sluice)
     SLUICE="$TARGET/release/sluice"
 fi
 work="$(mktemp -d)"
@@ -66,8 +70,10 @@ run() { # run ATTACK POLICY-FILES...
     "$SLUICE" serve --listen "127.0.0.1:$serve_port" --redis "redis://127.0.0.1:$redis_port" \
         "$@" 2>"$work/serve-$attack.log" &
     SERVE_PID=$!
-    for _ in $(seq 100); do
+    local i
+    for i in $(seq 100); do
         curl -fsS "http://127.0.0.1:$serve_port/healthz" >/dev/null 2>&1 && break
+        [ "$i" != 100 ] || fail "sluice serve did not answer: $(tail -n 5 "$work/serve-$attack.log")"
         sleep 0.1
     done
     python3 - "$serve_port" "$attack" "$SAMPLES" "$FLOODERS" "$SECONDS_EACH" <<'PY'
@@ -87,8 +93,14 @@ def post(path, body, timeout=60, answer=None):
             answer.append(json.loads(error.read() or b"{}"))
         return error.code
 a_statuses = collections.Counter()
+failures = []
 stop = time.monotonic() + seconds
 def flood(n):
+    try:
+        flood_until_stop(n)
+    except Exception as error:  # no answer: a reset, a timeout
+        failures.append(f"a: {error!r}")
+def flood_until_stop(n):
     i = 0
     while time.monotonic() < stop:
         i += 1
@@ -101,13 +113,14 @@ def flood(n):
 threads = [threading.Thread(target=flood, args=(n,)) for n in range(flooders)]
 for t in threads: t.start()
 time.sleep(0.5)
-latencies, refused = [], 0
+latencies, refused, b_statuses = [], 0, collections.Counter()
 for i in range(samples):
     if time.monotonic() > stop - 0.2:
         break
     started = time.monotonic()
     answer = []
     status = post("/v1/check", {"namespace": "b", "path": "/", "headers": {"X-User": f"b{i}"}}, answer=answer)
+    b_statuses[status] += 1
     latencies.append((time.monotonic() - started) * 1000)
     refused += any(rule.get("storeFailure") for reply in answer for rule in reply.get("rules", []))
     time.sleep(0.01)
@@ -115,6 +128,12 @@ for t in threads: t.join()
 latencies.sort()
 pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
 print(f"{attack}: b decided by its onStoreFailure (deny) {refused} of {len(latencies)}; b latency p50 {pick(0.5):.1f} ms, p99 {pick(0.99):.1f} ms, max {latencies[-1] if latencies else 0:.1f} ms; a answers {dict(a_statuses)}")
+# A 429 is a decision (b's deny on a store failure is the figure); anything else is a failure.
+failures += [f"b answered {s} x{n}" for s, n in b_statuses.items() if s not in (200, 429)]
+failures += [f"a answered {s} x{n}" for s, n in a_statuses.items() if s not in (200, 429)]
+if not latencies: failures.append("no sample of b")
+if not a_statuses: failures.append("a's flood got no answer")
+if failures: sys.exit(f"FAILED: {attack}: {failures[:5]}")
 PY
     curl -fsS "http://127.0.0.1:$serve_port/metrics" | grep -E '^sluice_store_(errors|fallbacks)_total' \
         | sed "s/^/$attack: /" || true

@@ -26,9 +26,12 @@
 # The endpoint's policy is one fixedWindow rule per X-API-Key on /orders that the run never reaches;
 # wrk sends KEYS distinct keys. Each process's CPU (utime + stime from /proc) is divided by the requests wrk
 # completed, so the figures do not depend on how the processes shared the core. Prints Markdown.
+# A run with non-2xx answers, socket errors or no request answered fails the script. SMOKE=1 (the
+# test command's check that the script works): one round of 1 s per target, 8 connections.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+if [ "${SMOKE:-0}" = 1 ]; then DURATION=${DURATION:-1s} ROUNDS=${ROUNDS:-1} CONNS=${CONNS:-8} KEYS=${KEYS:-100}; fi
 DURATION=${DURATION:-10s}
 CONNS=${CONNS:-64}
 KEYS=${KEYS:-10000}
@@ -216,6 +219,9 @@ for round in $(seq "$ROUNDS"); do
     $LOAD wrk -t1 -c"$CONNS" -d"$DURATION" -s "$work/${script[$target]}.lua" "http://127.0.0.1:${port[$target]}/" > "$work/wrk.out" 2>&1
     total=$(awk '/requests in/ {print $1}' "$work/wrk.out")
     non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.out"); [ -z "$non2xx" ] || { cat "$work/wrk.out" >&2; echo "$target: non-2xx answers" >&2; exit 1; }
+    if grep -q 'Socket errors' "$work/wrk.out" || [ "${total:-0}" -le 0 ]; then
+      cat "$work/wrk.out" >&2; echo "FAILED: $target: socket errors or no request answered" >&2; exit 1
+    fi
     all[$target.rps]+="$(awk '/^Requests\/sec/ {printf "%.0f", $2}' "$work/wrk.out") "
     sum=0
     for p in ${procs[$target]}; do

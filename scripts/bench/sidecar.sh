@@ -11,9 +11,14 @@
 # to CPU 0 and every server to the remaining CPUs (taskset), so the load generator does not
 # compete with what it measures; on a 2-core machine the sidecar, the endpoint and the upstream
 # share one core.
+#
+# A wrk run with non-2xx answers, socket errors or no request answered fails the script, and so
+# does a run in which the endpoint decided nothing (the sidecar forwarding without a decision).
+# SMOKE=1 (the test command's check that the script works): one round of 1 s runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+if [ "${SMOKE:-0}" = 1 ]; then DURATION=${DURATION:-1s} ROUNDS=${ROUNDS:-1} CONNS=${CONNS:-8}; fi
 DURATION=${DURATION:-10s}
 CONNS=${CONNS:-32}
 need() { command -v "$1" >/dev/null 2>&1 || { echo "missing $1 (apt-get install -y $2)" >&2; exit 1; }; }
@@ -88,7 +93,12 @@ rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 rss_idle=$(rss "$sidecar")
 
 # wrk's summary: latency percentiles (--latency) and requests/s.
-run() { $LOAD wrk -t1 -c"$1" -d"$DURATION" --latency "$2" > "$work/wrk.out" 2>&1; cat "$work/wrk.out" >&2; }
+run() {
+  $LOAD wrk -t1 -c"$1" -d"$DURATION" --latency "$2" > "$work/wrk.out" 2>&1; cat "$work/wrk.out" >&2
+  if grep -qE 'Non-2xx|Socket errors' "$work/wrk.out" || ! awk '/requests in/ {exit !($1 > 0)}' "$work/wrk.out"; then
+    echo "FAILED: wrk -c$1 $2: $(grep -E 'Non-2xx|Socket errors|requests in' "$work/wrk.out" | tr '\n' ' ')" >&2; exit 1
+  fi
+}
 pct() { awk -v p="$1" '$1 == p {print $2}' "$work/wrk.out"; }
 rps() { awk '/^Requests\/sec/ {printf "%.0f", $2}' "$work/wrk.out"; }
 to_us() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1e6; else print n }'; }
@@ -124,6 +134,7 @@ for p in sidecar endpoint upstream; do
   cpu[$p]=$(awk -v a="${t0[$p]}" -v b="$(ticks "${!p}")" -v n="$total" -v hz="$hz" 'BEGIN {printf "%.0f", (b - a) / hz * 1e6 / n}')
 done
 checks=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^sluice_sidecar_decisions_total\{source="endpoint",result="allow"\}/ {print $2}')
+awk -v c="${checks:-0}" 'BEGIN {exit !(c > 0)}' || { echo "FAILED: the endpoint decided none of the requests" >&2; exit 1; }
 
 added50=$(awk -v a="${r[sidecar.p50]}" -v b="${r[direct.p50]}" 'BEGIN {printf "%+.0f", a - b}')
 added99=$(awk -v a="${r[sidecar.p99]}" -v b="${r[direct.p99]}" 'BEGIN {printf "%+.0f", a - b}')

@@ -22,11 +22,18 @@ kill_all() {
 }
 trap 'kill_all; rm -rf "$WORK"' EXIT
 
+# SLUICE_BIN and LOAD_BIN (examples/failover_load) use binaries already built; without both,
+# the release build of this checkout is made (or brought up to date) first.
 build_tools() {
     install_missing redis-server:redis-server redis-cli:redis-tools python3:python3 jq:jq curl:curl
-    (cd "$RELIABILITY_ROOT" && cargo build --release --quiet --bin sluice --example failover_load)
-    SLUICE="$RELIABILITY_ROOT/target/release/sluice"
-    LOAD="$RELIABILITY_ROOT/target/release/examples/failover_load"
+    if [ -z "${SLUICE_BIN:-}" ] || [ -z "${LOAD_BIN:-}" ]; then
+        (cd "$RELIABILITY_ROOT" && cargo build --release --quiet --bin sluice --example failover_load)
+    fi
+    local target="${CARGO_TARGET_DIR:-$RELIABILITY_ROOT/target}"
+    SLUICE="${SLUICE_BIN:-$target/release/sluice}"
+    LOAD="${LOAD_BIN:-$target/release/examples/failover_load}"
+    [ -x "$SLUICE" ] || fail "no sluice binary at $SLUICE"
+    [ -x "$LOAD" ] || fail "no failover_load binary at $LOAD"
 }
 
 # One rule per algorithm, 200 per 10 s, keyed by the run, with ON_STORE_FAILURE.
@@ -79,7 +86,8 @@ replica_resources() {
 # in $WORK/load.json.
 LOAD_ARGS=()
 start_load() {
-    python3 -c 'import time; time.sleep(10 - time.time() % 10 + 0.02)'
+    # In the smoke run (SMOKE=1) no wait: its windows are not compared.
+    [ "$SMOKE" = 1 ] || python3 -c 'import time; time.sleep(10 - time.time() % 10 + 0.02)'
     "$LOAD" --endpoints "$(IFS=,; echo "${ENDPOINTS[*]}")" --paths "$(IFS=,; echo "${RULE_PATHS[*]}")" \
         --namespace failover --rate "$RATE" --duration "$DURATION" --window 10 --run "$1-$$" "${LOAD_ARGS[@]}" \
         >"$WORK/load.json" &
@@ -92,6 +100,16 @@ RESULTS=()
 finish_load() {
     local scenario="$1"; shift
     wait "$LOAD_PID" 2>/dev/null || true  # a scenario may have waited for it already
+    # No figures from a load that did not run: every rule must have been offered requests and
+    # decided some; in the baseline, where nothing fails, every answer must be a decision made
+    # with the store (no error, no non-200, nothing by onStoreFailure).
+    jq -e --argjson paths "$(printf '%s\n' "${RULE_PATHS[@]}" | jq -R . | jq -s .)" \
+        'all($paths[] as $p | .[$p]; . != null and .sent > 0 and .admitted + .refused > 0)' \
+        "$WORK/load.json" >/dev/null 2>&1 || fail "$scenario: the load decided nothing on some rule: $(head -c 600 "$WORK/load.json")"
+    if [ "$scenario" = baseline ]; then
+        jq -e 'all(.[] | objects | select(has("sent")); .non_200 == 0 and .transport_errors == 0 and ([.by_store_failure[]] | add // 0) == 0)' \
+            "$WORK/load.json" >/dev/null || fail "baseline: failed calls: $(head -c 600 "$WORK/load.json")"
+    fi
     local extra='{}' pair
     for pair in "$@"; do extra=$(jq -c --arg k "${pair%%=*}" --arg v "${pair#*=}" '. + {($k): $v}' <<<"$extra"); done
     RESULTS+=("$(jq -c --arg s "$scenario" --argjson e "$extra" '{scenario: $s} + $e + .' "$WORK/load.json")")
