@@ -17,6 +17,8 @@
 -- The most holds of nothing (askers waiting while the bound is out in others' slices) one key
 -- keeps: MAX_WAITING_HOLDS in src/algorithm/lease.rs.
 local MAX_WAITING_HOLDS = 32
+-- The most live lease holds (slices and holds of nothing) one key keeps: MAX_LEASE_HOLDS there.
+local MAX_LEASE_HOLDS = 256
 
 local function reservation_key(key)
   return (string.gsub(key, '}:', '}:r:', 1))
@@ -177,10 +179,19 @@ function sluice.reserving(inner)
   -- when none), the key's remaining and reset_after once granted, and its live holds.
   function m.grant(key, l, now, hold, want, cap, ttl)
     local s, ktype = m.read(key)
-    local outstanding = 0
+    -- The live holds: what they hold, how many, how many hold nothing, and whether one is this
+    -- asker's.
+    local outstanding, live, waiting, known = 0, 0, 0, false
     for _, h in ipairs(s.holds) do
       if h.until_ > now then
         outstanding = outstanding + h.amount
+        live = live + 1
+        if h.amount == 0 then
+          waiting = waiting + 1
+        end
+        if h.id == hold then
+          known = true
+        end
       end
     end
     local room = math.min(math.max(cap - outstanding, 0), want)
@@ -200,7 +211,9 @@ function sluice.reserving(inner)
       until_ = idiv(now, l.per) * l.per + l.per
       stop = math.min(stop, until_)
     end
-    if hold == '' or stop <= now then
+    -- At most MAX_LEASE_HOLDS live holds per key (src/algorithm/lease.rs): a new holder past
+    -- that is granted nothing and not recorded.
+    if hold == '' or stop <= now or (live >= MAX_LEASE_HOLDS and not known) then
       amount = -1
     end
     if amount <= 0 then
@@ -208,18 +221,6 @@ function sluice.reserving(inner)
       -- is counted as a holder (a hold of nothing), as in Rust.
       -- At most MAX_WAITING_HOLDS such holds per key (src/algorithm/lease.rs): past that the
       -- asker is not recorded, so fresh hold ids cannot grow the hash every operation reads.
-      local live, waiting, known = 0, 0, false
-      for _, h in ipairs(s.holds) do
-        if h.until_ > now then
-          live = live + 1
-          if h.amount == 0 then
-            waiting = waiting + 1
-          end
-          if h.id == hold then
-            known = true
-          end
-        end
-      end
       if amount == 0 and room == 0 and ok and remaining > 0 and (known or waiting < MAX_WAITING_HOLDS) then
         return 0, 0, remaining, reset_after, #add_hold(s, now, hold, 0, until_)
       end

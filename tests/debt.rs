@@ -6,12 +6,13 @@
 //! - a reservation of 0 (`max_tokens: 0` with no `plus`, or `reportAfter`) leaves no hold on the
 //!   key, and its settle still charges (issue 37, item 8);
 //! - an asker of a quota lease waiting on a full key under fresh hold ids leaves a bounded
-//!   number of holds of nothing, and the answers do not change (issue 37, item 2).
+//!   number of holds of nothing, and the answers do not change; slices of one unit under fresh
+//!   ids stop at a bounded number of holds too (issue 37, item 2).
 
 mod support;
 
 use redis::AsyncCommands;
-use sluice::algorithm::lease::{LeaseAsk, MAX_WAITING_HOLDS};
+use sluice::algorithm::lease::{LeaseAsk, MAX_LEASE_HOLDS, MAX_WAITING_HOLDS};
 use sluice::algorithm::{Algorithm, HoldId, Limit, MAX_EXACT, Micros};
 use sluice::store::keys::{reservation_key, state_key};
 use sluice::store::memory::MemoryStore;
@@ -191,4 +192,35 @@ async fn holds_of_nothing_stay_bounded_on_a_full_key() {
         let after = redis_store.lease_tagged(TAG, Some(T0 + 40 * SEC), &[settle_op]).await.unwrap();
         assert_eq!(after[0].after.remaining, 996, "{algorithm}");
     }
+}
+
+/// Slices of one unit under fresh hold ids with an overshoot bound (10 000) far above
+/// [`MAX_LEASE_HOLDS`]: the key keeps at most that many holds, on both stores alike, and the
+/// units they hold count.
+#[tokio::test]
+async fn lease_holds_stay_bounded_under_slices_of_one() {
+    let server = RedisServer::start();
+    let redis_store = redis_store(&server).await;
+    let mut redis = raw(&server).await;
+    let memory = MemoryStore::new(10_000);
+    let limit = Limit::new(Algorithm::FixedWindow, 100_000, 3600 * SEC, None, None).unwrap().leasing().unwrap();
+    let wide = |hold| LeaseOp {
+        rule: 9,
+        limit: &limit,
+        key: b"wide",
+        settle: None,
+        ask: Some(LeaseAsk { hold, want: 1, cap: 10_000, ttl: 60 * SEC }),
+    };
+    let (mut from_redis, mut from_memory) = (Vec::new(), Vec::new());
+    for batch in 0..10u64 {
+        let ops: Vec<LeaseOp<'_>> = (0..100).map(|i| wide(1 + batch * 100 + i)).collect();
+        from_redis.extend(redis_store.lease_tagged(TAG, Some(T0), &ops).await.unwrap());
+        from_memory.extend(memory.lease_at(TAG, T0, &ops));
+    }
+    assert_eq!(from_redis, from_memory, "both stores answer alike");
+    let granted: u64 = from_redis.iter().map(|g| g.amount).sum();
+    assert_eq!(granted, MAX_LEASE_HOLDS as u64);
+    let fields: u64 = redis.hlen(reservation_key(&state_key(TAG, 9, b"wide"))).await.unwrap();
+    assert_eq!(fields, MAX_LEASE_HOLDS as u64, "hash fields after 1000 asks");
+    assert_eq!(from_redis.last().map(|g| g.after.remaining), Some(100_000 - MAX_LEASE_HOLDS as u64));
 }

@@ -41,6 +41,13 @@ use super::{Algorithm, Decision, Hold, HoldId, Limit, Micros, State, check, rese
 /// (lua/reservation.lua).
 pub const MAX_WAITING_HOLDS: usize = 32;
 
+/// The most live quota-lease holds (slices and holds of nothing) one key keeps. Slices of one
+/// unit under fresh hold ids would otherwise add a field per ask up to the overshoot bound,
+/// which every operation on the key reads: past this many, a new holder is granted nothing and
+/// not recorded, and its requests are decided by the store, exactly. Holders already recorded
+/// renew as before. Redis keeps the same bound (lua/reservation.lua).
+pub const MAX_LEASE_HOLDS: usize = 256;
+
 /// What a holder asks of one key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseAsk {
@@ -98,7 +105,7 @@ pub fn grant(limit: &Limit, state: &mut Option<State>, now: Micros, ask: LeaseAs
         amount = 0;
     }
     let (until, held_until) = lease_end(limit, now, ask.ttl);
-    if ask.hold == 0 || until <= now {
+    if ask.hold == 0 || until <= now || crowded(state.as_ref(), now, ask.hold) {
         let holders = live_holds(state.as_ref(), now);
         return (LeaseGrant { amount: 0, lasts: 0, after: free, holders }, None);
     }
@@ -123,6 +130,13 @@ fn may_wait(state: Option<&State>, now: Micros, hold: HoldId) -> bool {
     let Some(State::Reserved(r)) = state else { return true };
     let live = || r.holds.iter().filter(|h| h.until > now);
     live().any(|h| h.id == hold) || live().filter(|h| h.amount == 0).count() < MAX_WAITING_HOLDS
+}
+
+/// Whether the key has [`MAX_LEASE_HOLDS`] live holds, none of them `hold`'s.
+fn crowded(state: Option<&State>, now: Micros, hold: HoldId) -> bool {
+    let Some(State::Reserved(r)) = state else { return false };
+    let mut live = r.holds.iter().filter(|h| h.until > now);
+    live.clone().count() >= MAX_LEASE_HOLDS && !live.any(|h| h.id == hold)
 }
 
 /// How many holds of `state` are live at `now`.
@@ -228,6 +242,25 @@ mod tests {
             assert_eq!(live_holds(state.as_ref(), T0 + 3000), 1 + MAX_WAITING_HOLDS as u64, "{algorithm}");
             // One already waiting asks again: still counted, nothing added.
             assert_eq!(grant(&l, &mut state, T0 + 3000, ask(2, 1)).0.holders, 1 + MAX_WAITING_HOLDS as u64);
+        }
+    }
+
+    /// Slices of one unit under fresh hold ids, with an overshoot bound far above
+    /// MAX_LEASE_HOLDS: the key keeps at most that many holds, and what it holds counts.
+    #[test]
+    fn lease_holds_are_bounded_per_key() {
+        for algorithm in LEASABLE {
+            let l = limit(algorithm, 100_000);
+            let mut state = None;
+            let wide = |hold| LeaseAsk { hold, want: 1, cap: 10_000, ttl: 10 * SEC };
+            let granted: u64 = (1..=1000).map(|hold| grant(&l, &mut state, T0, wide(hold)).0.amount).sum();
+            assert_eq!(granted, MAX_LEASE_HOLDS as u64, "{algorithm}");
+            assert_eq!(live_holds(state.as_ref(), T0), MAX_LEASE_HOLDS as u64, "{algorithm}");
+            assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 100_000 - MAX_LEASE_HOLDS as u64, "{algorithm}");
+            // A recorded holder still renews; once a slice is settled, a new holder gets its place.
+            assert_eq!(grant(&l, &mut state, T0, wide(7)).0.amount, 1, "{algorithm}");
+            assert!(settle(&l, &mut state, T0, 8, 1).0, "{algorithm}");
+            assert_eq!(grant(&l, &mut state, T0, wide(5000)).0.amount, 1, "{algorithm}");
         }
     }
 
