@@ -4,6 +4,7 @@
 //! each other's tokens, and a replica without them refuses, saying why.
 
 #[path = "support/replicas.rs"]
+#[allow(dead_code)]
 mod replicas;
 #[path = "support/sluice_process.rs"]
 mod sluice_process;

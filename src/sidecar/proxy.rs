@@ -562,7 +562,7 @@ impl Proxy {
     async fn buffer_small_body(&self, headers: &HeaderMap, body: &mut RequestBody) -> Result<(), Refusal> {
         let declared =
             headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
-        if !declared.is_some_and(|length| length <= MAX_BUFFERED_BODY) || !body.is_streaming() {
+        if declared.is_none_or(|length| length > MAX_BUFFERED_BODY) || !body.is_streaming() {
             return Ok(());
         }
         let Some(rest) = body.rest.take() else { return Ok(()) };
