@@ -19,6 +19,8 @@
 local MAX_WAITING_HOLDS = 32
 -- The most live lease holds (slices and holds of nothing) one key keeps: MAX_LEASE_HOLDS there.
 local MAX_LEASE_HOLDS = 256
+-- The most live reservations one key keeps: MAX_RESERVATIONS in src/algorithm/reservation.rs.
+local MAX_RESERVATIONS = 1024
 
 local function reservation_key(key)
   return (string.gsub(key, '}:', '}:r:', 1))
@@ -70,6 +72,21 @@ local function add_hold(s, now, hold, amount, until_)
   redis.call('PEXPIRE', s.rkey, ttl_ms(latest, now))
   live[#live + 1] = { id = hold, until_ = until_, amount = amount }
   return live
+end
+
+-- Whether the holds `s` read have MAX_RESERVATIONS live ones, none of them `hold`'s (`full` in
+-- Rust).
+local function reservations_full(s, now, hold)
+  local live = 0
+  for _, h in ipairs(s.holds) do
+    if h.until_ > now then
+      if h.id == hold then
+        return false
+      end
+      live = live + 1
+    end
+  end
+  return live >= MAX_RESERVATIONS
 end
 
 local function capacity_of(l)
@@ -129,11 +146,12 @@ function sluice.reserving(inner)
   end
 
   function m.consume(key, ktype, s, l, now, cost, hold)
-    if hold == '' or l.ttl == nil or cost == 0 then
+    if hold == '' or l.ttl == nil or cost == 0 or reservations_full(s, now, hold) then
       -- Consumed at once without a hold id, or for a leased rule (its holds are leases, granted
       -- by `grant`). A reservation of 0 holds nothing (it would take no capacity, yet stay on the
       -- key for the whole ttl): its settle charges without one (`charge`), as
-      -- `reservation::apply` in Rust.
+      -- `reservation::apply` in Rust. Past MAX_RESERVATIONS live holds, an admission is charged
+      -- at once too.
       inner.consume(key, ktype, s.counted, l, now, cost, '')
       return
     end

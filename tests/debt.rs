@@ -7,12 +7,14 @@
 //!   key, and its settle still charges (issue 37, item 8);
 //! - an asker of a quota lease waiting on a full key under fresh hold ids leaves a bounded
 //!   number of holds of nothing, and the answers do not change; slices of one unit under fresh
-//!   ids stop at a bounded number of holds too (issue 37, item 2).
+//!   ids stop at a bounded number of holds too, and so do reservations left unsettled (issue 37,
+//!   item 2).
 
 mod support;
 
 use redis::AsyncCommands;
 use sluice::algorithm::lease::{LeaseAsk, MAX_LEASE_HOLDS, MAX_WAITING_HOLDS};
+use sluice::algorithm::reservation::MAX_RESERVATIONS;
 use sluice::algorithm::{Algorithm, HoldId, Limit, MAX_EXACT, Micros};
 use sluice::store::keys::{reservation_key, state_key};
 use sluice::store::memory::MemoryStore;
@@ -223,4 +225,29 @@ async fn lease_holds_stay_bounded_under_slices_of_one() {
     let fields: u64 = redis.hlen(reservation_key(&state_key(TAG, 9, b"wide"))).await.unwrap();
     assert_eq!(fields, MAX_LEASE_HOLDS as u64, "hash fields after 1000 asks");
     assert_eq!(from_redis.last().map(|g| g.after.remaining), Some(100_000 - MAX_LEASE_HOLDS as u64));
+}
+
+/// Reservations of 1 left unsettled under fresh hold ids: past [`MAX_RESERVATIONS`] each is
+/// charged at once, so the key's hash stops growing, and both stores decide alike.
+#[tokio::test]
+async fn unsettled_reservations_stay_bounded_per_key() {
+    let server = RedisServer::start();
+    let redis_store = redis_store(&server).await;
+    let mut redis = raw(&server).await;
+    let memory = MemoryStore::new(10_000);
+    let limit = reserving(Algorithm::FixedWindow, 100_000);
+    let total = MAX_RESERVATIONS as u64 + 100;
+    for hold in 1..=total {
+        let admission = [reserve(4, &limit, b"many", 1, hold)];
+        let (from_redis, from_memory) = (
+            redis_store.check_for(TAG, Some(T0), &admission).await.unwrap(),
+            memory.check_for(TAG, Some(T0), &admission).await.unwrap(),
+        );
+        assert_eq!(from_redis, from_memory, "admission {hold}");
+        assert!(from_redis.allowed);
+    }
+    let fields: u64 = redis.hlen(reservation_key(&state_key(TAG, 4, b"many"))).await.unwrap();
+    assert_eq!(fields, MAX_RESERVATIONS as u64, "hash fields after {total} reservations");
+    let after = [reserve(4, &limit, b"many", 0, 0)];
+    assert_eq!(redis_store.check_for(TAG, Some(T0), &after).await.unwrap().decisions[0].remaining, 100_000 - total);
 }

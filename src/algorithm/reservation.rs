@@ -113,7 +113,7 @@ fn take(state: &mut Option<State>) -> (Option<State>, Vec<Hold>) {
 /// charges the actual cost without one ([`charge`]). Returns when the key is pristine again.
 pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estimate: u64, hold: HoldId) -> Micros {
     match limit.reservation_ttl() {
-        Some(ttl) if hold != 0 && estimate > 0 => {
+        Some(ttl) if hold != 0 && estimate > 0 && !full(state.as_ref(), now, hold) => {
             hold_units(limit, state, now, Hold { id: hold, until: now.saturating_add(ttl), amount: estimate })
         }
         _ => {
@@ -123,6 +123,20 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estim
             store(limit, state, counted, holds, now)
         }
     }
+}
+
+/// The most live reservations one key keeps. Every decision on the key reads them all (Redis
+/// reads the whole hash), so a tenant leaving many small reservations unsettled would slow the
+/// store for everyone: past this many, an admission is charged its estimate at once, as without
+/// a hold id, and its settle finds nothing to replace (the request costs its estimate). Redis
+/// keeps the same bound (lua/reservation.lua).
+pub const MAX_RESERVATIONS: usize = 1024;
+
+/// Whether the key has [`MAX_RESERVATIONS`] live holds, none of them `hold`'s (a second
+/// reservation under one id adds to the first and takes no more room).
+fn full(state: Option<&State>, now: Micros, hold: HoldId) -> bool {
+    let holds = holds(state);
+    live(holds, now).count() >= MAX_RESERVATIONS && !live(holds, now).any(|h| h.id == hold)
 }
 
 /// Adds `new` to the key's holds (a second hold under one id adds its amount to the first,
@@ -339,6 +353,28 @@ mod tests {
             assert_eq!(admitted, 0, "{algorithm}: {state:?}");
             assert!(!check(&l, state.as_ref(), T0 + SEC, 0).allowed, "{algorithm}: deep in debt");
             assert!(!check(&l, state.as_ref(), T0 + SEC, u64::MAX).allowed, "{algorithm}");
+        }
+    }
+
+    /// Past MAX_RESERVATIONS live reservations on one key, admissions are charged at once: the
+    /// key's holds stay bounded, and nothing is admitted past the limit.
+    #[test]
+    fn reservations_per_key_are_bounded() {
+        for algorithm in RATE {
+            let l = limit(algorithm, 100_000);
+            let mut state = None;
+            let extra = 100;
+            for hold in 1..=(MAX_RESERVATIONS as u64 + extra) {
+                assert!(reserve(&l, &mut state, T0, 1, hold).allowed, "{algorithm}");
+            }
+            assert_eq!(reserved(state.as_ref(), T0), MAX_RESERVATIONS as u64, "{algorithm}");
+            let total = MAX_RESERVATIONS as u64 + extra;
+            assert_eq!(check(&l, state.as_ref(), T0, 0).remaining, 100_000 - total, "{algorithm}: all counted");
+            assert!(!settle_any(&l, &mut state, T0, total, 1).0, "{algorithm}: charged at admission");
+            // A settle makes room for one more hold.
+            assert!(settle_any(&l, &mut state, T0, 1, 1).0, "{algorithm}");
+            reserve(&l, &mut state, T0, 1, total + 1);
+            assert!(settle_any(&l, &mut state, T0, total + 1, 1).0, "{algorithm}: held again");
         }
     }
 
