@@ -3,8 +3,10 @@
 //! and the webhooks. One place bounds what a client without a credential can hold:
 //!
 //! - **headers**: a request's head must arrive within the header-read timeout; hyper starts that
-//!   clock whenever the connection waits for a head, so an idle keep-alive connection is closed
-//!   after it too, and a slow-header client holds its connection for that long at most;
+//!   clock whenever an HTTP/1 connection waits for a head, so an idle keep-alive connection is
+//!   closed after it too, and a slow-header client holds its connection for that long at most
+//!   (HTTP/2 has no such clock in hyper: an HTTP/2 connection between requests is closed only to
+//!   make room, below);
 //! - **the first request**: a connection's first request head (its TLS handshake included) must
 //!   arrive within the header-read timeout of the moment the connection is served. hyper's own clock starts only once
 //!   the protocol has been told from the first bytes (HTTP/1 or HTTP/2), so on its own a
@@ -219,7 +221,9 @@ async fn make_room(
     shutdown: &mut watch::Receiver<bool>,
 ) -> Option<OwnedSemaphorePermit> {
     loop {
-        // Listening before looking: a connection falling idle just after the look still wakes us.
+        // Saying so and listening before looking: a connection falling idle just after the look
+        // still wakes us (`InFlight::drop`).
+        table.clock.newcomer_waiting.store(true, Ordering::SeqCst);
         let became_idle = table.clock.became_idle.notified();
         tokio::pin!(became_idle);
         became_idle.as_mut().enable();
@@ -227,11 +231,15 @@ async fn make_room(
         if made_room {
             table.warn_slots_full(max_connections);
         }
-        tokio::select! {
+        let found = tokio::select! {
             // The evicted connection's task ends at once and gives its slot back.
-            slot = slots.clone().acquire_owned() => return slot.ok(),
-            () = &mut became_idle, if !made_room => {}
-            _ = stopped(shutdown) => return None,
+            slot = slots.clone().acquire_owned() => Some(slot.ok()),
+            () = &mut became_idle, if !made_room => None,
+            _ = stopped(shutdown) => Some(None),
+        };
+        if let Some(slot) = found {
+            table.clock.newcomer_waiting.store(false, Ordering::SeqCst);
+            return slot;
         }
     }
 }
@@ -253,17 +261,26 @@ struct ConnectionTable {
     last_slots_full_warning: Mutex<Option<Instant>>,
 }
 
-/// Orders the moments connections fall idle (a counter: only the order matters), and wakes a
-/// newcomer waiting for one to.
-#[derive(Default)]
+/// When connections fell idle, and a newcomer waiting for one to.
 struct IdleClock {
-    ticks: AtomicU64,
+    started: Instant,
+    /// A newcomer is waiting for a connection to fall idle: only then does the end of a request
+    /// wake it (`Notify` takes a lock the listener's connections would all share).
+    newcomer_waiting: AtomicBool,
     became_idle: Notify,
 }
 
+impl Default for IdleClock {
+    fn default() -> Self {
+        IdleClock { started: Instant::now(), newcomer_waiting: AtomicBool::new(false), became_idle: Notify::new() }
+    }
+}
+
 impl IdleClock {
+    /// Nanoseconds since the listener started: only their order matters, and reading the clock
+    /// writes nothing the connections share.
     fn now(&self) -> u64 {
-        self.ticks.fetch_add(1, Ordering::Relaxed)
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 }
 
@@ -303,7 +320,7 @@ impl ConnectionTable {
         for _ in 0..4 {
             let victim = connections
                 .values()
-                .filter(|activity| activity.in_flight.load(Ordering::Acquire) == 0)
+                .filter(|activity| activity.in_flight.load(Ordering::SeqCst) == 0)
                 .min_by_key(|activity| activity.idle_since.load(Ordering::Acquire));
             let Some(victim) = victim else { return false };
             if victim.in_flight.compare_exchange(0, EVICTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
@@ -333,7 +350,7 @@ impl ConnectionTable {
 struct ActivityState {
     /// Requests whose response has not been sent to its end; [`EVICTED`] once chosen to make room.
     in_flight: AtomicUsize,
-    /// The [`IdleClock`] when the connection last fell idle (accepted, or its last response sent):
+    /// The [`IdleClock`] when the connection last fell idle (served, or its last response sent):
     /// the smallest has been doing nothing longest.
     idle_since: AtomicU64,
     /// For the first-request deadline: a request has started on this connection.
@@ -415,8 +432,10 @@ impl Drop for InFlight {
         }
         let before = activity
             .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n != EVICTED && n > 0).then(|| n - 1));
-        if before == Ok(1) {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n != EVICTED && n > 0).then(|| n - 1));
+        // SeqCst, with `make_room`'s flag and its look at `in_flight`: either this sees the flag
+        // (and wakes the newcomer), or the newcomer's look comes after this count reached zero.
+        if before == Ok(1) && activity.clock.newcomer_waiting.load(Ordering::SeqCst) {
             activity.clock.became_idle.notify_waiters();
         }
     }
