@@ -302,3 +302,30 @@ async fn configuration_redis_refuses_stops_start_up_naming_the_cause() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The same on a Redis Cluster, whose client wraps a node's refusal into "Failed to create
+/// initial connections": start-up stops with Redis's own words, not as a cluster that is away.
+#[test]
+fn a_redis_cluster_refusing_the_credentials_stops_start_up() {
+    let cluster = RedisCluster::start();
+    for node in &cluster.nodes {
+        assert_eq!(node.cli(&["CONFIG", "SET", "requirepass", "right"]).trim(), "OK");
+    }
+    let urls: Vec<String> =
+        cluster.nodes.iter().map(|node| format!("redis://:wrong@127.0.0.1:{}", node.port())).collect();
+    let dir = policy_dir();
+    let (code, stderr) = run_for_at_most(
+        &[
+            "serve",
+            "--policies",
+            dir.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--redis-cluster",
+            &urls.join(","),
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("Redis refused the credentials: WRONGPASS"), "{stderr}");
+}

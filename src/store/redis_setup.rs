@@ -46,11 +46,13 @@ impl HandshakeRefusal {
     /// The refusal `error` stands for, if the handshake failed on the credentials or the database
     /// (the database number read from `url`, when there is one).
     pub fn of(error: &RedisError, url: Option<&str>) -> Option<HandshakeRefusal> {
-        if error.kind() == ErrorKind::AuthenticationFailed {
-            return Some(HandshakeRefusal::Credentials(error.to_string()));
+        let text = error.to_string();
+        // A cluster client wraps the node's failure into an I/O error, keeping only its words.
+        if error.kind() == ErrorKind::AuthenticationFailed || text.contains("Password authentication failed") {
+            return Some(HandshakeRefusal::Credentials(text));
         }
         // The client's words for a failed SELECT at connection set-up.
-        if error.to_string().contains("refused to switch database") {
+        if text.contains("refused to switch database") {
             let db = url.and_then(|u| u.into_connection_info().ok()).map_or(0, |info| info.redis_settings().db());
             let reason = error.detail().unwrap_or("refused").to_string();
             return Some(HandshakeRefusal::Database { db, reason });
@@ -137,6 +139,13 @@ mod tests {
         let refusal = HandshakeRefusal::of(&select, Some("redis://h:1/99")).unwrap();
         assert_eq!(refusal, HandshakeRefusal::Database { db: 99, reason: "DB index is out of range".into() });
         assert!(refusal.describe().starts_with("Redis has no database 99"), "{}", refusal.describe());
+        let cluster: RedisError = (
+            ErrorKind::Io,
+            "Failed to create initial connections",
+            "Password authentication failed - AuthenticationFailed".to_string(),
+        )
+            .into();
+        assert!(matches!(HandshakeRefusal::of(&cluster, None), Some(HandshakeRefusal::Credentials(_))));
         let down: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
         assert_eq!(HandshakeRefusal::of(&down, None), None);
     }
