@@ -806,7 +806,7 @@ async fn a_sidecar_configured_wrong_for_its_endpoint_names_the_cause_and_is_not_
         // The docs' hand-written pod once did this against the chart's defaults.
         (
             format!("http://127.0.0.1:{tls_port}"),
-            vec!["--token-file", token],
+            vec!["--endpoint-ca", &ca, "--token-file", token],
             format!(
                 "does not answer plain HTTP (client error (SendRequest): invalid HTTP version parsed): it serves HTTPS, so --endpoint must be https://127.0.0.1:{tls_port}"
             ),
@@ -836,6 +836,9 @@ async fn a_sidecar_configured_wrong_for_its_endpoint_names_the_cause_and_is_not_
             logs.contains("the sidecar is configured wrong for its endpoint") && logs.contains(cause.as_str()),
             "{logs}"
         );
+        if endpoint.starts_with("http://") {
+            assert!(logs.contains("--endpoint is http://, so the CA given"), "the unused CA is named: {logs}");
+        }
     }
 
     // Configured right: ready; and an endpoint that is only away leaves readiness alone.

@@ -148,7 +148,11 @@ impl Config {
             (None, None) => None,
         };
         match (endpoint.scheme_str(), &endpoint_ca, endpoint.authority()) {
-            (Some("http"), _, Some(_)) => {}
+            (Some("http"), Some(_), Some(_)) => tracing::warn!(
+                endpoint = %args.endpoint,
+                "--endpoint is http://, so the CA given (--endpoint-ca, SLUICE_ENDPOINT_CA_PEM) is not used: nothing verifies the endpoint and its token travels in clear; if the endpoint serves HTTPS, write https://"
+            ),
+            (Some("http"), None, Some(_)) => {}
             (Some("https"), Some(_), Some(_)) => {}
             (Some("https"), None, Some(_)) => {
                 return Err(bad(format!(
