@@ -49,6 +49,13 @@ topology_up() {
     wait_for 20 "replica in sync" sh -c "redis-cli -p $REPLICA info replication | grep -q master_link_status:up"
     wait_for 20 "sentinels see each other" sh -c \
         "[ \$(redis-cli -p ${SENTINELS[0]} sentinel sentinels mymaster | grep -c '^127.0.0.1$') -ge 2 ]"
+    # A sentinel learns of the replica from the master's INFO (every 10 s at first): until then
+    # SENTINEL FAILOVER answers NOGOODSLAVE, which a fault early in the run (the smoke run's
+    # FAULT_AT=1) would meet.
+    local s
+    for s in "${SENTINELS[@]}"; do
+        wait_for 30 "sentinel $s sees the replica" sh -c "redis-cli -p $s sentinel replicas mymaster | grep -qx $REPLICA"
+    done
     start_replicas 3 --redis-sentinel-master mymaster --redis-sentinel \
         "redis://127.0.0.1:${SENTINELS[0]},redis://127.0.0.1:${SENTINELS[1]},redis://127.0.0.1:${SENTINELS[2]}"
 }
@@ -61,7 +68,10 @@ for scenario in "${SCENARIOS[@]}"; do
     promoted=""
     case "$scenario" in
         baseline) ;;
-        failover) redis-cli -p "${SENTINELS[0]}" sentinel failover mymaster >/dev/null ;;
+        failover)
+            answer=$(redis-cli -p "${SENTINELS[0]}" sentinel failover mymaster)
+            [ "$answer" = OK ] || fail "SENTINEL FAILOVER: $answer"
+            ;;
         kill) kill -9 "$MASTER_PID" ;;
         *) log "unknown scenario $scenario"; exit 1 ;;
     esac
