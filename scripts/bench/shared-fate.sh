@@ -6,7 +6,11 @@
 #
 # - flood: FLOODERS clients each posting /v1/checks batches of 250 checks against a's 64 rules;
 # - regex: a's policy also has 10 rules matching header X-Blob on [ab]*a[ab]{2000}, and
-#   FLOODERS clients send checks with an 8 KiB X-Blob of a's and b's.
+#   FLOODERS clients send checks with an 8 KiB X-Blob of a's and b's;
+# - settle: a's policy reserves from max_tokens; each of FLOODERS clients takes one genuine
+#   hold token, rewrites it to name 765 keys of a's rule (the signature, if any, kept), and
+#   posts it to /v1/settle over and over (issue 37: unsigned tokens made Redis settle 765 keys
+#   per call outside a's lane; a signed token so edited is refused with 400 before Redis).
 #
 # Prints, per attack, b's 429s (its store failures) and b's check latency (p50, p99, max), and
 # a's answers by status.
@@ -55,6 +59,12 @@ regex = "".join(
 head = "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\n"
 open(f"{work}/a.yaml", "w").write(head + "metadata: {name: a, namespace: a}\nspec:\n  rules:\n" + a)
 open(f"{work}/a-regex.yaml", "w").write(head + "metadata: {name: a-regex, namespace: a}\nspec:\n  rules:\n" + regex)
+open(f"{work}/a-settle.yaml", "w").write(
+    head + "metadata: {name: a-settle, namespace: a}\nspec:\n  rules:\n"
+    "    - name: tokens\n      key: [{header: X-User}]\n      algorithm: fixedWindow\n"
+    "      limit: {requests: 100000000, per: 1h}\n      responseCost:\n        fields: [usage.total_tokens]\n"
+    "        estimate: {requestField: max_tokens, cap: 1000}\n"
+)
 open(f"{work}/b.yaml", "w").write(
     head + "metadata: {name: b, namespace: b}\nspec:\n  rules:\n"
     "    - name: users\n      key: [{header: X-User}]\n      onStoreFailure: deny\n" + wide
@@ -77,7 +87,7 @@ run() { # run ATTACK POLICY-FILES...
         sleep 0.1
     done
     python3 - "$serve_port" "$attack" "$SAMPLES" "$FLOODERS" "$SECONDS_EACH" <<'PY'
-import json, sys, threading, time, urllib.request, urllib.error, collections
+import base64, json, sys, threading, time, urllib.request, urllib.error, collections
 port, attack, samples, flooders, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 url = f"http://127.0.0.1:{port}"
 def post(path, body, timeout=60, answer=None):
@@ -100,11 +110,26 @@ def flood(n):
         flood_until_stop(n)
     except Exception as error:  # no answer: a reset, a timeout
         failures.append(f"a: {error!r}")
+def forged_token(n):
+    """A genuine hold token of a's reserving rule, rewritten to hold 765 keys."""
+    answer = []
+    post("/v1/check", {"namespace": "a", "path": "/", "headers": {"X-User": f"u{n}"}, "requestFields": {"max_tokens": 10}}, answer=answer)
+    token = answer[0]["lease"]
+    text, dot, signature = token.partition(".")
+    lease = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    rule = lease["r"][0][0]
+    lease["r"] = [[rule, str(k)] for k in range(765)]
+    lease["e"] = [0] * 765
+    forged = base64.urlsafe_b64encode(json.dumps(lease, separators=(",", ":")).encode()).decode().rstrip("=")
+    return forged + dot + signature
 def flood_until_stop(n):
     i = 0
+    token = forged_token(n) if attack == "settle" else None
     while time.monotonic() < stop:
         i += 1
-        if attack == "flood":
+        if attack == "settle":
+            a_statuses[post("/v1/settle", {"lease": token, "cost": 0})] += 1
+        elif attack == "flood":
             checks = [{"namespace": "a", "path": "/", "headers": {"X-User": f"u{n}-{i}-{j}"}} for j in range(250)]
             a_statuses[post("/v1/checks", {"requests": checks})] += 1
         else:
@@ -130,7 +155,9 @@ pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if 
 print(f"{attack}: b decided by its onStoreFailure (deny) {refused} of {len(latencies)}; b latency p50 {pick(0.5):.1f} ms, p99 {pick(0.99):.1f} ms, max {latencies[-1] if latencies else 0:.1f} ms; a answers {dict(a_statuses)}")
 # A 429 is a decision (b's deny on a store failure is the figure); anything else is a failure.
 failures += [f"b answered {s} x{n}" for s, n in b_statuses.items() if s not in (200, 429)]
-failures += [f"a answered {s} x{n}" for s, n in a_statuses.items() if s not in (200, 429)]
+# A forged settle refused (400) is the defence working; on a build that takes it, 200.
+expected_a = (200, 429, 400) if attack == "settle" else (200, 429)
+failures += [f"a answered {s} x{n}" for s, n in a_statuses.items() if s not in expected_a]
 if not latencies: failures.append("no sample of b")
 if not a_statuses: failures.append("a's flood got no answer")
 if failures: sys.exit(f"FAILED: {attack}: {failures[:5]}")
@@ -143,4 +170,5 @@ PY
 }
 run flood --policies "$work/a.yaml" --policies "$work/b.yaml"
 run regex --policies "$work/a-regex.yaml" --policies "$work/b.yaml"
+run settle --policies "$work/a-settle.yaml" --policies "$work/b.yaml"
 echo "binary: $SLUICE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
