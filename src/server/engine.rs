@@ -749,8 +749,7 @@ impl<S: Store> Engine<S> {
             let held = holding.iter().map(|m| (m.rule.id(), m.key.clone())).collect();
             let reserved = holding.iter().map(|m| if m.rule.response_cost().is_some() { m.cost } else { 0 }).collect();
             let local = failed && self.fallback.is_some();
-            (!holding.is_empty())
-                .then(|| {
+            (!holding.is_empty()).then(|| {
                 super::lease::Lease { namespace: namespace.to_string(), hold, held, reserved, local }
                     .token(&self.token_keys.load())
             })

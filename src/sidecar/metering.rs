@@ -195,6 +195,9 @@ mod tests {
         stated.insert("x-sluice-cost", "9".parse().unwrap());
         let header = vec![("total".to_string(), cost(&[], Some("x-sluice-cost")))];
         let broken = Metering::start(header, http::StatusCode::OK, &mut stated).unwrap();
-        assert_eq!(broken.broken(true), SettleCost::Actual { all: None, by_rule: BTreeMap::from([("total".into(), 9)]) });
+        assert_eq!(
+            broken.broken(true),
+            SettleCost::Actual { all: None, by_rule: BTreeMap::from([("total".into(), 9)]) }
+        );
     }
 }
