@@ -1,13 +1,22 @@
-//! The lease a caller hands back to `POST /v1/release`: anything decodes to a lease or an error,
-//! and a lease's token decodes to itself.
+//! The hold token a caller hands back to `POST /v1/settle`: anything verifies to a lease or an
+//! error, never a panic; whatever decodes (signed or not) is within bounds, re-signs to a token
+//! that verifies to itself, and verifies under no other key.
 #![no_main]
 
+use std::sync::LazyLock;
+
 use libfuzzer_sys::fuzz_target;
-use sluice::server::lease::Lease;
+use sluice::server::lease::{Lease, TokenKeys};
+
+static KEYS: LazyLock<TokenKeys> = LazyLock::new(|| TokenKeys::parse("fuzz-key-0123456789abcdef").unwrap());
+static OTHER: LazyLock<TokenKeys> = LazyLock::new(|| TokenKeys::parse("other-key-0123456789abcdef").unwrap());
 
 fuzz_target!(|token: &str| {
-    if let Ok(lease) = Lease::from_token(token) {
-        assert_eq!(Lease::from_token(&lease.token()), Ok(lease.clone()));
+    let _ = Lease::verify(token, &KEYS);
+    if let Ok(lease) = Lease::read_unverified(token) {
         assert!(lease.hold != 0 && !lease.held.is_empty());
+        let signed = lease.token(&KEYS);
+        assert_eq!(Lease::verify(&signed, &KEYS), Ok(lease.clone()));
+        assert!(Lease::verify(&signed, &OTHER).is_err());
     }
 });
