@@ -103,8 +103,9 @@ echo "sluice: scripts smoke $smoke_result in $smoke_took s"
 # panicking aborts it, a signal, a timeout) prints none, so its tests are in no count: cargo's
 # "process didn't exit successfully: … (signal: …)" lines name them, and cargo's own status says
 # the run failed. The line says FAILED whenever anything did, whatever the counts.
+# (No such line is the usual case: grep's status 1 must not end the script under set -e.)
 aborted=$(grep "process didn't exit successfully: .*(signal: " "$log" | grep -oE '/[^ ]+/deps/[A-Za-z0-9_-]+' |
-  sed 's|.*/||; s/-[0-9a-f]*$//' | sort -u | paste -sd, -)
+  sed 's|.*/||; s/-[0-9a-f]*$//' | sort -u | paste -sd, - || true)
 awk -v status="$status" -v cargo="$cargo_status" -v aborted="$aborted" '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
   END {
