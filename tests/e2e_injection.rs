@@ -138,8 +138,10 @@ fn restricted_app() -> Value {
     }})
 }
 
+/// The injected sidecar, native (an init container) or classic (a container).
 fn sidecar(pod: &Pod) -> Option<Container> {
-    pod.spec.as_ref()?.containers.iter().find(|c| c.name == SIDECAR).cloned()
+    let spec = pod.spec.as_ref()?;
+    spec.containers.iter().chain(spec.init_containers.iter().flatten()).find(|c| c.name == SIDECAR).cloned()
 }
 
 fn quantities(map: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>) -> String {
@@ -201,6 +203,14 @@ async fn a_restricted_namespace_admits_the_injected_pod_with_resources_and_probe
     let admitted =
         injected_pod(&pods, "strict", |name| pod(name, labels.clone(), json!({}), json!([restricted_app()]))).await;
     let sidecar = sidecar(&admitted).expect("sidecar");
+    // --sidecar-kind auto against this API server (1.29 or later): a native sidecar, which
+    // restricted admits as it admits the classic one.
+    assert!(op.logs().contains("injected sidecars are native"), "{}", op.logs());
+    let init = admitted.spec.as_ref().and_then(|s| s.init_containers.clone()).unwrap_or_default();
+    assert_eq!(init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), [SIDECAR]);
+    assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
+    let startup = sidecar.startup_probe.as_ref().and_then(|p| p.http_get.clone()).expect("startup probe");
+    assert_eq!((startup.path.as_deref(), startup.port), (Some("/healthz"), IntOrString::Int(15081)));
     let sc = sidecar.security_context.clone().expect("securityContext");
     assert_eq!(
         (sc.run_as_non_root, sc.allow_privilege_escalation, sc.read_only_root_filesystem),
@@ -254,6 +264,18 @@ async fn a_restricted_namespace_admits_the_injected_pod_with_resources_and_probe
     assert_eq!(bad.liveness_probe.and_then(|p| p.http_get).map(|g| g.port), Some(IntOrString::Int(15081)));
     let admissions = metric(&op, "sluice_injection_warnings_total").await;
     assert!(admissions.is_some_and(|w| w >= 3.0), "warnings counted: {admissions:?}");
+
+    // Per pod, classic: a container next to the application's, admitted the same.
+    let classic =
+        pod("classic", labels.clone(), json!({"sluice.dev/sidecar-kind": "classic"}), json!([restricted_app()]));
+    let classic = pods.create(&PostParams::default(), &classic).await.expect("classic pod");
+    let names: Vec<_> = classic.spec.as_ref().expect("spec").containers.iter().map(|c| c.name.clone()).collect();
+    assert_eq!(names, ["app", SIDECAR]);
+    assert_eq!(control_plane_sidecar(&classic, &op).restart_policy, None);
+    // An unknown kind: a warning naming it, and the cluster's kind.
+    let odd = pod("odd-kind", labels.clone(), json!({"sluice.dev/sidecar-kind": "sidecar"}), json!([restricted_app()]));
+    let out = cp.kubectl(&["-n", ns, "create", "-f", "-"], Some(&serde_json::to_string(&odd).expect("json")));
+    assert!(out.contains("Warning:") && out.contains("\"sidecar\" is not native or classic; using native"), "{out}");
 }
 
 /// The sidecar of a pod created once the webhook was known to answer.
@@ -568,6 +590,7 @@ async fn injected_pods_are_reachable_only_through_the_sidecar() {
     let port_names: Vec<_> = spec
         .containers
         .iter()
+        .chain(spec.init_containers.iter().flatten())
         .flat_map(|c| c.ports.iter().flatten().map(|p| (c.name.clone(), p.name.clone())))
         .collect();
     assert!(port_names.contains(&(SIDECAR.into(), Some("http".into()))), "{port_names:?}");
@@ -580,7 +603,8 @@ async fn injected_pods_are_reachable_only_through_the_sidecar() {
     let redirected =
         injected_pod(&pods, "redirected", |n| pod(n, labels.clone(), annotations.clone(), app.clone())).await;
     let init = redirected.spec.as_ref().and_then(|s| s.init_containers.clone()).unwrap_or_default();
-    assert_eq!(init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["sluice-init"]);
+    // The redirect first, to completion; then the (native) sidecar.
+    assert_eq!(init.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["sluice-init", SIDECAR]);
     let labels_of = |p: &Pod| p.metadata.labels.clone().unwrap_or_default();
     assert_eq!(labels_of(&redirected).get("sluice.dev/ingress-ports").map(String::as_str), Some("8080.15080.15081"));
     // ...and refused, loudly, where it does not: the pod never runs unprotected.

@@ -469,8 +469,10 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
         p.spec.map(|s| s.containers.into_iter().map(|c| c.name).collect()).unwrap_or_default()
     };
     let injected = pods.get("injected").await.expect("get");
-    let sidecar =
-        injected.spec.as_ref().and_then(|s| s.containers.iter().find(|c| c.name == "sluice-sidecar").cloned());
+    // Native (an init container, API servers from 1.29) or classic (a container).
+    let sidecar = injected.spec.as_ref().and_then(|s| {
+        s.containers.iter().chain(s.init_containers.iter().flatten()).find(|c| c.name == "sluice-sidecar").cloned()
+    });
     let sidecar = sidecar.unwrap_or_else(|| panic!("no sidecar in {:?}; operator logs:\n{}", injected.spec, op.logs()));
     assert_eq!(sidecar.image.as_deref(), Some("sluice:e2e"));
     // The API server accepted the projected, audience-bound token the sidecar presents.

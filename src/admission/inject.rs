@@ -3,7 +3,10 @@
 //!
 //! The injected container passes Pod Security `restricted` (non-root, no privilege escalation,
 //! no capabilities, RuntimeDefault seccomp, read-only root), has requests and limits (operator
-//! defaults, per-pod annotations), and liveness and readiness probes on its admin port. Every
+//! defaults, per-pod annotations), and liveness and readiness probes on its admin port. It goes
+//! into `spec.initContainers` with `restartPolicy: Always` (a native sidecar, with a startup probe
+//! the kubelet waits for before the next init container) or into `spec.containers` (classic), per
+//! [`super::sidecar_kind`]. Every
 //! injected pod is stamped [`INJECTED_ANNOTATION`], which is how the operator tells a labelled
 //! pod that slipped past the webhook (see `crate::operator::injection`).
 
@@ -19,6 +22,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use super::sidecar_kind::{SIDECAR_KIND_ANNOTATION, SidecarKind};
 use super::traffic::{self, Plan, RedirectMode, TrafficDefaults};
 
 pub const INJECT_LABEL: &str = "sluice.dev/inject";
@@ -43,6 +47,8 @@ pub const TOKEN_DIR: &str = "/var/run/secrets/sluice";
 pub const TOKEN_LIFETIME_SECONDS: i64 = 3600;
 /// The sidecar's user and group: the image's (distroless `nonroot`).
 pub const RUN_AS: i64 = 65532;
+/// A native sidecar's startup probe, every second: failures before the kubelet restarts it.
+pub const NATIVE_STARTUP_FAILURES: i32 = 60;
 
 /// The sidecar's requests and limits; None leaves one unset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -92,6 +98,9 @@ pub struct InjectConfig {
     pub endpoint_ca_pem: Option<String>,
     /// How traffic reaches the sidecar unless the pod's annotations say otherwise.
     pub traffic: TrafficDefaults,
+    /// Native or classic unless the pod's [`SIDECAR_KIND_ANNOTATION`] says otherwise (the
+    /// operator's `--sidecar-kind`, resolved at start).
+    pub sidecar_kind: SidecarKind,
 }
 
 /// What the webhook does with one pod.
@@ -378,13 +387,15 @@ fn init_container(config: &InjectConfig, plan: &Plan, listen: u16) -> Container 
 }
 
 /// The patch operations that put the sidecar in the path: the application port's name, its
-/// probes, the init container, the NetworkPolicy label and what the operator reads back.
+/// probes, the NetworkPolicy label and what the operator reads back. The redirect's init
+/// container goes to `init` (first of the init containers put before the pod's own).
 fn traffic_ops(
     pod: &Pod,
     config: &InjectConfig,
-    plan: &Plan,
+    (plan, kind): (&Plan, SidecarKind),
     listen: u16,
     volumes: &mut Vec<Volume>,
+    init: &mut Vec<Container>,
 ) -> Vec<PatchOperation> {
     let mut ops = Vec::new();
     let index = |i: usize| i.to_string();
@@ -398,12 +409,9 @@ fn traffic_ops(
         ));
     }
     if plan.mode == RedirectMode::Iptables {
-        let init = serde_json::to_value(init_container(config, plan, listen)).unwrap_or_default();
-        // First: every other init container, and the application, start behind the redirect.
-        match pod.spec.as_ref().and_then(|s| s.init_containers.as_ref()) {
-            Some(existing) if !existing.is_empty() => ops.push(add(&["spec", "initContainers", "0"], init)),
-            _ => ops.push(add(&["spec", "initContainers"], serde_json::Value::Array(vec![init]))),
-        }
+        // First: every other init container (a native sidecar too), and the application, start
+        // behind the redirect.
+        init.insert(0, init_container(config, plan, listen));
         volumes.push(Volume {
             name: traffic::XTABLES_VOLUME.into(),
             empty_dir: Some(EmptyDirVolumeSource {
@@ -419,6 +427,7 @@ fn traffic_ops(
     let mut annotations = vec![
         (INJECTED_ANNOTATION, config.image.clone()),
         (traffic::REDIRECT_ANNOTATION, plan.mode.as_str().to_string()),
+        (SIDECAR_KIND_ANNOTATION, kind.as_str().to_string()),
     ];
     if !plan.guarded_ports.is_empty() {
         annotations.push((traffic::GUARDED_PORTS_ANNOTATION, traffic::join_ports(&plan.guarded_ports, ",")));
@@ -427,8 +436,10 @@ fn traffic_ops(
     ops
 }
 
-/// Port clashes the sidecar cannot fix: they are the user's to resolve.
-fn port_clashes(pod: &Pod, listen: u16, upstream: u16, admin: u16, warnings: &mut Vec<String>) {
+/// Port clashes the sidecar cannot fix: they are the user's to resolve. The containers that run
+/// while the sidecar does: the application's, the pod's own native sidecars, and with a native
+/// sidecar the pod's init containers too (they start after it).
+fn port_clashes(pod: &Pod, (listen, upstream, admin): (u16, u16, u16), kind: SidecarKind, warnings: &mut Vec<String>) {
     if listen == admin {
         warnings.push(format!("the sidecar's listen and admin ports are both {listen}: it will not start; set {LISTEN_PORT_ANNOTATION} or {ADMIN_PORT_ANNOTATION}"));
     }
@@ -437,7 +448,9 @@ fn port_clashes(pod: &Pod, listen: u16, upstream: u16, admin: u16, warnings: &mu
             "the sidecar's upstream port {upstream} is one of its own ports; set {UPSTREAM_PORT_ANNOTATION} to the application's port"
         ));
     }
-    let containers = pod.spec.iter().flat_map(|s| s.containers.iter());
+    let alongside = |c: &&Container| kind == SidecarKind::Native || c.restart_policy.as_deref() == Some("Always");
+    let containers =
+        pod.spec.iter().flat_map(|s| s.containers.iter().chain(s.init_containers.iter().flatten().filter(alongside)));
     for container in containers {
         for declared in container.ports.iter().flatten() {
             for (what, port, annotation) in
@@ -463,7 +476,9 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         return Injection::skipped();
     }
     let Some(spec) = pod.spec.as_ref() else { return Injection::skipped() };
-    if let Some(existing) = spec.containers.iter().find(|c| c.name == CONTAINER_NAME) {
+    // Native (an init container) or classic: either way the pod has it.
+    let mut all_containers = spec.containers.iter().chain(spec.init_containers.iter().flatten());
+    if let Some(existing) = all_containers.find(|c| c.name == CONTAINER_NAME) {
         if annotation(pod, INJECTED_ANNOTATION).is_some() {
             return Injection::skipped();
         }
@@ -478,7 +493,17 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
     let listen = port_annotation(pod, LISTEN_PORT_ANNOTATION, config.listen_port, &mut warnings);
     let upstream = port_annotation(pod, UPSTREAM_PORT_ANNOTATION, config.upstream_port, &mut warnings);
     let admin = port_annotation(pod, ADMIN_PORT_ANNOTATION, config.admin_port, &mut warnings);
-    port_clashes(pod, listen, upstream, admin, &mut warnings);
+    let kind = match annotation(pod, SIDECAR_KIND_ANNOTATION) {
+        None => config.sidecar_kind,
+        Some(text) => SidecarKind::parse(text).unwrap_or_else(|| {
+            warnings.push(format!(
+                "{SIDECAR_KIND_ANNOTATION}: {text:?} is not native or classic; using {}",
+                config.sidecar_kind.as_str()
+            ));
+            config.sidecar_kind
+        }),
+    };
+    port_clashes(pod, (listen, upstream, admin), kind, &mut warnings);
     let resources = resources(pod, &config.resources, &mut warnings);
     let plan = traffic::plan(pod, config.traffic, (listen, upstream, admin), &mut warnings);
     let mut env_vars = vec![
@@ -550,7 +575,7 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
             ..Default::default()
         });
     }
-    let container = Container {
+    let mut container = Container {
         name: CONTAINER_NAME.into(),
         image: Some(config.image.clone()),
         args: Some(vec!["sidecar".into()]),
@@ -572,8 +597,34 @@ pub fn patch(pod: &Pod, namespace: &str, config: &InjectConfig) -> Injection {
         volume_mounts: Some(mounts),
         ..Default::default()
     };
-    let mut ops = traffic_ops(pod, config, &plan, listen, &mut volumes);
-    ops.push(add(&["spec", "containers", "-"], serde_json::to_value(container).unwrap_or_default()));
+    let mut init = Vec::new();
+    let mut ops = traffic_ops(pod, config, (&plan, kind), listen, &mut volumes, &mut init);
+    match kind {
+        SidecarKind::Classic => {
+            ops.push(add(&["spec", "containers", "-"], serde_json::to_value(container).unwrap_or_default()))
+        }
+        SidecarKind::Native => {
+            // Kept running beside the init containers after it and the application; the kubelet
+            // starts the next init container once its startup probe passed, which is once the
+            // proxy's listener is bound (the admin port is served after it). /healthz, not
+            // /readyz: a sidecar configured wrong for the endpoint must leave the pod unready,
+            // not be restarted for ever with the application never started.
+            container.restart_policy = Some("Always".into());
+            container.startup_probe = Some(probe("/healthz", admin, 1, NATIVE_STARTUP_FAILURES));
+            init.push(container);
+        }
+    }
+    // Before the pod's own init containers: the redirect first (it runs to completion), then the
+    // native sidecar, so both are in place before anything of the pod's own starts.
+    ops.extend(init.into_iter().enumerate().map(|(index, container)| {
+        let value = serde_json::to_value(container).unwrap_or_default();
+        match spec.init_containers.as_ref() {
+            Some(existing) if !existing.is_empty() => add(&["spec", "initContainers", &index.to_string()], value),
+            // JSON patch cannot insert into an array that does not exist.
+            _ if index == 0 => add(&["spec", "initContainers"], serde_json::Value::Array(vec![value])),
+            _ => add(&["spec", "initContainers", "-"], value),
+        }
+    }));
     // A projected ServiceAccount token needs a named ServiceAccount. The API server's
     // ServiceAccount admission plugin names `default` before webhooks run; where it is off, say
     // what it would have.
@@ -613,7 +664,12 @@ mod tests {
             token_audience: Some("sluice".into()),
             endpoint_ca_pem: Some("-----BEGIN CERTIFICATE-----\n".into()),
             traffic: TrafficDefaults::default(),
+            sidecar_kind: SidecarKind::Classic,
         }
+    }
+
+    fn native_config() -> InjectConfig {
+        InjectConfig { sidecar_kind: SidecarKind::Native, ..config() }
     }
 
     fn pod(labelled: bool, extra: serde_json::Value) -> Pod {
@@ -638,14 +694,164 @@ mod tests {
         serde_json::from_value(value).expect("pod")
     }
 
-    /// The injected pod and its sidecar container.
+    /// The injected pod and its sidecar container (classic, the cluster default of [`config`]).
     fn inject(pod: &Pod) -> (Pod, Container, Vec<String>) {
-        let injection = patch(pod, "tenant", &config());
+        inject_with(pod, &config())
+    }
+
+    /// The injected pod and its sidecar container, native or classic.
+    fn inject_with(pod: &Pod, config: &InjectConfig) -> (Pod, Container, Vec<String>) {
+        let injection = patch(pod, "tenant", config);
         assert_eq!(injection.outcome, PodOutcome::Injected);
         let injected = apply(pod, injection.patch.as_ref().expect("patch"));
+        let spec = injected.spec.as_ref().expect("spec");
         let sidecar =
-            injected.spec.as_ref().expect("spec").containers.iter().find(|c| c.name == CONTAINER_NAME).cloned();
-        (injected, sidecar.expect("sidecar"), injection.warnings)
+            spec.containers.iter().chain(spec.init_containers.iter().flatten()).find(|c| c.name == CONTAINER_NAME);
+        let sidecar = sidecar.cloned().expect("sidecar");
+        (injected, sidecar, injection.warnings)
+    }
+
+    fn init_names(pod: &Pod) -> Vec<String> {
+        pod.spec.iter().flat_map(|s| s.init_containers.iter().flatten()).map(|c| c.name.clone()).collect()
+    }
+
+    fn container_names(pod: &Pod) -> Vec<String> {
+        pod.spec.iter().flat_map(|s| s.containers.iter()).map(|c| c.name.clone()).collect()
+    }
+
+    fn kind_annotation(pod: &Pod) -> Option<String> {
+        pod.metadata.annotations.as_ref().and_then(|a| a.get(SIDECAR_KIND_ANNOTATION)).cloned()
+    }
+
+    #[test]
+    fn a_classic_sidecar_is_a_container_next_to_the_app() {
+        let (injected, sidecar, warnings) = inject(&web_pod(serde_json::json!({})));
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(container_names(&injected), ["app", CONTAINER_NAME]);
+        assert!(init_names(&injected).is_empty());
+        assert_eq!((sidecar.restart_policy, sidecar.startup_probe), (None, None), "as before native sidecars");
+        assert_eq!(kind_annotation(&injected).as_deref(), Some("classic"));
+    }
+
+    #[test]
+    fn a_native_sidecar_is_a_restartable_init_container_with_a_startup_probe() {
+        let (classic_pod, classic, _) = inject(&web_pod(serde_json::json!({})));
+        let (injected, native, warnings) = inject_with(&web_pod(serde_json::json!({})), &native_config());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(container_names(&injected), ["app"]);
+        assert_eq!(init_names(&injected), [CONTAINER_NAME]);
+        assert_eq!(native.restart_policy.as_deref(), Some("Always"));
+        // The kubelet starts what follows once this passes: the proxy's listener is bound then.
+        let startup = native.startup_probe.clone().expect("startupProbe");
+        let get = startup.http_get.clone().expect("httpGet");
+        assert_eq!((get.path.as_deref(), get.port), (Some("/healthz"), IntOrString::Int(15081)));
+        assert_eq!((startup.period_seconds, startup.failure_threshold), (Some(1), Some(NATIVE_STARTUP_FAILURES)));
+        // Everything else is the classic container's: ports, probes, resources, securityContext, env.
+        let same = Container { restart_policy: None, startup_probe: None, ..native.clone() };
+        assert_eq!(same, classic);
+        assert!(native.liveness_probe.is_some() && native.readiness_probe.is_some());
+        // The app's side is the same too: its port's name taken over, its probes moved.
+        assert_eq!(
+            injected.spec.as_ref().expect("spec").containers,
+            classic_pod.spec.as_ref().expect("spec").containers[..1]
+        );
+        assert_eq!(kind_annotation(&injected).as_deref(), Some("native"));
+        // Injected once: a second admission finds it among the init containers.
+        assert_eq!(super::patch(&injected, "tenant", &native_config()).outcome, PodOutcome::Skipped);
+        assert_eq!(super::patch(&injected, "tenant", &config()).outcome, PodOutcome::Skipped);
+    }
+
+    #[test]
+    fn a_native_sidecar_goes_after_the_redirect_and_before_the_pods_own_init_containers() {
+        let with_init = |annotations: serde_json::Value| {
+            let mut value = serde_json::to_value(web_pod(annotations)).expect("json");
+            value["spec"]["initContainers"] =
+                serde_json::json!([{"name": "migrate", "image": "app"}, {"name": "seed", "image": "app"}]);
+            serde_json::from_value::<Pod>(value).expect("pod")
+        };
+        let iptables = serde_json::json!({traffic::REDIRECT_ANNOTATION: "iptables"});
+        let cases = [
+            (web_pod(serde_json::json!({})), vec![CONTAINER_NAME]),
+            (web_pod(iptables.clone()), vec![traffic::INIT_CONTAINER_NAME, CONTAINER_NAME]),
+            (with_init(serde_json::json!({})), vec![CONTAINER_NAME, "migrate", "seed"]),
+            (with_init(iptables), vec![traffic::INIT_CONTAINER_NAME, CONTAINER_NAME, "migrate", "seed"]),
+        ];
+        for (pod, order) in cases {
+            let (injected, _, warnings) = inject_with(&pod, &native_config());
+            assert!(warnings.is_empty(), "{warnings:?}");
+            assert_eq!(init_names(&injected), order);
+            let spec = injected.spec.as_ref().expect("spec");
+            for init in spec.init_containers.iter().flatten() {
+                // Only the sidecar keeps running; the redirect and the pod's own run to completion.
+                let restartable = init.restart_policy.as_deref() == Some("Always");
+                assert_eq!(restartable, init.name == CONTAINER_NAME, "{}", init.name);
+            }
+            assert_eq!(container_names(&injected), ["app"]);
+        }
+        // Classic with the redirect: the init container alone, still first.
+        let (injected, _, _) = inject(&with_init(serde_json::json!({traffic::REDIRECT_ANNOTATION: "iptables"})));
+        assert_eq!(init_names(&injected), [traffic::INIT_CONTAINER_NAME, "migrate", "seed"]);
+        assert_eq!(container_names(&injected), ["app", CONTAINER_NAME]);
+    }
+
+    #[test]
+    fn the_pods_annotation_overrides_the_cluster_kind_both_ways() {
+        let native = annotated(serde_json::json!({SIDECAR_KIND_ANNOTATION: "native"}));
+        let (injected, sidecar, warnings) = inject_with(&native, &config());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(
+            (init_names(&injected), sidecar.restart_policy.as_deref()),
+            (vec![CONTAINER_NAME.to_string()], Some("Always"))
+        );
+        let classic = annotated(serde_json::json!({SIDECAR_KIND_ANNOTATION: "classic"}));
+        let (injected, sidecar, warnings) = inject_with(&classic, &native_config());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(container_names(&injected), ["app", CONTAINER_NAME]);
+        assert_eq!((init_names(&injected).len(), sidecar.restart_policy), (0, None));
+        assert_eq!(kind_annotation(&injected).as_deref(), Some("classic"));
+    }
+
+    #[test]
+    fn an_unknown_kind_is_warned_about_and_the_cluster_kind_used() {
+        for (config, expected) in [(native_config(), "native"), (config(), "classic")] {
+            let (injected, _, warnings) =
+                inject_with(&annotated(serde_json::json!({SIDECAR_KIND_ANNOTATION: "sidecar"})), &config);
+            assert_eq!(
+                warnings,
+                [format!("{SIDECAR_KIND_ANNOTATION}: \"sidecar\" is not native or classic; using {expected}")]
+            );
+            assert_eq!(kind_annotation(&injected).as_deref(), Some(expected));
+        }
+    }
+
+    #[test]
+    fn a_native_sidecar_of_the_pods_own_is_only_stamped() {
+        let original = pod(
+            true,
+            serde_json::json!({"spec": {"initContainers": [{"name": CONTAINER_NAME, "image": "mine:2", "restartPolicy": "Always"}]}}),
+        );
+        let injection = patch(&original, "tenant", &native_config());
+        assert_eq!(injection.outcome, PodOutcome::Annotated);
+        let stamped = apply(&original, injection.patch.as_ref().expect("patch"));
+        assert_eq!(
+            (container_names(&stamped), init_names(&stamped)),
+            (vec!["app".to_string()], vec![CONTAINER_NAME.to_string()])
+        );
+        let annotations = stamped.metadata.annotations.expect("annotations");
+        assert_eq!(annotations.get(INJECTED_ANNOTATION).map(String::as_str), Some("mine:2"));
+    }
+
+    #[test]
+    fn a_native_sidecar_clashes_with_the_pods_init_containers_ports() {
+        let original = pod(
+            true,
+            serde_json::json!({"spec": {"initContainers": [{"name": "warm", "image": "app", "ports": [{"containerPort": 15080}]}]}}),
+        );
+        let (_, _, warnings) = inject_with(&original, &native_config());
+        assert!(warnings.len() == 1 && warnings[0].contains("container warm already uses port 15080"), "{warnings:?}");
+        // A classic sidecar starts after the init containers are done.
+        let (_, _, warnings) = inject(&original);
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
 
     fn env_value(c: &Container, name: &str) -> Option<String> {

@@ -11,6 +11,7 @@
 
 pub mod certs;
 pub mod inject;
+pub mod sidecar_kind;
 pub mod traffic;
 pub mod validate;
 
@@ -127,6 +128,13 @@ pub struct WebhookArgs {
     /// container with NET_ADMIN and NET_RAW redirects inbound TCP to the application's ports).
     #[arg(long = "sidecar-redirect", env = "SLUICE_SIDECAR_REDIRECT", value_enum, default_value = "service")]
     pub sidecar_redirect: traffic::RedirectMode,
+    /// Where the injected sidecar goes unless the pod's `sluice.dev/sidecar-kind` annotation says
+    /// otherwise: `native` (an init container with `restartPolicy: Always`: up before the pod's
+    /// init containers and application, stopped after them, and a Job's pod completes),
+    /// `classic` (a container next to the application's) or `auto` (native when the API server's
+    /// /version, read at start, is 1.29 or later; classic when it is older or cannot be read).
+    #[arg(long = "sidecar-kind", env = "SLUICE_SIDECAR_KIND", value_enum, default_value = "auto")]
+    pub sidecar_kind: sidecar_kind::KindFlag,
     /// Label injected pods with the ports they admit ingress on, and have the leader keep a
     /// NetworkPolicy per namespace and port set that admits ingress only there (the sidecar's,
     /// and the redirected or excluded ones), so the application's port is not a way around the
@@ -167,6 +175,29 @@ struct AppState {
     metrics: Arc<Metrics>,
 }
 
+/// How long `--sidecar-kind auto` waits for the API server's /version.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The cluster's sidecar kind: `flag`, and for `auto` the API server's version; logged with why.
+async fn default_sidecar_kind(client: &Client, flag: sidecar_kind::KindFlag) -> sidecar_kind::SidecarKind {
+    let version = match flag {
+        sidecar_kind::KindFlag::Auto => match tokio::time::timeout(VERSION_TIMEOUT, client.apiserver_version()).await {
+            Ok(Ok(info)) => Ok(sidecar_kind::version_text(&info)),
+            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => Err(format!("no answer within {} s", VERSION_TIMEOUT.as_secs())),
+        },
+        _ => Err("not asked".to_string()),
+    };
+    let decision = sidecar_kind::decide(flag, version.as_deref().map_err(String::as_str));
+    let kind = decision.kind.as_str();
+    if flag == sidecar_kind::KindFlag::Auto && version.is_err() {
+        tracing::warn!(kind, "injected sidecars are {kind}: {}", decision.reason);
+    } else {
+        tracing::info!(kind, "injected sidecars are {kind}: {}", decision.reason);
+    }
+    decision.kind
+}
+
 /// How long the API server is given to trust a CA just added to caBundle.
 const CA_PROPAGATION: Duration = Duration::from_secs(2);
 
@@ -194,6 +225,7 @@ pub async fn start(
         tokio::time::sleep(CA_PROPAGATION).await;
     }
     let tls = certificates.tls.clone();
+    let kind = default_sidecar_kind(&client, args.sidecar_kind).await;
     let state = Arc::new(AppState {
         policies,
         client: client.clone(),
@@ -211,6 +243,7 @@ pub async fn start(
                 redirect: args.sidecar_redirect,
                 network_policy: args.sidecar_network_policy,
             },
+            sidecar_kind: kind,
         },
         endpoint_ca: sidecar.verify_endpoint.then(|| certificates.current.clone()),
         metrics,
