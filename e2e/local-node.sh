@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The install path for real on this machine, no Docker needed: the release binary in an OCI image
 # (e2e/image.sh), a one-node cluster (e2e/node.sh), then the same flow as e2e/kind.sh
-# (e2e/smoke.sh): helm install, webhooks, injection, 429s through a running sidecar, leader
-# failover, helm upgrade, the operator's e2e suite as the chart's ServiceAccount, helm uninstall. scripts/test.sh runs it; needs root (network
+# (e2e/smoke.sh): helm install, webhooks, injection, 429s through a running sidecar, Jobs with
+# native sidecars, a rolling restart with a request in flight, leader failover, helm upgrade, the operator's e2e suite as the chart's ServiceAccount, helm uninstall. scripts/test.sh runs it; needs root (network
 # namespaces, containerd, mounts).
 #
 #   e2e/local-node.sh
@@ -60,5 +60,5 @@ flow_start=$SECONDS
 e2e/node.sh exec "$NODE" env PATH="$(dirname "$helm"):$bin:$PATH" SMOKE_WORK="$WORK/smoke" \
   SLUICE_IMAGE=sluice:node-e2e SMOKE_APP_IMAGE=sluice-e2e/busybox:1.35.0 \
   SMOKE_VALUES="$PWD/e2e/values/loaded-image.yaml" \
-  e2e/smoke.sh install verify iptables failover upgrade suite uninstall
+  e2e/smoke.sh install verify iptables jobs drain failover upgrade suite uninstall
 log "passed: flow $((SECONDS - flow_start)) s, all $((SECONDS - start)) s"

@@ -21,6 +21,14 @@
 #              the redirect; another pod dialling the app's own port (pod IP:8080) and a Service
 #              with a numeric targetPort are both limited; measures the redirect's added latency
 #              (when the pod network is reachable from here) and the init container's start-up cost
+#   jobs       native sidecars (the chart's sidecar.kind auto, on a 1.29+ API server): a labelled
+#              Job's pod has the sidecar in initContainers with restartPolicy Always, its app
+#              reaches the sidecar's admin port from its first instant, and the Job completes
+#              (the sidecar stopped after the app); a CronJob's run (kubectl create job --from)
+#              completes too
+#   drain      a rolling restart while a slow request (15 s) is in flight through the sidecar, for
+#              a native and a classic (sluice.dev/sidecar-kind: classic) sidecar: the request
+#              completes with 200 from the old pod, and new requests reach the new pod
 #   failover   delete the Lease holder's pod: the Lease moves to the other replica (time measured),
 #              which writes status for a policy change, and enforcement continues
 #   upgrade    helm upgrade with a changed value rolls every operator pod; enforcement continues
@@ -272,7 +280,8 @@ EOF
   kubectl apply -f "$WORK/echo.yaml" >&2
   kubectl -n "$SMOKE_NS" rollout status deployment/echo --timeout=180s >&2 || die "the app did not roll out"
   local ready
-  ready="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].status.containerStatuses[*]}{.name}={.ready} {end}')"
+  # The sidecar is native (an init container) or classic (a container): both lists.
+  ready="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].status.initContainerStatuses[*]}{.name}={.ready} {end}{range .items[0].status.containerStatuses[*]}{.name}={.ready} {end}')"
   log "app pod containers: $ready"
   [[ " $ready " == *" sluice-sidecar=true "* ]] || die "no ready sluice-sidecar container (containers: $ready)"
   [[ " $ready " == *" app=true "* ]] || die "the app container is not ready (containers: $ready)"
@@ -283,7 +292,7 @@ EOF
   decided_by_endpoint
   log "verify: the sidecar took over the app port's name; the app's probes run through its admin port"
   local names probe
-  names="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].spec.containers[*]}{.name}:{range .ports[*]}{.name}={.containerPort},{end} {end}')"
+  names="$(kubectl -n "$SMOKE_NS" get pods -l app=echo -o jsonpath='{range .items[0].spec.initContainers[*]}{.name}:{range .ports[*]}{.name}={.containerPort},{end} {end}{range .items[0].spec.containers[*]}{.name}:{range .ports[*]}{.name}={.containerPort},{end} {end}')"
   log "container ports: $names"
   [[ " $names " == *" sluice-sidecar:http=15080,"* ]] || die "the sidecar's listener is not named http: $names"
   [[ " $names " == *" app:=8080,"* ]] || die "the app's port kept its name: $names"
@@ -435,6 +444,193 @@ EOF
   redirect_latency "$ip"
 }
 
+# write_job_template NAME: a labelled Job pod template whose app first asks the sidecar's admin
+# port, once, without retrying (a native sidecar is up before the app starts), then works two
+# seconds and exits 0.
+write_job_template() {
+  cat <<EOF
+    metadata:
+      labels: {app: $1, sluice.dev/inject: "true"}
+    spec:
+      restartPolicy: Never
+      containers:
+        - name: app
+          image: $APP_IMAGE
+          imagePullPolicy: IfNotPresent
+          command: [sh, -c, "timeout 5 wget -q -O - http://127.0.0.1:15081/healthz && sleep 2"]
+EOF
+}
+
+# expect_job_complete JOB: the Job completes within 120 s (else its pod is described); its pod
+# had a native sidecar, which was stopped after the app.
+expect_job_complete() {
+  local job="$1" start pod sidecars order app_end sidecar_end
+  start="$(now_ms)"
+  if ! kubectl -n "$SMOKE_NS" wait --for=condition=Complete "job/$job" --timeout=120s >&2; then
+    kubectl -n "$SMOKE_NS" describe pods -l "job-name=$job" >&2 || true
+    kubectl -n "$SMOKE_NS" logs -l "job-name=$job" --all-containers --tail=20 >&2 || true
+    die "the Job $job did not complete within 120 s"
+  fi
+  log "measured Job $job complete: $(seconds_since "$start") s after it was created"
+  pod="$(kubectl -n "$SMOKE_NS" get pods -l "job-name=$job" -o jsonpath='{.items[0].metadata.name}')"
+  sidecars="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{range .spec.initContainers[*]}{.name}={.restartPolicy} {end}')"
+  log "Job $job, pod $pod, init containers: $sidecars"
+  [[ " $sidecars " == *" sluice-sidecar=Always "* ]] || die "the Job's pod has no native sidecar: $sidecars"
+  [ "$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.metadata.annotations.sluice\.dev/sidecar-kind}')" = native ] \
+    || die "the Job's pod is not stamped sluice.dev/sidecar-kind: native"
+  [ "$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.status.phase}')" = Succeeded ] || die "the Job's pod did not succeed"
+  # Shutdown order: the app finished first, the sidecar was stopped after it.
+  order="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o json | jq -r '
+    [(.status.containerStatuses[] | select(.name == "app") | .state.terminated.finishedAt),
+     (.status.initContainerStatuses[] | select(.name == "sluice-sidecar") | .state.terminated | "\(.finishedAt) \(.exitCode)")] | join(" ")')"
+  log "Job $job: the app finished at, the sidecar finished at and its exit code: $order"
+  read -r app_end sidecar_end _ <<<"$order"
+  if [ -z "$sidecar_end" ] || [ "$sidecar_end" = null ]; then die "the sidecar of the Job's pod did not stop: $order"; fi
+  [[ ! "$sidecar_end" < "$app_end" ]] || die "the sidecar stopped before the app: $order"
+}
+
+# Native sidecars: a Job's and a CronJob's pods complete.
+phase_jobs() {
+  log "jobs: a labelled Job completes: its native sidecar is up before the app and stopped after it"
+  kubectl -n "$SMOKE_NS" delete job job-once cron-now --ignore-not-found >&2
+  {
+    cat <<EOF
+apiVersion: batch/v1
+kind: Job
+metadata: {name: job-once, namespace: $SMOKE_NS}
+spec:
+  backoffLimit: 0
+  template:
+EOF
+    write_job_template job-once
+  } > "$WORK/job.yaml"
+  kubectl apply -f "$WORK/job.yaml" >&2
+  expect_job_complete job-once
+
+  log "jobs: a CronJob's run completes (created at once with kubectl create job --from)"
+  {
+    cat <<EOF
+apiVersion: batch/v1
+kind: CronJob
+metadata: {name: cron, namespace: $SMOKE_NS}
+spec:
+  schedule: "* * * * *"
+  # Run by hand below rather than waiting up to a minute for the schedule.
+  suspend: true
+  jobTemplate:
+    spec:
+      backoffLimit: 0
+      template:
+EOF
+    write_job_template cron | sed 's/^/    /'
+  } > "$WORK/cronjob.yaml"
+  kubectl apply -f "$WORK/cronjob.yaml" >&2
+  kubectl -n "$SMOKE_NS" create job cron-now --from=cronjob/cron >&2
+  expect_job_complete cron-now
+  kubectl -n "$SMOKE_NS" delete cronjob cron >&2
+  kubectl -n "$SMOKE_NS" delete job job-once cron-now --wait=false >&2
+}
+
+# write_slow_app NAME KIND: a Deployment whose app answers /cgi-bin/slow?SECONDS that many
+# seconds later (busybox httpd CGI) with its pod's name and, like a well-behaved server, finishes
+# what it serves on SIGTERM (it exits 20 s later), with a KIND sidecar; and its Service.
+write_slow_app() {
+  cat <<EOF
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: slow-cgi, namespace: $SMOKE_NS}
+data:
+  slow: |
+    #!/bin/sh
+    sleep "\${QUERY_STRING:-0}"
+    printf 'Content-Type: text/plain\r\n\r\n'
+    hostname
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: $1, namespace: $SMOKE_NS}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: $1}}
+  template:
+    metadata:
+      labels: {app: $1, sluice.dev/inject: "true"}
+      annotations: {sluice.dev/sidecar-kind: $2}
+    spec:
+      terminationGracePeriodSeconds: 40
+      volumes: [{name: cgi, configMap: {name: slow-cgi, defaultMode: 0755}}]
+      containers:
+        - name: app
+          image: $APP_IMAGE
+          imagePullPolicy: IfNotPresent
+          command: [sh, -c, "httpd -f -p 8080 -h /www & trap 'sleep 20; exit 0' TERM; wait"]
+          volumeMounts: [{name: cgi, mountPath: /www/cgi-bin}]
+          ports: [{name: http, containerPort: 8080}]
+          readinessProbe: {tcpSocket: {port: http}, periodSeconds: 1}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: $1, namespace: $SMOKE_NS}
+spec:
+  selector: {app: $1}
+  ports: [{name: http, port: 80, targetPort: http}]
+EOF
+}
+
+# The body of the client pod's last client_get.
+client_body() { sed -n '/^---BODY---$/,$p' "$WORK/client-out" | sed 1d; }
+
+# Pod $1 is being deleted (or gone).
+pod_terminating() {
+  local deleting
+  deleting="$(kubectl -n "$SMOKE_NS" get pod "$1" -o jsonpath='{.metadata.deletionTimestamp}' 2>/dev/null)" || return 0
+  [ -n "$deleting" ]
+}
+
+# DRAIN_IP answers with DRAIN_NEW's name (the new pod).
+new_pod_answers() {
+  [ "$(client_get "http://$DRAIN_IP/cgi-bin/slow?0" "drain-$RANDOM")" = 200 ] && [ "$(client_body)" = "$DRAIN_NEW" ]
+}
+
+# A rolling restart while a request is in flight through the sidecar, native and classic.
+phase_drain() {
+  start_client
+  local app kind old bg out_file code_file body
+  for app in slow:native slow-classic:classic; do
+    kind="${app#*:}"; app="${app%%:*}"
+    log "drain ($kind sidecar): a rolling restart while a 15 s request is in flight"
+    write_slow_app "$app" "$kind" > "$WORK/$app.yaml"
+    kubectl apply -f "$WORK/$app.yaml" >&2
+    kubectl -n "$SMOKE_NS" rollout status "deployment/$app" --timeout=180s >&2 || die "$app did not roll out"
+    old="$(app_pod "$app")"
+    DRAIN_IP="$(kubectl -n "$SMOKE_NS" get service "$app" -o jsonpath='{.spec.clusterIP}')"
+    retry 60 client_reaches "http://$DRAIN_IP/cgi-bin/slow?0" \
+      || { cat "$WORK/client-out" >&2; die "the client pod does not reach the $app Service"; }
+    out_file="$WORK/$app-inflight.out"; code_file="$WORK/$app-inflight.code"
+    rm -f "$out_file" "$code_file"
+    # busybox wget exits non-zero on anything but a 2xx.
+    ( kubectl -n "$SMOKE_NS" exec client -- sh -c "timeout 60 wget -q -O - 'http://$DRAIN_IP/cgi-bin/slow?15'" >"$out_file" 2>&1
+      echo $? >"$code_file" ) &
+    bg=$!
+    sleep 2
+    kubectl -n "$SMOKE_NS" rollout restart "deployment/$app" >&2
+    # The old pod must be terminating while the request is still in flight, or nothing was tested.
+    retry 60 pod_terminating "$old" || die "the old pod $old was not terminated"
+    [ ! -s "$code_file" ] || die "the request ended before the old pod $old was terminating: $(cat "$out_file")"
+    log "drain ($kind): $old is terminating, the request still in flight"
+    wait "$bg" || true
+    [ "$(cat "$code_file")" = 0 ] || die "the in-flight request through the $kind sidecar failed (exit $(cat "$code_file")): $(cat "$out_file")"
+    body="$(cat "$out_file")"
+    [ "$body" = "$old" ] || die "the in-flight request was not answered by the old pod $old: $body"
+    log "drain ($kind): the in-flight request completed with 200 from $old"
+    kubectl -n "$SMOKE_NS" rollout status "deployment/$app" --timeout=180s >&2 || die "$app did not roll out again"
+    DRAIN_NEW="$(app_pod "$app")"
+    retry 60 new_pod_answers || { cat "$WORK/client-out" >&2; die "new requests do not reach the new pod $DRAIN_NEW"; }
+    log "drain ($kind): new requests reach $DRAIN_NEW"
+    kubectl -n "$SMOKE_NS" delete deployment "$app" --wait=false >&2
+  done
+}
+
 # The running pod of app $1 that is not being deleted (a replaced one may still be listed).
 app_pod() {
   kubectl -n "$SMOKE_NS" get pods -l "app=$1" --field-selector=status.phase=Running \
@@ -583,10 +779,10 @@ phase_uninstall() {
   log "uninstall: left in $RELEASE_NS: $(kubectl -n "$RELEASE_NS" get secrets,leases,configmaps -o name 2>/dev/null | tr '\n' ' ')"
 }
 
-(($#)) || { sed -n '2,38p' "$0"; exit 2; }
+(($#)) || { sed -n '2,46p' "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    install|verify|iptables|failover|upgrade|suite|uninstall) "phase_$phase" ;;
+    install|verify|iptables|jobs|drain|failover|upgrade|suite|uninstall) "phase_$phase" ;;
     *) die "unknown phase $phase" ;;
   esac
 done
