@@ -105,6 +105,15 @@ async fn start_upstream() -> (SocketAddr, Arc<Upstream>) {
             }),
         )
         .route(
+            "/slow/{ms}",
+            get(|State(s): State<Arc<Upstream>>, axum::extract::Path(ms): axum::extract::Path<u64>| async move {
+                s.hits.fetch_add(1, Ordering::SeqCst);
+                // An application still working on the request: no byte of the answer yet.
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                "slow\n"
+            }),
+        )
+        .route(
             "/ws",
             get(|State(s): State<Arc<Upstream>>, mut request: Request| async move {
                 s.hits.fetch_add(1, Ordering::SeqCst);
@@ -666,6 +675,46 @@ async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
     state.release.notify_one();
     let rest = tokio::time::timeout(Duration::from_secs(10), response.chunk()).await.unwrap().unwrap().unwrap();
     assert_eq!(rest, Bytes::from_static(b"last\n"));
+    let status = sidecar.process.terminate();
+    assert!(status.success(), "{status:?}");
+}
+
+/// A classic sidecar gets SIGTERM with the application: a request the application is still
+/// working on (no byte of its answer sent yet) is answered in full; a new connection is refused
+/// at once, not left hanging while the sidecar drains.
+#[tokio::test]
+async fn sigterm_answers_a_request_the_app_is_still_working_on_and_refuses_new_connections() {
+    let (up, state) = start_upstream().await;
+    let dir = policy_dir();
+    let serve = start_serve(dir.path(), "127.0.0.1:0");
+    let mut sidecar = start_sidecar(up, &serve.url(""), &[]);
+    let c = client();
+    let before = state.hits.load(Ordering::SeqCst);
+    let in_flight = tokio::spawn(c.get(sidecar.url("/slow/3000")).send());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.hits.load(Ordering::SeqCst) == before {
+        assert!(Instant::now() < deadline, "the request never reached the app");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pid = sidecar.process.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    while !sidecar.process.logs.lock().unwrap().iter().any(|l| l.contains("shutting down")) {
+        assert!(Instant::now() < deadline, "no shutdown log line");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Draining: the listener is closed, so a new connection is refused at once (not accepted by
+    // the kernel into a backlog nobody serves any more).
+    let url = reqwest::Url::parse(&sidecar.url("/")).unwrap();
+    let address = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap());
+    let refused_by = Instant::now() + Duration::from_secs(2);
+    while tokio::net::TcpStream::connect(&address).await.is_ok() {
+        assert!(Instant::now() < refused_by, "new connections are still accepted while draining");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!in_flight.is_finished(), "the request was answered before the sidecar drained");
+    let response = in_flight.await.unwrap().expect("the in-flight request is answered");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.text().await.unwrap(), "slow\n");
     let status = sidecar.process.terminate();
     assert!(status.success(), "{status:?}");
 }

@@ -147,8 +147,9 @@ pub fn http_builder(limits: ConnectionLimits) -> auto::Builder<TokioExecutor> {
 
 /// Accepts connections on `listener` until `shutdown` flips, at most `limits.max_connections`
 /// at once, and runs `handle` on each (with its peer, the shutdown signal and the activity its
-/// service must report through [`ConnectionActivity::track`]); then waits up to 20 s for the
-/// connections to finish their in-flight requests.
+/// service must report through [`ConnectionActivity::track`]); then closes the listener, so a
+/// new connection is refused at once rather than left waiting in the backlog, and waits up to
+/// 20 s for the connections to finish their in-flight requests.
 ///
 /// A connection is closed (its `handle` future dropped) when no request has started on it within
 /// `limits.header_read_timeout` of being served, or when a new connection needs its slot while
@@ -207,7 +208,7 @@ pub async fn accept_loop<F, Fut>(
             drop((registration, slot, alive));
         });
     }
-    drop(alive);
+    drop((alive, listener));
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained.recv()).await;
 }
 
