@@ -26,8 +26,8 @@ CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 OUT="$CACHE/k8s-$K8S_VERSION"
 BIN="$OUT/bin"
 # The API server and kubectl for every e2e test; the node's components for the one-node cluster
-# (e2e/node.sh).
-K8S_COMPONENTS=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy)
+# (e2e/node.sh); kubeadm for the kind node image (e2e/kind-node.sh), which boots with it.
+K8S_COMPONENTS=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy kubeadm)
 
 log() { echo "control-plane: $*" >&2; }
 
@@ -53,6 +53,7 @@ build_kubernetes() {
 package tools
 
 import (
+	_ "k8s.io/kubernetes/cmd/kubeadm"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-proxy"
