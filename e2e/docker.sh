@@ -112,7 +112,8 @@ docker_stop() {
   # Undo its iptables changes: rules that jump to its chains or name its bridges, then its chains.
   local table chain
   for table in filter nat; do
-    iptables-save -t "$table" 2>/dev/null | grep -E '^-A' | grep -E 'DOCKER|docker0|br-[0-9a-f]{12}' \
+    # (No matching rule is the usual case on a second stop: grep's status must not end the script.)
+    { iptables-save -t "$table" 2>/dev/null | grep -E '^-A' | grep -E 'DOCKER|docker0|br-[0-9a-f]{12}' || true; } \
       | sed 's/^-A/-D/' | while read -r rule; do
         # shellcheck disable=SC2086 # the rule's words are iptables arguments
         eval iptables -t "$table" $rule 2>/dev/null || true
@@ -134,7 +135,7 @@ docker_stop() {
     done
   fi
   # Mounts under the exec root (netns files, the containerd's state) and the root itself.
-  grep -o " ${exec_root}[^ ]*" /proc/self/mounts | sort -r | while read -r mount; do umount -l "$mount" 2>/dev/null || true; done
+  { grep -o " ${exec_root}[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r mount; do umount -l "$mount" 2>/dev/null || true; done
   rm -rf "$exec_root"
   rm -f "$dir/exec-root"
   local left; left="$(docker_rules)"
