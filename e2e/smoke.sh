@@ -275,6 +275,12 @@ EOF
   log "measured apply-to-enforced (new policy): $took s"
   kubectl -n "$SMOKE_NS" get rlp >&2
 
+  log "verify: the operator chose the sidecar kind (--sidecar-kind auto) and logged why"
+  local chosen
+  chosen="$(kubectl -n "$RELEASE_NS" logs deployment/sluice | grep -m1 'injected sidecars are' || true)"
+  [ -n "$chosen" ] || die "the operator did not log its sidecar kind"
+  log "operator: $chosen"
+
   log "verify: a labelled Deployment runs the injected sidecar next to the app"
   write_app echo service > "$WORK/echo.yaml"
   kubectl apply -f "$WORK/echo.yaml" >&2
@@ -527,8 +533,9 @@ EOF
   kubectl apply -f "$WORK/cronjob.yaml" >&2
   kubectl -n "$SMOKE_NS" create job cron-now --from=cronjob/cron >&2
   expect_job_complete cron-now
+  # cron-now is the CronJob's (ownerReference): it goes with it.
   kubectl -n "$SMOKE_NS" delete cronjob cron >&2
-  kubectl -n "$SMOKE_NS" delete job job-once cron-now --wait=false >&2
+  kubectl -n "$SMOKE_NS" delete job job-once cron-now --ignore-not-found --wait=false >&2
 }
 
 # write_slow_app NAME KIND: a Deployment whose app answers /cgi-bin/slow?SECONDS that many
