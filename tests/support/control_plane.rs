@@ -160,10 +160,16 @@ impl ControlPlane {
         assert!(out.success(), "the control plane did not restart");
     }
 
-    /// The API server's address, from the kubeconfig.
+    /// The API server's address, from the kubeconfig's `server:` (quoted, as this repository's
+    /// scripts write it, in block or flow style, or not, as kind writes it).
     pub fn api_server(&self) -> SocketAddr {
         let text = std::fs::read_to_string(&self.kubeconfig).expect("kubeconfig");
-        let server = text.split("server: \"https://").nth(1).and_then(|rest| rest.split('"').next());
+        let server = text
+            .split("server:")
+            .nth(1)
+            .map(|rest| rest.trim_start().trim_start_matches('"'))
+            .and_then(|rest| rest.strip_prefix("https://"))
+            .and_then(|rest| rest.split(['"', ',', '}', '/', ' ', '\n']).next());
         server.and_then(|s| s.parse().ok()).expect("the kubeconfig's server is https://IP:PORT")
     }
 }
@@ -172,7 +178,7 @@ impl ControlPlane {
 /// server's certificate names 127.0.0.1, so TLS still verifies.
 pub fn kubeconfig_via(kubeconfig: &Path, api_server: SocketAddr, proxy: SocketAddr, dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(kubeconfig).expect("kubeconfig");
-    let (from, to) = (format!("https://{api_server}\""), format!("https://{proxy}\""));
+    let (from, to) = (format!("https://{api_server}"), format!("https://{proxy}"));
     assert!(text.contains(&from), "{} names {api_server}", kubeconfig.display());
     let path = dir.join(kubeconfig.file_name().expect("file name"));
     std::fs::write(&path, text.replace(&from, &to)).expect("write kubeconfig");
