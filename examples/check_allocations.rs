@@ -16,8 +16,8 @@ use axum::body::{Body, Bytes};
 use axum::http::Request;
 use http_body_util::BodyExt;
 use sluice::clock::SystemClock;
+use sluice::engine::Engine;
 use sluice::policy::{Pairs, RequestView};
-use sluice::server::engine::Engine;
 use sluice::server::{http, serve};
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
@@ -83,7 +83,7 @@ async fn main() {
                     fields: &sluice::policy::NoEntries,
                     descriptor: None,
                 };
-                std::hint::black_box(engine.check(&view, sluice::server::engine::Holds::Leased).await);
+                std::hint::black_box(engine.check(&view, sluice::engine::Holds::Returned).await);
             }
             // The first pass creates the keys; the second is the steady state.
             if pass == 1 {

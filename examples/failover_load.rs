@@ -203,7 +203,7 @@ async fn check_rls(
         Ok(Ok(response)) => response.into_inner(),
     };
     // Sluice answers a rule's onStoreFailure with the rule's limit and nothing until reset
-    // (src/server/engine.rs: reset_after 0); a decision by the store counts down to the end of
+    // (src/engine/mod.rs: reset_after 0); a decision by the store counts down to the end of
     // its window. Limitador sends no statuses.
     let by_failure = response
         .statuses

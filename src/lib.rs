@@ -1,28 +1,41 @@
-//! Sluice: a Kubernetes-native distributed rate limiter.
-//!
-//! The pure core (`duration`, `algorithm`) takes time as an argument; `store` keeps per-key
-//! state; `clock` is the one place time is read.
+//! Sluice: a Kubernetes-native distributed rate limiter. ARCHITECTURE.md walks through it; the
+//! modules, by layer, each using only those above it in this list (tests/layers.rs holds it):
 
 // Request paths never unwrap: bad input gets a 4xx, a broken dependency a failure mode (tests may).
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-pub mod admission;
+// The pure core: time is an argument, nothing is read from outside.
 pub mod algorithm;
 pub mod batching;
 pub mod clock;
-pub mod convert;
 pub mod duration;
-pub mod operator;
 pub mod overload;
-pub mod policy;
-pub mod quota_leases;
-pub mod redirect;
-pub mod request;
-pub mod role;
 pub mod rule;
+pub mod usage;
+
+// Keeping per-key state: memory, Redis (one server, Cluster, Sentinel), the backend that picks one.
+pub mod store;
+
+// Policies: the CRD, validation and compilation into the snapshot rules are matched against;
+// request heads as policies read them.
+pub mod policy;
+pub mod request;
+
+// The decision core: snapshot + store → decision, rate-limit headers, hold tokens, quota leases.
+pub mod engine;
+pub mod telemetry;
+
+// What the entry points share: listeners, conversions of other limiters' configurations.
+pub mod convert;
+pub mod listen;
+pub mod redirect;
+
+// The entry points, peers standing on the engine: the endpoint (HTTP API, Envoy's RLS), the
+// sidecar proxy, simulate/explain, the operator and its admission webhooks, and the roles that
+// wire them to a store.
+pub mod admission;
+pub mod operator;
+pub mod role;
 pub mod server;
 pub mod sidecar;
 pub mod simulate;
-pub mod store;
-pub mod telemetry;
-pub mod usage;

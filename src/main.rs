@@ -97,7 +97,7 @@ struct ServeArgs {
     #[arg(long, env = "SLUICE_ALLOW_EMPTY")]
     allow_empty: bool,
     /// Address of the check API.
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = sluice::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = sluice::listen::parse_listen_address)]
     listen: SocketAddr,
     #[command(flatten)]
     store: StoreArgs,
@@ -116,7 +116,7 @@ struct ServeArgs {
     #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
     reload_interval: Duration,
     #[command(flatten)]
-    listen_limits: sluice::server::listen::ListenArgs,
+    listen_limits: sluice::listen::ListenArgs,
 }
 
 fn init_logging(format: &str) {

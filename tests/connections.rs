@@ -1,4 +1,4 @@
-//! What a client without a credential can hold on the endpoint's listeners (`src/server/listen.rs`):
+//! What a client without a credential can hold on the endpoint's listeners (`src/listen.rs`):
 //! a connection whose headers never finish, an idle keep-alive connection, a connection that sends
 //! nothing and a TLS handshake that never starts are all closed after the header-read timeout;
 //! past the connection cap, a new connection takes the place of the one idle longest, and waits

@@ -68,7 +68,7 @@ fn quantity_flag(text: &str) -> Result<String, String> {
 #[derive(clap::Args, Debug, Clone)]
 pub struct WebhookArgs {
     /// Address of the HTTPS admission webhooks (`/validate-policy`, `/mutate-pod`); unset disables them.
-    #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long = "webhook-listen", env = "SLUICE_WEBHOOK_LISTEN", value_parser = crate::listen::parse_listen_address)]
     pub webhook_listen: Option<SocketAddr>,
     /// Names (DNS or IP) the serving certificate is valid for: the webhook Service's DNS names,
     /// and the check API Service's when it serves TLS (--check-api-tls).
@@ -211,7 +211,7 @@ pub async fn start(
     certificates: &Certificates,
     policies: Vec<Store<RateLimitPolicy>>,
     metrics: Arc<Metrics>,
-    limits: crate::server::listen::ConnectionLimits,
+    limits: crate::listen::ConnectionLimits,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
     let resources = args.sidecar_resources();
@@ -258,7 +258,7 @@ pub async fn start(
         tracing::info!(address = %bound, "webhooks listening");
     }
     let task = tokio::spawn(async move {
-        if let Err(error) = crate::server::listen::serve(listener, app, Some(tls), limits, stop).await {
+        if let Err(error) = crate::listen::serve(listener, app, Some(tls), limits, stop).await {
             tracing::error!(%error, "webhook server failed");
         }
     });

@@ -32,7 +32,7 @@ pub const MAX_EXACT: u64 = (1 << 53) - 1;
 /// The largest `requests` or `burst` a rule may declare.
 pub const MAX_REQUESTS: u64 = u32::MAX as u64;
 /// The largest cost, estimate or settled amount the algorithms take: anything larger is taken as
-/// this much. The APIs refuse larger costs already (`server::request::MAX_COST`, the same
+/// this much. The APIs refuse larger costs already (`engine::MAX_COST`, the same
 /// number); the algorithms clamp again because a store operation must never let an amount
 /// overflow a count, whoever called it (a lease token's estimate, a settle, a quota lease).
 /// No limit's capacity exceeds it, so a clamped cost decides as the original would.

@@ -17,10 +17,10 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use crate::engine::Engine;
 use crate::policy::{
     FieldError, LastAccepted, RateLimitPolicy, RateLimitPolicySpec, Snapshot, ValidationErrors, compile, validate,
 };
-use crate::server::engine::Engine;
 use crate::store::Store as RateStore;
 
 /// One reflector per watched namespace (or one over all), and a notification on every event.

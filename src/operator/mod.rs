@@ -99,7 +99,7 @@ pub enum Error {
     #[error("secret {0} lacks {1}")]
     IncompleteSecret(String, &'static str),
     #[error("secret {0}: {1}")]
-    TokenKeys(String, crate::server::lease::TokenKeysError),
+    TokenKeys(String, crate::engine::hold::TokenKeysError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -108,7 +108,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(clap::Args, Debug, Clone)]
 pub struct OperatorArgs {
     /// Address of the check API (and /readyz, /metrics, /v1/snapshot).
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8080", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8080", value_parser = crate::listen::parse_listen_address)]
     pub listen: SocketAddr,
     /// Namespaces whose RateLimitPolicies are enforced; empty means all namespaces.
     #[arg(long, env = "SLUICE_NAMESPACES", value_delimiter = ',')]
@@ -136,7 +136,7 @@ pub struct OperatorArgs {
     #[command(flatten)]
     pub webhook: WebhookArgs,
     #[command(flatten)]
-    pub listen_limits: crate::server::listen::ListenArgs,
+    pub listen_limits: crate::listen::ListenArgs,
     #[command(flatten)]
     pub auth: AuthArgs,
     #[command(flatten)]
@@ -156,7 +156,7 @@ pub struct OperatorArgs {
     pub check_api_tls: bool,
     /// Plain-HTTP address of /healthz, /readyz and /metrics only, for probes and scrapers (they
     /// are served on --listen too).
-    #[arg(long, env = "SLUICE_ADMIN_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_ADMIN_LISTEN", value_parser = crate::listen::parse_listen_address)]
     pub admin_listen: Option<SocketAddr>,
     /// ServiceAccounts (NAMESPACE/NAME, comma-separated) trusted as gateways: they may name any
     /// namespace, a request's cost and the client IP.

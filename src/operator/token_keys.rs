@@ -1,4 +1,4 @@
-//! The keys hold tokens are signed with ([`crate::server::lease`]), shared by every replica
+//! The keys hold tokens are signed with ([`crate::engine::hold`]), shared by every replica
 //! through one Secret, so a sidecar may settle at any replica what another admitted.
 //!
 //! The first replica to start creates the Secret with one random key (256 bits); every replica
@@ -19,8 +19,8 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 
 use super::Error;
-use crate::server::engine::Engine;
-use crate::server::lease::TokenKeys;
+use crate::engine::Engine;
+use crate::engine::hold::TokenKeys;
 use crate::store::Store;
 
 /// The Secret's field that holds the keys.

@@ -9,9 +9,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::clock::Clock;
-use crate::server::engine::Engine;
+use crate::engine::Engine;
+use crate::store::backend::Backend;
 use crate::telemetry::Metrics;
-use store::{Backend, BackendError, StoreArgs};
+use store::{BackendError, StoreArgs};
 
 /// The engine of `serve` and `operator` on the store `args` choose, with this process's memory
 /// as the local fallback when the store is Redis; returns the memory store for the sweeper.

@@ -5,15 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::{HoldId, Micros};
 use crate::clock::Clock;
+use crate::store::backend::Backend;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
 use crate::store::redis::{
     RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, SentinelEndpoint, TlsClient, UrlParts, redact_url,
     with_credentials,
 };
-use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
 #[derive(clap::Args, Clone, Debug)]
@@ -74,7 +73,7 @@ pub struct StoreArgs {
     /// Keys of `consistency: leased` rules this replica follows to decide the hot ones from
     /// slices of their quota (docs/leasing.md); past it, new keys are decided exactly. 0: no
     /// leases here, every rule exact.
-    #[arg(long, env = "SLUICE_QUOTA_LEASE_KEYS", default_value_t = crate::quota_leases::DEFAULT_MAX_KEYS)]
+    #[arg(long, env = "SLUICE_QUOTA_LEASE_KEYS", default_value_t = crate::engine::leases::DEFAULT_MAX_KEYS)]
     pub quota_lease_keys: usize,
     /// (rule, key) denials kept to answer repeats without Redis until their retry-after (exact:
     /// such a request could not be admitted there either); 0 turns the cache off.
@@ -118,13 +117,7 @@ pub enum BackendError {
     #[error("--fallback-replicas must be at least 1")]
     NoReplicas,
     #[error("--lease-keys-file {path}: {error}")]
-    LeaseKeys { path: PathBuf, error: crate::server::lease::TokenKeysError },
-}
-
-/// The store a process decides with.
-pub enum Backend {
-    Memory(Arc<MemoryStore>),
-    Redis(Box<RedisStore>),
+    LeaseKeys { path: PathBuf, error: crate::engine::hold::TokenKeysError },
 }
 
 /// A backend and the memory store that holds local fallback state (the same store when the
@@ -136,10 +129,10 @@ pub struct BuiltBackend {
 
 impl StoreArgs {
     /// The hold token keys of --lease-keys-file; `None` without it.
-    pub fn lease_keys(&self) -> Result<Option<crate::server::lease::TokenKeys>, BackendError> {
+    pub fn lease_keys(&self) -> Result<Option<crate::engine::hold::TokenKeys>, BackendError> {
         let Some(path) = &self.lease_keys_file else { return Ok(None) };
         let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
-        crate::server::lease::TokenKeys::parse(&text)
+        crate::engine::hold::TokenKeys::parse(&text)
             .map(Some)
             .map_err(|error| BackendError::LeaseKeys { path: path.clone(), error })
     }
@@ -233,72 +226,6 @@ fn read_file(path: &PathBuf) -> Result<Vec<u8>, BackendError> {
 fn read_secret(path: &PathBuf) -> Result<String, BackendError> {
     let text = std::fs::read_to_string(path).map_err(|error| BackendError::File { path: path.clone(), error })?;
     Ok(text.trim_end_matches(['\n', '\r']).to_string())
-}
-
-impl Store for Backend {
-    async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
-        match self {
-            Backend::Memory(store) => store.check(now, checks).await,
-            Backend::Redis(store) => Store::check(&**store, now, checks).await,
-        }
-    }
-
-    async fn check_for(
-        &self,
-        namespace: &str,
-        now: Option<Micros>,
-        checks: &[RuleCheck<'_>],
-    ) -> Result<Verdict, StoreError> {
-        match self {
-            Backend::Memory(store) => store.check_for(namespace, now, checks).await,
-            Backend::Redis(store) => Store::check_for(&**store, namespace, now, checks).await,
-        }
-    }
-
-    /// Redis state is only read inside its scripts, which always consume: no peek there.
-    async fn peek_for(
-        &self,
-        namespace: &str,
-        now: Option<Micros>,
-        checks: &[RuleCheck<'_>],
-    ) -> Result<Option<Verdict>, StoreError> {
-        match self {
-            Backend::Memory(store) => store.peek_for(namespace, now, checks).await,
-            Backend::Redis(_) => Ok(None),
-        }
-    }
-
-    async fn settle_for(
-        &self,
-        namespace: &str,
-        now: Option<Micros>,
-        settles: &[crate::store::Settle<'_>],
-        hold: HoldId,
-    ) -> Result<u64, StoreError> {
-        match self {
-            Backend::Memory(store) => store.settle_for(namespace, now, settles, hold).await,
-            Backend::Redis(store) => Store::settle_for(&**store, namespace, now, settles, hold).await,
-        }
-    }
-
-    async fn lease_for(
-        &self,
-        namespace: &str,
-        now: Option<Micros>,
-        ops: &[crate::store::LeaseOp<'_>],
-    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
-        match self {
-            Backend::Memory(store) => store.lease_for(namespace, now, ops).await,
-            Backend::Redis(store) => Store::lease_for(&**store, namespace, now, ops).await,
-        }
-    }
-
-    fn status(&self) -> StoreStatus {
-        match self {
-            Backend::Memory(store) => store.status(),
-            Backend::Redis(store) => Store::status(&**store),
-        }
-    }
 }
 
 #[cfg(test)]

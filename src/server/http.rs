@@ -21,8 +21,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
-use super::engine::{CheckResponse, Engine, Holds, SettleCost};
-use super::request::{BadRequest, CheckRequest, MAX_COST, check_path};
+use super::request::{BadRequest, CheckRequest, check_path};
+use crate::engine::MAX_COST;
+use crate::engine::{CheckResponse, Engine, Holds, SettleCost};
 use crate::policy::RequestView;
 use crate::request::forwarded::gateway_client_ip;
 use crate::request::headers::{HeaderLookup, check_used_headers};
@@ -177,7 +178,7 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body
         Ok(view) => view,
         Err(error) => return forbidden(engine.metrics(), error, StatusCode::FORBIDDEN),
     };
-    let decision = engine.check(&view, Holds::Leased).await;
+    let decision = engine.check(&view, Holds::Returned).await;
     engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
 }
@@ -213,7 +214,7 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
         Ok(caller) => caller,
         Err(error) => return auth_failure(metrics, error),
     };
-    let body = match read_body(metrics, body, super::lease::MAX_TOKEN_LEN + 8 * 1024).await {
+    let body = match read_body(metrics, body, crate::engine::hold::MAX_TOKEN_LEN + 8 * 1024).await {
         Ok(body) => body,
         Err(response) => return response,
     };
@@ -226,7 +227,7 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             );
         }
     };
-    let lease = match engine.verify_lease(&parsed.lease) {
+    let lease = match engine.verify_hold(&parsed.lease) {
         Ok(lease) => lease,
         Err(error) => return bad_request(metrics, BadRequest(error.to_string())),
     };
@@ -365,7 +366,7 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                 },
                 None => None,
             };
-            Ok(super::engine::HolderLease {
+            Ok(crate::engine::HolderLease {
                 rule: id(&entry.rule, format!("leases[{i}].rule"))?,
                 key: entry.key.clone(),
                 settle,
@@ -394,8 +395,8 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
                 .collect();
             (StatusCode::OK, axum::Json(json!({ "grants": grants }))).into_response()
         }
-        Err(super::engine::HolderLeaseError::Refused(message)) => bad_request(metrics, BadRequest(message)),
-        Err(super::engine::HolderLeaseError::Store(error)) => {
+        Err(crate::engine::HolderLeaseError::Refused(message)) => bad_request(metrics, BadRequest(message)),
+        Err(crate::engine::HolderLeaseError::Store(error)) => {
             metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
             metrics.responses.get_or_create(&StatusLabels { status: 503 }).inc();
             error_response(StatusCode::SERVICE_UNAVAILABLE, format!("the leases did not reach the store ({error})"))
@@ -427,7 +428,7 @@ struct LeanDecision<'a> {
     status: u16,
     retry_after_ms: Option<u64>,
     delay_ms: u64,
-    #[serde(serialize_with = "super::engine::ordered_map")]
+    #[serde(serialize_with = "crate::engine::ordered_map")]
     headers: &'a [(std::borrow::Cow<'static, str>, String)],
     #[serde(skip_serializing_if = "Option::is_none")]
     body: Option<&'a str>,
@@ -492,7 +493,7 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     let decidable: Vec<&RequestView> = views.iter().filter_map(|view| view.as_ref().ok()).collect();
     let mut decisions = Vec::with_capacity(decidable.len());
     for chunk in decidable.chunks(BATCH_IN_FLIGHT) {
-        decisions.extend(futures::future::join_all(chunk.iter().map(|view| engine.check(view, Holds::Leased))).await);
+        decisions.extend(futures::future::join_all(chunk.iter().map(|view| engine.check(view, Holds::Returned))).await);
     }
     let mut decisions = decisions.iter();
     let results: Vec<BatchResult> = views
@@ -707,10 +708,10 @@ impl AuthzParts {
         // must not set the price of its own requests, so only a gateway's counts.
         let cost = match text(COST_HEADER)? {
             Some(c) if caller.is_trusted() => {
-                c.parse::<u64>().ok().filter(|&c| c <= super::request::MAX_COST).ok_or_else(|| {
+                c.parse::<u64>().ok().filter(|&c| c <= crate::engine::MAX_COST).ok_or_else(|| {
                     BadRequest(format!(
                         "header {COST_HEADER}: {c:?} is not an integer from 0 to {}",
-                        super::request::MAX_COST
+                        crate::engine::MAX_COST
                     ))
                 })?
             }
@@ -836,7 +837,7 @@ struct SnapshotBody<'a> {
     view: SnapshotView,
     /// The policies in force, as documents a sidecar can compile into the same snapshot.
     sources: Vec<&'a crate::policy::RateLimitPolicy>,
-    last_reload_error: Option<super::engine::ReloadError>,
+    last_reload_error: Option<crate::engine::ReloadError>,
     store: crate::store::StoreStatus,
 }
 
@@ -874,10 +875,10 @@ fn snapshot_wait(uri: &Uri) -> Result<Option<std::time::Duration>, BadRequest> {
 /// A reload error as `caller` may see it: its text names other tenants' files, policies and
 /// regexes, so only callers of every namespace get it; a tenant learns that (and when) the last
 /// reload failed.
-fn reload_error_for(caller: &Caller, error: super::engine::ReloadError) -> super::engine::ReloadError {
+fn reload_error_for(caller: &Caller, error: crate::engine::ReloadError) -> crate::engine::ReloadError {
     match caller.visible_namespaces() {
         None => error,
-        Some(_) => super::engine::ReloadError {
+        Some(_) => crate::engine::ReloadError {
             at: error.at,
             message: "the last reload failed; the last good policies stay enforced (the endpoint's log and a gateway's /v1/snapshot have the details)".into(),
         },

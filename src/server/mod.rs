@@ -2,12 +2,7 @@
 //! rate limit service (gRPC).
 
 pub mod auth;
-pub mod engine;
-pub mod headers;
 pub mod http;
-pub mod lease;
-pub mod leasing;
-pub mod listen;
 pub mod reload;
 pub mod request;
 pub mod rls;

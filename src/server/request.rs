@@ -10,8 +10,7 @@ use super::auth::{Caller, Forbidden};
 use crate::policy::canonical_header_name;
 use crate::policy::validate::is_token;
 
-/// The most a single check may cost; keeps every store's arithmetic exact.
-pub const MAX_COST: u64 = u32::MAX as u64;
+use crate::engine::MAX_COST;
 const MAX_NAME_LEN: usize = 253;
 pub const MAX_PATH_LEN: usize = 8192;
 

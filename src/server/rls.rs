@@ -31,8 +31,8 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use super::auth::{Auth, AuthError, Caller};
-use super::engine::{DescriptorsChecked, Engine, RuleResult};
-use super::request::MAX_COST;
+use crate::engine::MAX_COST;
+use crate::engine::{DescriptorsChecked, Engine, RuleResult};
 use crate::policy::Descriptor;
 use crate::policy::validate::is_dns_label;
 use crate::store::Store;
@@ -56,7 +56,7 @@ const STORE_SHARE_OF_DEADLINE: f64 = 0.6;
 pub struct GrpcArgs {
     /// Address of Envoy's rate limit service (gRPC `ShouldRateLimit` and `grpc.health.v1`, HTTP/2
     /// cleartext unless --grpc-tls). Off without it.
-    #[arg(long, env = "SLUICE_GRPC_LISTEN", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_GRPC_LISTEN", value_parser = crate::listen::parse_listen_address)]
     pub grpc_listen: Option<SocketAddr>,
     /// Serve the gRPC listener over TLS with the check API's certificate (`serve`: --tls-cert and
     /// --tls-key; `operator`: the operator's certificate, signed by its CA).

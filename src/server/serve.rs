@@ -12,9 +12,9 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::engine::Engine;
-use super::listen::ConnectionLimits;
 use super::reload::SettledChange;
+use crate::engine::Engine;
+use crate::listen::ConnectionLimits;
 use std::collections::HashMap;
 
 use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files, why_empty};
@@ -167,7 +167,7 @@ pub async fn serve_http(
     limits: ConnectionLimits,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    super::listen::serve(listener, router, None, limits, shutdown).await
+    crate::listen::serve(listener, router, None, limits, shutdown).await
 }
 
 /// [`serve_http`] over TLS: the same router, the certificate of `tls` (which can be reloaded in
@@ -179,7 +179,7 @@ pub async fn serve_https(
     limits: ConnectionLimits,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    super::listen::serve(listener, router, Some(tls), limits, shutdown).await
+    crate::listen::serve(listener, router, Some(tls), limits, shutdown).await
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub enum OnFailure {
 #[derive(clap::Args, Debug, Clone)]
 pub struct SidecarArgs {
     /// Address the proxy listens on (what the pod's Service targets).
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8000", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "0.0.0.0:8000", value_parser = crate::listen::parse_listen_address)]
     pub listen: SocketAddr,
     /// The application, as HOST:PORT (usually 127.0.0.1:<app port>).
     #[arg(long, env = "SLUICE_UPSTREAM")]
@@ -61,7 +61,7 @@ pub struct SidecarArgs {
     pub endpoint_timeout: Duration,
     /// Address of /healthz, /readyz and /metrics (the injecting webhook sets it: port 15081 or
     /// the pod's `sluice.dev/admin-port`).
-    #[arg(long, env = "SLUICE_ADMIN_LISTEN", default_value = "0.0.0.0:9091", value_parser = crate::server::listen::parse_listen_address)]
+    #[arg(long, env = "SLUICE_ADMIN_LISTEN", default_value = "0.0.0.0:9091", value_parser = crate::listen::parse_listen_address)]
     pub admin_listen: SocketAddr,
     /// Reverse proxies in front of the sidecar whose X-Forwarded-For entries are trusted.
     #[arg(long, env = "SLUICE_TRUSTED_HOPS", default_value_t = 0)]
@@ -97,7 +97,7 @@ pub struct SidecarArgs {
     pub cgroup_root: PathBuf,
     /// Header-read timeout and connection cap of the proxy and admin listeners.
     #[command(flatten)]
-    pub listen_limits: crate::server::listen::ListenArgs,
+    pub listen_limits: crate::listen::ListenArgs,
 }
 
 /// The checked configuration.
@@ -127,7 +127,7 @@ pub struct Config {
     pub endpoint_batches: usize,
     pub app_probes: BTreeMap<String, super::probes::AppProbe>,
     pub inbound_ports: Vec<u16>,
-    pub listen_limits: crate::server::listen::ConnectionLimits,
+    pub listen_limits: crate::listen::ConnectionLimits,
 }
 
 impl Config {
@@ -303,7 +303,7 @@ mod tests {
             app_probes: None,
             inbound_ports: Vec::new(),
             cgroup_root: "/sys/fs/cgroup".into(),
-            listen_limits: crate::server::listen::ListenArgs {
+            listen_limits: crate::listen::ListenArgs {
                 header_read_timeout: Duration::from_secs(10),
                 max_connections: None,
             },

@@ -25,10 +25,10 @@ use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
 use super::verdict::{Held, decision_of, error_chain};
 use crate::clock::{Clock, SystemClock};
+use crate::engine::{CheckResponse, Engine, Holds, SettleCost, WithoutStore};
 use crate::policy::response_cost::ResponseCost;
 use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
-use crate::server::engine::{CheckResponse, Engine, Holds, SettleCost, WithoutStore};
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
 use crate::telemetry::Metrics;
@@ -170,7 +170,7 @@ pub struct Decider {
     local: Engine<Arc<MemoryStore>>,
     /// Slices of hot keys' quota held for this pod (`consistency: leased` rules), granted by
     /// the endpoint.
-    leases: crate::quota_leases::QuotaLeases,
+    leases: crate::engine::leases::QuotaLeases,
     /// The cached snapshot compiled to the endpoint's own version (nothing rejected here).
     local_is_exact: AtomicBool,
     /// The last snapshot request succeeded and the endpoint holds unchanged-snapshot requests
@@ -223,7 +223,7 @@ impl Decider {
             header_filter: ArcSwap::from_pointee(HeaderFilter::Unknown),
             first_snapshot: tokio::sync::Mutex::new(()),
             local: Engine::new(store, clock.clone(), Arc::new(Metrics::new())),
-            leases: crate::quota_leases::QuotaLeases::new(LOCAL_LEASE_KEYS),
+            leases: crate::engine::leases::QuotaLeases::new(LOCAL_LEASE_KEYS),
             local_is_exact: AtomicBool::new(false),
             snapshot_is_pushed: AtomicBool::new(false),
             installed: parking_lot::Mutex::new(None),
@@ -241,7 +241,7 @@ impl Decider {
     pub async fn settle(&self, held: Held, cost: SettleCost) {
         let started = self.clock.now();
         let outcome = match held {
-            Held::Local(token) => match self.local.verify_lease(&token) {
+            Held::Local(token) => match self.local.verify_hold(&token) {
                 Ok(lease) => self.local.settle(&lease, &cost).await.map(|_| ()).map_err(|e| e.to_string()),
                 Err(error) => Err(error.to_string()),
             },
@@ -288,7 +288,7 @@ impl Decider {
     /// `responseCost`, from the cached snapshot (empty for concurrency slots alone).
     pub fn response_costs(&self, held: &Held) -> Vec<(String, Arc<ResponseCost>)> {
         let (Held::Endpoint(token) | Held::Local(token)) = held;
-        match crate::server::lease::Lease::read_unverified(token) {
+        match crate::engine::hold::Hold::read_unverified(token) {
             Ok(lease) => self.local.response_costs(&lease),
             Err(_) => Vec::new(),
         }
@@ -471,7 +471,7 @@ impl Decider {
 
     /// Settles this pod's slices as they end, until `shutdown`; then gives every one back.
     pub async fn keep_leases(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
-        crate::server::leasing::keep(&self.leases, &*self.endpoint, &*self.clock, shutdown).await;
+        crate::engine::leasing::keep(&self.leases, &*self.endpoint, &*self.clock, shutdown).await;
     }
 
     fn count(&self, source: Source, decision: &Decision) {
@@ -491,7 +491,7 @@ impl Decider {
 
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         if self.local.is_loaded() {
-            return (Source::Local, from_engine(self.local.check(&view_of(input), Holds::Leased).await));
+            return (Source::Local, from_engine(self.local.check(&view_of(input), Holds::Returned).await));
         }
         (Source::FailureMode, self.failure_mode())
     }

@@ -134,7 +134,7 @@ impl ExchangeFailure {
 }
 
 /// The endpoint grants this pod's slices of hot keys' quota (`POST /v1/leases`): the sidecar
-/// holds them for its own pod's requests ([`crate::quota_leases`]).
+/// holds them for its own pod's requests ([`crate::engine::leases`]).
 impl crate::store::LeaseStore for Endpoint {
     async fn lease(
         &self,

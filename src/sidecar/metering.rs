@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
+use crate::engine::SettleCost;
 use crate::policy::response_cost::ResponseCost;
-use crate::server::engine::SettleCost;
 use crate::usage::{UsageMeter, UsageSpec, cost_from_header};
 
 /// One response's cost readers.

@@ -117,7 +117,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
     let pressure = tokio::spawn(decider.protection.clone().watch_pressure(stopped.clone()));
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
-    let admin_server = tokio::spawn(crate::server::listen::serve(
+    let admin_server = tokio::spawn(crate::listen::serve(
         admin,
         admin_router(metrics, app_health, decider.protection.clone(), decider.readiness.clone()),
         None,

@@ -27,8 +27,8 @@ use super::metering::Metering;
 use super::metrics::SidecarMetrics;
 use super::overload::{Shed, Slot};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
+use crate::engine::SettleCost;
 use crate::request::{forwarded, headers, host};
-use crate::server::engine::SettleCost;
 use crate::server::request::{MAX_PATH_LEN, check_path};
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
@@ -727,11 +727,11 @@ fn problem(status: StatusCode, title: &str, detail: &str, headers: HeaderList) -
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
-    limits: crate::server::listen::ConnectionLimits,
+    limits: crate::listen::ConnectionLimits,
     shutdown: watch::Receiver<bool>,
 ) {
-    let builder = Arc::new(crate::server::listen::http_builder(limits));
-    crate::server::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown, activity| {
+    let builder = Arc::new(crate::listen::http_builder(limits));
+    crate::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown, activity| {
         let upstream = Arc::new(proxy.upstream_for(&stream));
         let (proxy, builder) = (proxy.clone(), builder.clone());
         async move {
@@ -759,4 +759,4 @@ pub async fn serve(
     .await;
 }
 
-use crate::server::listen::stopped;
+use crate::listen::stopped;

@@ -14,8 +14,8 @@ use super::stats::{Bound, max_admitted_in_any_window, theoretical_bound};
 use crate::algorithm::{Decision, HoldId, Micros};
 use crate::clock::FakeClock;
 use crate::duration::MICROS_PER_MS;
+use crate::engine::leases::QuotaLeases;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
-use crate::quota_leases::QuotaLeases;
 use crate::server::request::CheckRequest;
 use crate::store::memory::MemoryStore;
 use crate::store::{LeaseOp, LeaseStore, RuleCheck, Settle, Store};
@@ -440,7 +440,7 @@ pub fn replay(
         let now = start + arrival.at;
         clock.set(now);
         for holder in &holders {
-            futures::executor::block_on(crate::server::leasing::settle_due(holder, &leasing, &clock, false));
+            futures::executor::block_on(crate::engine::leasing::settle_due(holder, &leasing, &clock, false));
         }
         while let Some(&Reverse((end, hold))) = ending.peek()
             && end <= now
@@ -480,7 +480,7 @@ pub fn replay(
         let hold = ((n as u64) << 1) | 1;
         let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| RuleCheck { hold, ..m.check() }).collect();
         let from_slices = holders.get(n % holders.len().max(1)).and_then(|holder| {
-            futures::executor::block_on(crate::server::leasing::decide(
+            futures::executor::block_on(crate::engine::leasing::decide(
                 holder, &leasing, &clock, namespace, &matched, None,
             ))
         });

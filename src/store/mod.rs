@@ -4,6 +4,7 @@
 //! admitted only when every enforcing rule admits it, and only then does each admitting rule
 //! consume. A denial consumes nothing anywhere.
 
+pub mod backend;
 pub mod breaker;
 pub mod denials;
 pub mod keys;
@@ -260,7 +261,7 @@ pub struct StoreStatus {
     /// The quota leases this process holds for `consistency: leased` rules (filled by the
     /// engine).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub quota_leases: Option<crate::quota_leases::QuotaLeaseStatus>,
+    pub quota_leases: Option<QuotaLeaseStatus>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -326,4 +327,30 @@ impl<T: Store> Store for std::sync::Arc<T> {
     fn status(&self) -> StoreStatus {
         (**self).status()
     }
+}
+
+/// The quota lease table's self-description (`crate::engine::leases`) (`/v1/snapshot`'s `store.quotaLeases`, and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaLeaseStatus {
+    /// Keys of leased rules followed here (hot or not).
+    pub keys: u64,
+    /// Slices held now, and their units not yet spent.
+    pub held: u64,
+    pub units_held: u64,
+    /// Requests of leased rules admitted from slices, refused here (their key had nothing left
+    /// at the store), and sent to the store.
+    pub admitted_locally: u64,
+    pub refused_locally: u64,
+    pub to_store: u64,
+    /// Renewals answered with a slice, and with none.
+    pub grants: u64,
+    pub empty_grants: u64,
+    pub units_granted: u64,
+    pub units_spent: u64,
+    /// Units given back unspent (a slice settled below its amount).
+    pub units_returned: u64,
+    /// Store calls that renewed slices, and those that failed.
+    pub renewals: u64,
+    pub renewal_failures: u64,
 }

@@ -6,17 +6,17 @@
 use std::sync::LazyLock;
 
 use libfuzzer_sys::fuzz_target;
-use sluice::server::lease::{Lease, TokenKeys};
+use sluice::engine::hold::{Hold, TokenKeys};
 
 static KEYS: LazyLock<TokenKeys> = LazyLock::new(|| TokenKeys::parse("fuzz-key-0123456789abcdef").unwrap());
 static OTHER: LazyLock<TokenKeys> = LazyLock::new(|| TokenKeys::parse("other-key-0123456789abcdef").unwrap());
 
 fuzz_target!(|token: &str| {
-    let _ = Lease::verify(token, &KEYS);
-    if let Ok(lease) = Lease::read_unverified(token) {
+    let _ = Hold::verify(token, &KEYS);
+    if let Ok(lease) = Hold::read_unverified(token) {
         assert!(lease.hold != 0 && !lease.held.is_empty());
         let signed = lease.token(&KEYS);
-        assert_eq!(Lease::verify(&signed, &KEYS), Ok(lease.clone()));
-        assert!(Lease::verify(&signed, &OTHER).is_err());
+        assert_eq!(Hold::verify(&signed, &KEYS), Ok(lease.clone()));
+        assert!(Hold::verify(&signed, &OTHER).is_err());
     }
 });

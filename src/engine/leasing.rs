@@ -1,12 +1,12 @@
 //! Deciding from quota leases and settling them, for any holder: the endpoint (slices from
 //! Redis) and the sidecar (slices from the endpoint). The bookkeeping is
-//! [`crate::quota_leases`]; this is its I/O.
+//! [`crate::engine::leases`]; this is its I/O.
 
 use std::time::Duration;
 
+use super::leases::{Due, LeasedCheck, Local, QuotaLeases};
 use crate::clock::Clock;
 use crate::policy::Matched;
-use crate::quota_leases::{Due, LeasedCheck, Local, QuotaLeases};
 use crate::store::{LeaseOp, LeaseStore, StoreError, Verdict};
 
 /// The verdict of a request whose every rule is `consistency: leased` and enforcing, from the

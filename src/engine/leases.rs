@@ -22,6 +22,7 @@
 //!   undershoot, never an overshoot). When the store grants nothing
 //!   because the bound is taken by others' slices, the key is decided by the store meanwhile.
 
+use crate::store::QuotaLeaseStatus;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -137,32 +138,6 @@ pub enum Local {
     Renew(Vec<Renewal>),
     /// Let the store decide.
     Store,
-}
-
-/// The table's self-description (`/v1/snapshot`'s `store.quotaLeases`, and metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct QuotaLeaseStatus {
-    /// Keys of leased rules followed here (hot or not).
-    pub keys: u64,
-    /// Slices held now, and their units not yet spent.
-    pub held: u64,
-    pub units_held: u64,
-    /// Requests of leased rules admitted from slices, refused here (their key had nothing left
-    /// at the store), and sent to the store.
-    pub admitted_locally: u64,
-    pub refused_locally: u64,
-    pub to_store: u64,
-    /// Renewals answered with a slice, and with none.
-    pub grants: u64,
-    pub empty_grants: u64,
-    pub units_granted: u64,
-    pub units_spent: u64,
-    /// Units given back unspent (a slice settled below its amount).
-    pub units_returned: u64,
-    /// Store calls that renewed slices, and those that failed.
-    pub renewals: u64,
-    pub renewal_failures: u64,
 }
 
 /// Counts for metrics.

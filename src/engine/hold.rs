@@ -2,20 +2,24 @@
 //! cost known after the response) holds, as the token its caller gives back to `POST /v1/settle`
 //! (or `/v1/release`) when the request ends.
 //!
-//! The token is the lease itself, not a reference to state kept here: the namespace, the
+//! The token is the hold itself, not a reference to state kept here: the namespace, the
 //! request's hold id (64 random bits), each held (rule, key) and the estimate reserved under it,
 //! as base64url JSON, followed by `.` and an HMAC-SHA256 of that text under a key the replicas
 //! share ([`TokenKeys`]). Any replica holding the key can settle it, and nothing is kept per
 //! request. Everything a settle acts on comes from the signed text, so a caller can neither
 //! forge a token (naming keys it never held, to make the store work for it) nor edit one (a
 //! namespace, an estimate, a key): such a token is refused with 400 before the store is asked.
-//! The namespace is then checked against the caller's like any request's. A lease taken in this
+//! The namespace is then checked against the caller's like any request's. A hold taken in this
 //! replica's memory (the store was down and the rule's `onStoreFailure` is `localFallback`) says
 //! so: only this replica can release it, and elsewhere it runs out by itself.
 //!
 //! Keys rotate without breaking tokens in flight: the first key signs, every key verifies, so a
 //! new key is added second everywhere, then moved first, and the old one removed once the
 //! longest hold (`reservationTtl`) has passed.
+//!
+//! On the wire the token keeps the name it has always had: the `lease` field of a check answer
+//! and of a settle, and the `--lease-keys-file` its keys come from. In the code "lease" means a
+//! quota slice only ([`super::leases`]); this is a hold.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -38,7 +42,7 @@ pub const MIN_KEY_BYTES: usize = 16;
 pub const MAX_KEYS: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Lease {
+pub struct Hold {
     #[serde(rename = "n")]
     pub namespace: String,
     #[serde(rename = "h", with = "decimal")]
@@ -56,7 +60,7 @@ pub struct Lease {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LeaseError {
+pub enum HoldError {
     #[error("lease: longer than {MAX_TOKEN_LEN} characters")]
     TooLong,
     #[error("lease: not base64url")]
@@ -124,7 +128,7 @@ impl TokenKeys {
     }
 }
 
-impl Lease {
+impl Hold {
     /// The signed token: the lease's base64url JSON, `.`, its base64url HMAC.
     pub fn token(&self, keys: &TokenKeys) -> String {
         // Serializing plain strings and integers cannot fail.
@@ -135,45 +139,45 @@ impl Lease {
 
     /// The lease a token carries once its signature verifies under one of `keys`, and every
     /// field is within bounds.
-    pub fn verify(token: &str, keys: &TokenKeys) -> Result<Lease, LeaseError> {
+    pub fn verify(token: &str, keys: &TokenKeys) -> Result<Hold, HoldError> {
         let token = token.trim();
         if token.len() > MAX_TOKEN_LEN {
-            return Err(LeaseError::TooLong);
+            return Err(HoldError::TooLong);
         }
         let Some((text, tag)) = token.split_once('.') else {
-            return Err(LeaseError::Signature);
+            return Err(HoldError::Signature);
         };
-        let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| LeaseError::NotBase64)?;
+        let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| HoldError::NotBase64)?;
         if !keys.verifies(text.as_bytes(), &tag) {
-            return Err(LeaseError::Signature);
+            return Err(HoldError::Signature);
         }
         Self::decode(text)
     }
 
     /// What a token says, without checking who signed it: for the holder that was given it
     /// (a sidecar reading which rules its request holds), never for acting on it.
-    pub fn read_unverified(token: &str) -> Result<Lease, LeaseError> {
+    pub fn read_unverified(token: &str) -> Result<Hold, HoldError> {
         let token = token.trim();
         if token.len() > MAX_TOKEN_LEN {
-            return Err(LeaseError::TooLong);
+            return Err(HoldError::TooLong);
         }
         Self::decode(token.split_once('.').map_or(token, |(text, _)| text))
     }
 
-    fn decode(text: &str) -> Result<Lease, LeaseError> {
-        let json = URL_SAFE_NO_PAD.decode(text).map_err(|_| LeaseError::NotBase64)?;
-        let lease: Lease = serde_json::from_slice(&json).map_err(|e| LeaseError::Malformed(e.to_string()))?;
+    fn decode(text: &str) -> Result<Hold, HoldError> {
+        let json = URL_SAFE_NO_PAD.decode(text).map_err(|_| HoldError::NotBase64)?;
+        let lease: Hold = serde_json::from_slice(&json).map_err(|e| HoldError::Malformed(e.to_string()))?;
         if lease.hold == 0 || lease.held.is_empty() {
-            return Err(LeaseError::Malformed("it holds nothing".into()));
+            return Err(HoldError::Malformed("it holds nothing".into()));
         }
         if lease.held.len() > MAX_HELD {
-            return Err(LeaseError::Malformed(format!("it holds {} keys, at most {MAX_HELD}", lease.held.len())));
+            return Err(HoldError::Malformed(format!("it holds {} keys, at most {MAX_HELD}", lease.held.len())));
         }
         if !lease.reserved.is_empty() && lease.reserved.len() != lease.held.len() {
-            return Err(LeaseError::Malformed("one estimate per hold".into()));
+            return Err(HoldError::Malformed("one estimate per hold".into()));
         }
-        if lease.reserved.iter().any(|&e| e > super::request::MAX_COST) {
-            return Err(LeaseError::Malformed(format!("an estimate above {}", super::request::MAX_COST)));
+        if lease.reserved.iter().any(|&e| e > super::MAX_COST) {
+            return Err(HoldError::Malformed(format!("an estimate above {}", super::MAX_COST)));
         }
         Ok(lease)
     }
@@ -219,8 +223,8 @@ mod held {
 mod tests {
     use super::*;
 
-    fn lease() -> Lease {
-        Lease {
+    fn lease() -> Hold {
+        Hold {
             namespace: "tenant-a".into(),
             hold: u64::MAX - 1,
             held: vec![(0x0123_4567_89ab_cdef, "5:alice".into())],
@@ -234,20 +238,20 @@ mod tests {
         let keys = TokenKeys::random();
         let token = lease().token(&keys);
         assert!(!token.contains(['+', '/', '=']), "{token}");
-        assert_eq!(Lease::verify(&token, &keys), Ok(lease()));
-        assert_eq!(Lease::read_unverified(&token), Ok(lease()));
-        assert_eq!(Lease::verify("not base64!", &keys), Err(LeaseError::Signature));
-        assert_eq!(Lease::verify(&"a".repeat(MAX_TOKEN_LEN + 1), &keys), Err(LeaseError::TooLong));
+        assert_eq!(Hold::verify(&token, &keys), Ok(lease()));
+        assert_eq!(Hold::read_unverified(&token), Ok(lease()));
+        assert_eq!(Hold::verify("not base64!", &keys), Err(HoldError::Signature));
+        assert_eq!(Hold::verify(&"a".repeat(MAX_TOKEN_LEN + 1), &keys), Err(HoldError::TooLong));
         let signed = |json: &[u8]| {
             let text = URL_SAFE_NO_PAD.encode(json);
             let tag = URL_SAFE_NO_PAD.encode(keys.sign(text.as_bytes()).as_ref());
             format!("{text}.{tag}")
         };
-        assert!(matches!(Lease::verify(&signed(b"{}"), &keys), Err(LeaseError::Malformed(_))));
+        assert!(matches!(Hold::verify(&signed(b"{}"), &keys), Err(HoldError::Malformed(_))));
         let empty = signed(br#"{"n":"a","h":"5","r":[]}"#);
-        assert!(matches!(Lease::verify(&empty, &keys), Err(LeaseError::Malformed(m)) if m.contains("holds nothing")));
+        assert!(matches!(Hold::verify(&empty, &keys), Err(HoldError::Malformed(m)) if m.contains("holds nothing")));
         let huge = signed(br#"{"n":"a","h":"5","r":[["0000000000000001","k"]],"e":[18446744073709551515]}"#);
-        assert!(matches!(Lease::verify(&huge, &keys), Err(LeaseError::Malformed(m)) if m.contains("estimate")));
+        assert!(matches!(Hold::verify(&huge, &keys), Err(HoldError::Malformed(m)) if m.contains("estimate")));
     }
 
     #[test]
@@ -256,18 +260,18 @@ mod tests {
         let token = lease().token(&keys);
         // The namespace rewritten, the estimate raised: re-encoded, the old signature kept.
         for edit in [
-            Lease { namespace: "tenant-b".into(), ..lease() },
-            Lease { reserved: vec![u64::MAX - 100], ..lease() },
-            Lease { held: vec![(1, "x".into()); 3], reserved: vec![], ..lease() },
+            Hold { namespace: "tenant-b".into(), ..lease() },
+            Hold { reserved: vec![u64::MAX - 100], ..lease() },
+            Hold { held: vec![(1, "x".into()); 3], reserved: vec![], ..lease() },
         ] {
             let (_, tag) = token.split_once('.').unwrap();
             let text = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&edit).unwrap());
-            assert_eq!(Lease::verify(&format!("{text}.{tag}"), &keys), Err(LeaseError::Signature));
+            assert_eq!(Hold::verify(&format!("{text}.{tag}"), &keys), Err(HoldError::Signature));
         }
         // Unsigned, as tokens were before signing, and signed by another endpoint's key.
         let (text, _) = token.split_once('.').unwrap();
-        assert_eq!(Lease::verify(text, &keys), Err(LeaseError::Signature));
-        assert_eq!(Lease::verify(&lease().token(&TokenKeys::random()), &keys), Err(LeaseError::Signature));
+        assert_eq!(Hold::verify(text, &keys), Err(HoldError::Signature));
+        assert_eq!(Hold::verify(&lease().token(&TokenKeys::random()), &keys), Err(HoldError::Signature));
     }
 
     #[test]
@@ -279,9 +283,9 @@ mod tests {
         let after = TokenKeys::parse(new).unwrap();
         let issued_before = lease().token(&before);
         let issued_during = lease().token(&during);
-        assert_eq!(Lease::verify(&issued_before, &during), Ok(lease()));
-        assert_eq!(Lease::verify(&issued_during, &after), Ok(lease()));
-        assert_eq!(Lease::verify(&issued_before, &after), Err(LeaseError::Signature));
+        assert_eq!(Hold::verify(&issued_before, &during), Ok(lease()));
+        assert_eq!(Hold::verify(&issued_during, &after), Ok(lease()));
+        assert_eq!(Hold::verify(&issued_before, &after), Err(HoldError::Signature));
         assert_eq!(TokenKeys::parse(" \n# none\n").unwrap_err(), TokenKeysError::Empty);
         assert_eq!(TokenKeys::parse("short").unwrap_err(), TokenKeysError::TooShort(1));
     }

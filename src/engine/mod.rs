@@ -1,6 +1,14 @@
 //! The enforcement engine: the live snapshot, the store, and the rules for turning a check
 //! request into a decision. No HTTP here; the axum layer and the sidecar both sit on top.
 
+pub mod headers;
+pub mod hold;
+pub mod leases;
+pub mod leasing;
+
+/// The most a single check may cost; keeps every store's arithmetic exact.
+pub const MAX_COST: u64 = u32::MAX as u64;
+
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::sync::Arc;
@@ -10,14 +18,13 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use super::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
-use super::request::MAX_COST;
+use self::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
+use self::leases::QuotaLeases;
 use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
 use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
-use crate::quota_leases::QuotaLeases;
 use crate::store::memory::MemoryStore;
 use crate::store::{LeaseOp, LeaseStore, RuleCheck, RuleId, Settle, Store, StoreError, Verdict};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
@@ -74,7 +81,7 @@ pub struct CheckResponse {
     /// The snapshot version that decided (empty before the first load).
     pub snapshot: Arc<str>,
     /// What the admitted request holds (its concurrency rules' slots), to give back to
-    /// `POST /v1/release` when it ends ([`super::lease`]); only from entry points that can.
+    /// `POST /v1/release` when it ends ([`hold`]); only from entry points that can.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<String>,
 }
@@ -94,8 +101,8 @@ pub enum SettleCost {
 /// the request ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Holds {
-    /// Its caller releases: what an admitted request holds comes back as a lease.
-    Leased,
+    /// Its caller gives back what an admitted request holds, as a hold token ([`hold`]).
+    Returned,
     /// No release signal reaches it (ext_authz, the rate limit service): rules that hold are not
     /// decided there, and `sluice_holding_rules_skipped_total{api}` counts them under this name.
     Skipped(&'static str),
@@ -237,8 +244,8 @@ pub struct Engine<S> {
     /// Slices of hot keys' quota held here, for `consistency: leased` rules; `None` when the
     /// store is this process's memory (every decision is local already).
     leases: Option<QuotaLeases>,
-    /// What hold tokens are signed and verified with ([`super::lease`]).
-    token_keys: ArcSwap<super::lease::TokenKeys>,
+    /// What hold tokens are signed and verified with ([`hold`]).
+    token_keys: ArcSwap<self::hold::TokenKeys>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -255,7 +262,7 @@ impl<S: Store> Engine<S> {
             store,
             fallback: None,
             leases: None,
-            token_keys: ArcSwap::from_pointee(super::lease::TokenKeys::random()),
+            token_keys: ArcSwap::from_pointee(self::hold::TokenKeys::random()),
             clock,
             metrics,
         }
@@ -263,13 +270,13 @@ impl<S: Store> Engine<S> {
 
     /// Signs hold tokens with `keys` from now on (and verifies with them alone): replicas that
     /// settle each other's tokens share them. Without this, a random key of this process.
-    pub fn set_token_keys(&self, keys: super::lease::TokenKeys) {
+    pub fn set_token_keys(&self, keys: self::hold::TokenKeys) {
         self.token_keys.store(Arc::new(keys));
     }
 
     /// The lease a hold token carries, once its signature and bounds are checked.
-    pub fn verify_lease(&self, token: &str) -> Result<super::lease::Lease, super::lease::LeaseError> {
-        super::lease::Lease::verify(token, &self.token_keys.load())
+    pub fn verify_hold(&self, token: &str) -> Result<self::hold::Hold, self::hold::HoldError> {
+        self::hold::Hold::verify(token, &self.token_keys.load())
     }
 
     /// Lets `consistency: leased` rules decide hot keys from slices of their quota held here
@@ -384,7 +391,7 @@ impl<S: Store> Engine<S> {
         if let Holds::Skipped(api) = holds {
             self.skip_holding_rules(&mut matched, api);
         }
-        let leased = holds == Holds::Leased;
+        let leased = holds == Holds::Returned;
         let response = if tracing::enabled!(target: "sluice::check", tracing::Level::DEBUG) {
             Box::pin(self.decide_traced(&live, request.namespace, &matched, leased)).await
         } else {
@@ -410,7 +417,7 @@ impl<S: Store> Engine<S> {
     /// The `responseCost` of each rule a lease holds a reservation under, with the rule's name.
     pub fn response_costs(
         &self,
-        lease: &super::lease::Lease,
+        lease: &self::hold::Hold,
     ) -> Vec<(String, Arc<crate::policy::response_cost::ResponseCost>)> {
         let live = self.live.load();
         lease
@@ -425,7 +432,7 @@ impl<S: Store> Engine<S> {
     /// given back, reservations replaced by `cost`'s actual costs, in the shared store or, for a
     /// lease taken while it was down, in this replica's memory. Idempotent. A rule no longer in
     /// the snapshot is left to its reservation's ttl. Returns how many holds were found.
-    pub async fn settle(&self, lease: &super::lease::Lease, cost: &SettleCost) -> Result<u64, StoreError> {
+    pub async fn settle(&self, lease: &self::hold::Hold, cost: &SettleCost) -> Result<u64, StoreError> {
         let live = self.live.load();
         let local = lease.local && self.fallback.is_some();
         let mut settles = Vec::with_capacity(lease.held.len());
@@ -614,7 +621,7 @@ impl<S: Store> Engine<S> {
             matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
         let from_leases = match &self.leases {
             Some(leases) if hold == 0 => {
-                super::leasing::decide(leases, &self.store, &*self.clock, namespace, matched, store_budget).await
+                self::leasing::decide(leases, &self.store, &*self.clock, namespace, matched, store_budget).await
             }
             _ => None,
         };
@@ -656,7 +663,7 @@ impl<S: Store> Engine<S> {
             return WithoutStore::NoRule;
         }
         let Some(verdict) =
-            super::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, budget).await
+            self::leasing::decide(leases, store, &*self.clock, request.namespace, &matched, budget).await
         else {
             return WithoutStore::AskTheStore;
         };
@@ -750,7 +757,7 @@ impl<S: Store> Engine<S> {
             let reserved = holding.iter().map(|m| if m.rule.response_cost().is_some() { m.cost } else { 0 }).collect();
             let local = failed && self.fallback.is_some();
             (!holding.is_empty()).then(|| {
-                super::lease::Lease { namespace: namespace.to_string(), hold, held, reserved, local }
+                self::hold::Hold { namespace: namespace.to_string(), hold, held, reserved, local }
                     .token(&self.token_keys.load())
             })
         });
@@ -826,7 +833,7 @@ impl<S: Store> Engine<S> {
     /// Settles the slices at their end, until `shutdown`; then gives back every slice held.
     pub async fn keep_leases(self: Arc<Self>, shutdown: tokio::sync::watch::Receiver<bool>) {
         if let Some(leases) = &self.leases {
-            super::leasing::keep(leases, &self.store, &*self.clock, shutdown).await;
+            self::leasing::keep(leases, &self.store, &*self.clock, shutdown).await;
         }
     }
 
@@ -978,7 +985,7 @@ mod tests {
             tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(filter)).with(fields.clone());
         tracing::subscriber::with_default(subscriber, || {
             let request = RequestView { namespace: "ns", ..RequestView::new("/") };
-            let response = futures::executor::block_on(engine.check(&request, Holds::Leased));
+            let response = futures::executor::block_on(engine.check(&request, Holds::Returned));
             assert!(response.allowed);
         });
         let recorded = fields.0.lock().clone();
@@ -1033,7 +1040,7 @@ mod tests {
         let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
         let engine = Engine::new(CachedDenial, Arc::new(crate::clock::SystemClock), Arc::new(Metrics::new()));
         engine.install(Arc::new(snapshot));
-        let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }, Holds::Leased).await;
+        let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }, Holds::Returned).await;
         assert!(!response.allowed);
         assert_eq!((response.rules[0].not_decided, response.rules[1].not_decided), (false, true));
         let policy_header = response.headers.iter().find(|(k, _)| k == "RateLimit-Policy").map(|(_, v)| v.as_str());

@@ -1,0 +1,82 @@
+//! The store a process decides with, chosen at start from the command line (`crate::role::store`):
+//! the in-process memory store, or Redis (one server, a cluster or a Sentinel-followed master)
+//! shared by every replica. One type, so the engine is built once for either.
+
+use std::sync::Arc;
+
+use crate::algorithm::{HoldId, Micros};
+use crate::store::memory::MemoryStore;
+use crate::store::redis::RedisStore;
+use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
+
+/// The store a process decides with.
+pub enum Backend {
+    Memory(Arc<MemoryStore>),
+    Redis(Box<RedisStore>),
+}
+
+impl Store for Backend {
+    async fn check(&self, now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
+        match self {
+            Backend::Memory(store) => store.check(now, checks).await,
+            Backend::Redis(store) => Store::check(&**store, now, checks).await,
+        }
+    }
+
+    async fn check_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Backend::Memory(store) => store.check_for(namespace, now, checks).await,
+            Backend::Redis(store) => Store::check_for(&**store, namespace, now, checks).await,
+        }
+    }
+
+    /// Redis state is only read inside its scripts, which always consume: no peek there.
+    async fn peek_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        checks: &[RuleCheck<'_>],
+    ) -> Result<Option<Verdict>, StoreError> {
+        match self {
+            Backend::Memory(store) => store.peek_for(namespace, now, checks).await,
+            Backend::Redis(_) => Ok(None),
+        }
+    }
+
+    async fn settle_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        settles: &[crate::store::Settle<'_>],
+        hold: HoldId,
+    ) -> Result<u64, StoreError> {
+        match self {
+            Backend::Memory(store) => store.settle_for(namespace, now, settles, hold).await,
+            Backend::Redis(store) => Store::settle_for(&**store, namespace, now, settles, hold).await,
+        }
+    }
+
+    async fn lease_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        ops: &[crate::store::LeaseOp<'_>],
+    ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
+        match self {
+            Backend::Memory(store) => store.lease_for(namespace, now, ops).await,
+            Backend::Redis(store) => Store::lease_for(&**store, namespace, now, ops).await,
+        }
+    }
+
+    fn status(&self) -> StoreStatus {
+        match self {
+            Backend::Memory(store) => store.status(),
+            Backend::Redis(store) => Store::status(&**store),
+        }
+    }
+}
