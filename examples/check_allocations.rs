@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use sluice::clock::SystemClock;
 use sluice::engine::Engine;
 use sluice::policy::{Pairs, RequestView};
-use sluice::server::{http, serve};
+use sluice::server::http;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
 use tower::ServiceExt;
@@ -49,7 +49,7 @@ static GLOBAL: Counting = Counting;
 const ROUNDS: u64 = 10_000;
 
 fn engine(policies: &str) -> Arc<Engine<Arc<MemoryStore>>> {
-    let snapshot = serve::load_snapshot(&[std::path::PathBuf::from(policies)]).expect("policies");
+    let snapshot = sluice::policy::load_snapshot(&[std::path::PathBuf::from(policies)]).expect("policies");
     let clock = Arc::new(SystemClock);
     let store = Arc::new(MemoryStore::with_clock(1_000_000, clock.clone()));
     let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));

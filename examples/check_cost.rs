@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use sluice::clock::SystemClock;
 use sluice::engine::Engine;
 use sluice::server::auth::{Auth, StaticTokens};
-use sluice::server::{http, serve};
+use sluice::server::http;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
 use tower::ServiceExt;
@@ -91,7 +91,7 @@ fn main() {
             println!("round {round}");
             run("minimal", minimal_router.clone(), &bodies, iterations, None).await;
             for dir in &dirs {
-                let snapshot = serve::load_snapshot(&[dir.into()]).expect("policies");
+                let snapshot = sluice::policy::load_snapshot(&[dir.into()]).expect("policies");
                 let clock = Arc::new(SystemClock);
                 let store = Arc::new(MemoryStore::with_clock(1_000_000, clock.clone()));
                 let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));

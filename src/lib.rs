@@ -25,7 +25,9 @@ pub mod request;
 pub mod engine;
 pub mod telemetry;
 
-// What the entry points share: listeners, conversions of other limiters' configurations.
+// What the entry points share: the wire contract between the endpoint and its clients,
+// listeners, conversions of other limiters' configurations, the redirect init container.
+pub mod api;
 pub mod convert;
 pub mod listen;
 pub mod redirect;

@@ -231,7 +231,7 @@ fn run_redirect(args: &sluice::redirect::RedirectArgs) -> anyhow::Result<()> {
 }
 
 fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
-    let snapshot = match serve::load_snapshot_with_warnings(&args.policies) {
+    let snapshot = match sluice::policy::load_snapshot_with_warnings(&args.policies) {
         Ok((snapshot, warnings)) => {
             for warning in warnings {
                 eprintln!("warning: {warning}");
@@ -240,7 +240,7 @@ fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
         }
         Err(message) => bail!("invalid policies:\n{message}"),
     };
-    let request = sluice::server::request::CheckRequest::from_json(args.request.as_bytes())
+    let request = sluice::api::check::CheckRequest::from_json(args.request.as_bytes())
         .map_err(|e| anyhow::anyhow!("--request: {e}"))?;
     let caller = sluice::server::auth::Caller::Open;
     let view = request.view(&caller).map_err(|e| anyhow::anyhow!("--request: {e}"))?;
@@ -262,7 +262,8 @@ async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     // The fingerprint read before the load is the watcher's baseline: an edit made while the
     // process starts is then seen as a change, not taken for what was loaded.
     let (baseline, loaded) =
-        tokio::task::spawn_blocking(move || (serve::fingerprint(&paths), serve::load_snapshot(&paths))).await?;
+        tokio::task::spawn_blocking(move || (serve::fingerprint(&paths), sluice::policy::load_snapshot(&paths)))
+            .await?;
     let snapshot = match loaded {
         Ok(snapshot) => snapshot,
         Err(message) => bail!("cannot start: invalid policies:\n{message}"),

@@ -12,8 +12,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use sluice::algorithm::Algorithm;
 use sluice::clock::FakeClock;
+use sluice::engine::Engine;
 use sluice::server::auth::Auth;
-use sluice::server::engine::Engine;
 use sluice::server::rls::RateLimiter;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;

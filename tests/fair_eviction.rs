@@ -6,13 +6,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use sluice::api::check::CheckRequest;
 use sluice::clock::FakeClock;
+use sluice::engine::{CheckResponse, Engine};
 use sluice::policy::{compile, load_str};
-use sluice::role::store::Backend;
 use sluice::server::auth::Caller;
-use sluice::server::engine::{CheckResponse, Engine};
-use sluice::server::request::CheckRequest;
 use sluice::store::Store;
+use sluice::store::backend::Backend;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
 
@@ -63,7 +63,7 @@ async fn check(engine: &Engine<Backend>, namespace: &str, api_key: &str) -> Chec
     engine
         .check(
             &request.view(&Caller::Open).expect("an open caller may name any namespace"),
-            sluice::server::engine::Holds::Leased,
+            sluice::engine::Holds::Returned,
         )
         .await
 }

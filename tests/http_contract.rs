@@ -10,8 +10,9 @@ use axum::extract::ConnectInfo;
 use axum::http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
+use sluice::api;
 use sluice::clock::SystemClock;
-use sluice::server::engine::Engine;
+use sluice::engine::Engine;
 use sluice::server::http;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
@@ -365,31 +366,31 @@ async fn batch_envelope_and_size_are_checked() {
     let empty = api.post_body("/v1/checks", br#"{"requests": []}"#.to_vec()).await;
     assert_eq!((empty.status, empty.json()), (StatusCode::OK, json!({"results": []})));
 
-    let too_many: Vec<Value> = (0..http::MAX_BATCH_CHECKS + 1).map(|i| order(&format!("k{i}"))).collect();
+    let too_many: Vec<Value> = (0..api::MAX_BATCH_CHECKS + 1).map(|i| order(&format!("k{i}"))).collect();
     let reply = api.post_body("/v1/checks", serde_json::to_vec(&json!({"requests": too_many})).unwrap()).await;
     assert_eq!(reply.status, 400);
     assert!(reply.text().contains("at most 256 per batch"), "{}", reply.text());
 
     // Larger than one check may be (64 KiB), within the batch limit: decided.
-    let full: Vec<Value> = (0..http::MAX_BATCH_CHECKS).map(|i| order(&format!("{i}-{}", "x".repeat(300)))).collect();
+    let full: Vec<Value> = (0..api::MAX_BATCH_CHECKS).map(|i| order(&format!("{i}-{}", "x".repeat(300)))).collect();
     let body = serde_json::to_vec(&json!({"requests": full})).unwrap();
-    assert!(body.len() > http::MAX_BODY_BYTES && body.len() < http::MAX_BATCH_BODY_BYTES);
+    assert!(body.len() > api::MAX_BODY_BYTES && body.len() < api::MAX_BATCH_BODY_BYTES);
     let reply = api.post_body("/v1/checks", body).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(reply.json()["results"].as_array().unwrap().len(), http::MAX_BATCH_CHECKS);
+    assert_eq!(reply.json()["results"].as_array().unwrap().len(), api::MAX_BATCH_CHECKS);
     // One check over the single check's limit is refused on its own.
-    let huge = json!({"path": "/", "headers": {"x-api-key": "x".repeat(http::MAX_BODY_BYTES)}});
+    let huge = json!({"path": "/", "headers": {"x-api-key": "x".repeat(api::MAX_BODY_BYTES)}});
     let reply =
         api.post_body("/v1/checks", serde_json::to_vec(&json!({"requests": [huge, order("k1")]})).unwrap()).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     let results = reply.json()["results"].clone();
     assert_eq!(results[0], json!({"status": 413, "error": "check larger than 65536 bytes"}));
     assert_eq!(results[1]["allowed"], true);
-    let reply = api.post_body("/v1/checks", vec![b' '; http::MAX_BATCH_BODY_BYTES + 1]).await;
+    let reply = api.post_body("/v1/checks", vec![b' '; api::MAX_BATCH_BODY_BYTES + 1]).await;
     assert_eq!(reply.status, 413);
     assert!(reply.text().contains("larger than 1048576 bytes"), "{}", reply.text());
     // The single check keeps its own limit.
-    let reply = api.post_body("/v1/check", vec![b' '; http::MAX_BODY_BYTES + 1]).await;
+    let reply = api.post_body("/v1/check", vec![b' '; api::MAX_BODY_BYTES + 1]).await;
     assert_eq!(reply.status, 413);
 }
 
@@ -424,14 +425,14 @@ async fn a_snapshot_request_waits_for_a_change() {
     let (engine, router) = engine_with(POLICY);
     let first = get_snapshot(&router, "", None).await;
     let etag = first.headers["etag"].to_str().unwrap().to_string();
-    assert!(first.headers.get(http::SNAPSHOT_WAIT_HEADER).is_none(), "no wait asked, none announced");
+    assert!(first.headers.get(api::SNAPSHOT_WAIT_HEADER).is_none(), "no wait asked, none announced");
 
     // Unchanged: held for the whole wait, then 304 saying the wait was honoured.
     let started = std::time::Instant::now();
     let unchanged = get_snapshot(&router, "?wait=300ms", Some(&etag)).await;
     assert_eq!(unchanged.status, StatusCode::NOT_MODIFIED);
     assert!(started.elapsed() >= std::time::Duration::from_millis(300), "{:?}", started.elapsed());
-    assert_eq!(unchanged.headers[http::SNAPSHOT_WAIT_HEADER], "300");
+    assert_eq!(unchanged.headers[api::SNAPSHOT_WAIT_HEADER], "300");
 
     // A change while held: answered with the new snapshot.
     let held = tokio::spawn({
@@ -465,7 +466,7 @@ async fn a_snapshot_request_waits_for_a_change() {
     let stopped =
         tokio::time::timeout(std::time::Duration::from_secs(5), held).await.expect("ended by the stop").unwrap();
     assert_eq!(stopped.status, StatusCode::NOT_MODIFIED);
-    assert!(stopped.headers.get(http::SNAPSHOT_WAIT_HEADER).is_none(), "a stopping endpoint pushes no more");
+    assert!(stopped.headers.get(api::SNAPSHOT_WAIT_HEADER).is_none(), "a stopping endpoint pushes no more");
 
     for (query, want) in [
         ("?wait=61s", "wait: at most 60s"),

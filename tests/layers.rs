@@ -13,7 +13,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("state", &["store"]),
     ("policies", &["policy", "request"]),
     ("the decision core", &["telemetry", "engine"]),
-    ("shared by entry points", &["convert", "listen", "redirect"]),
+    ("shared by entry points", &["api", "convert", "listen", "redirect"]),
     ("entry points", &["admission", "operator", "role", "server", "sidecar", "simulate", "main"]),
 ];
 
@@ -99,6 +99,29 @@ fn every_module_lib_rs_declares_stands_on_a_layer() {
     // And in layer order, so that src/lib.rs reads bottom-up like the layers.
     let layers: Vec<usize> = declared.iter().filter_map(|m| layer_of(m)).collect();
     assert!(layers.windows(2).all(|w| w[0] <= w[1]), "src/lib.rs lists its modules out of layer order: {declared:?}");
+}
+
+/// The sidecar and simulate stand on the engine and the wire contract (`api`), not on the
+/// endpoint's implementation: "why does the sidecar import the server?" has no answer to give.
+#[test]
+fn the_sidecar_and_simulate_do_not_use_the_endpoint() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut violations = Vec::new();
+    for peer in ["sidecar", "simulate"] {
+        let mut files = Vec::new();
+        rust_files(&src.join(peer), &mut files);
+        assert!(!files.is_empty(), "no src/{peer}/");
+        for file in files {
+            let text = std::fs::read_to_string(&file).expect("read");
+            for (number, line) in text.lines().enumerate() {
+                let code = line.trim_start();
+                if !code.starts_with("//") && named_modules(code).contains(&"server") {
+                    violations.push(format!("{}:{}: {code}", file.display(), number + 1));
+                }
+            }
+        }
+    }
+    assert!(violations.is_empty(), "entry points using the endpoint's code:\n{}", violations.join("\n"));
 }
 
 #[test]

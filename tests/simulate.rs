@@ -3,8 +3,8 @@
 //! picture agree.
 
 use serde_json::Value;
+use sluice::api::check::CheckRequest;
 use sluice::policy::{Snapshot, compile, load_str};
-use sluice::server::request::CheckRequest;
 use sluice::simulate::{ReplayOptions, RuleReport, SimulationReport, parse_pattern, parse_trace, replay};
 
 fn policy(algorithm: &str, limit: &str) -> String {

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_yaml::Value;
 
+use super::Snapshot;
 use super::crd::RateLimitPolicy;
 use super::validate::{ValidationErrors, validate};
 
@@ -427,4 +428,43 @@ fn schema_at<'a>(spec: &'a serde_json::Value, path: &str) -> Option<&'a serde_js
         }
     }
     Some(schema)
+}
+
+/// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
+/// naming the file, the document and the field, so a typo never silently drops a policy. Each
+/// policy is validated (and its regexes compiled) once, by the compile.
+pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
+    let (snapshot, warnings) = load_snapshot_with_warnings(paths)?;
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
+    Ok(snapshot)
+}
+
+/// [`load_snapshot`], and the risky but valid choices of the policies (what the webhook returns
+/// as admission warnings), each naming its file, policy and field.
+pub fn load_snapshot_with_warnings(paths: &[PathBuf]) -> Result<(Snapshot, Vec<String>), String> {
+    let parsed = parse_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
+    let warnings: Vec<String> = parsed
+        .iter()
+        .flat_map(|l| {
+            let at = format!("{} (document {}), policy {}", l.file.display(), l.document, l.policy.qualified_name());
+            super::validate::warnings(&l.policy).into_iter().map(move |w| format!("{at}: {w}"))
+        })
+        .collect();
+    let origins: HashMap<String, (PathBuf, usize)> =
+        parsed.iter().map(|l| (l.policy.qualified_name(), (l.file.clone(), l.document))).collect();
+    let compiled = super::compile(parsed.into_iter().map(|l| l.policy).collect());
+    if compiled.rejected.is_empty() {
+        return Ok((compiled.snapshot, warnings));
+    }
+    let errors = compiled
+        .rejected
+        .into_iter()
+        .map(|rejected| {
+            let (file, document) = origins.get(&rejected.policy).cloned().unwrap_or_default();
+            LoadError::Invalid { file, document, policy: rejected.policy, errors: rejected.errors }
+        })
+        .collect();
+    Err(LoadErrors(errors).to_string())
 }

@@ -24,7 +24,10 @@ pub use crd::{
     ResponseCostMode, ResponseCostSpec, crd_yaml,
 };
 pub use explain::{ExplainReport, Explanation};
-pub use load::{LoadError, LoadErrors, LoadedPolicy, load_paths, load_str, parse_paths, policy_files, why_empty};
+pub use load::{
+    LoadError, LoadErrors, LoadedPolicy, load_paths, load_snapshot, load_snapshot_with_warnings, load_str, parse_paths,
+    policy_files, why_empty,
+};
 pub use matching::{
     Descriptor, HOP_BY_HOP, Matched, NoEntries, Pairs, RequestView, StrMap, canonical_header_name, encode_key,
     same_header_name,

@@ -17,13 +17,18 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
-use super::request::{BadRequest, CheckRequest, check_path};
+use crate::api::check::{BadRequest, CheckRequest, check_path};
+use crate::api::checks::BatchBody;
+use crate::api::leases::{Grant, Granted, LeasesBody};
+use crate::api::settle::SettleBody;
+use crate::api::snapshot::{SnapshotBody, SnapshotView};
+use crate::api::{MAX_BATCH_BODY_BYTES, MAX_BATCH_CHECKS, MAX_BODY_BYTES, MAX_SNAPSHOT_WAIT, SNAPSHOT_WAIT_HEADER};
 use crate::engine::MAX_COST;
-use crate::engine::{CheckResponse, Engine, Holds, SettleCost};
+use crate::engine::{CheckResponse, Engine, Holds};
 use crate::policy::RequestView;
 use crate::request::forwarded::gateway_client_ip;
 use crate::request::headers::{HeaderLookup, check_used_headers};
@@ -32,15 +37,8 @@ use crate::request::labels::parse_label_list;
 use crate::store::Store;
 use crate::telemetry::{ReasonLabels, StatusLabels};
 
-/// Check bodies are small; anything larger is refused with 413 before parsing.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
-/// The most checks one `POST /v1/checks` may carry.
-pub const MAX_BATCH_CHECKS: usize = 256;
 /// Checks of one batch decided at once.
 pub const BATCH_IN_FLIGHT: usize = 32;
-/// A batch body's limit: room for [`MAX_BATCH_CHECKS`] typical checks, not for that many of the
-/// largest single ones (a sender with large checks sends smaller batches).
-pub const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
 
 /// Request headers the ext_authz mode reads for what Envoy cannot put in the path.
 pub const NAMESPACE_HEADER: &str = "x-sluice-namespace";
@@ -183,22 +181,6 @@ async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body
     json_response(StatusCode::OK, &decision, None)
 }
 
-/// `POST /v1/settle` (and `/v1/release`) body: `{"lease": "<the lease of a /v1/check answer>"}`,
-/// with, for rules whose cost is known after the response, the actual cost: `cost` (every such
-/// rule), `costs` (by rule name), or `failed: true` (each rule's `onFailure`). Without any, each
-/// reservation settles to its estimate.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SettleBody {
-    lease: String,
-    #[serde(default)]
-    cost: Option<u64>,
-    #[serde(default)]
-    costs: std::collections::BTreeMap<String, u64>,
-    #[serde(default)]
-    failed: bool,
-}
-
 /// Most rule names a settle names.
 const MAX_SETTLE_COSTS: usize = 64;
 
@@ -238,22 +220,13 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             BadRequest(format!("cost: at most {MAX_COST} each, for at most {MAX_SETTLE_COSTS} rules")),
         );
     }
-    if parsed.failed && (parsed.cost.is_some() || !parsed.costs.is_empty()) {
-        return bad_request(
-            metrics,
-            BadRequest("failed: a failed request's cost is the policy's onFailure; remove cost and costs".into()),
-        );
-    }
+    let cost = match parsed.settle_cost() {
+        Ok(cost) => cost,
+        Err(message) => return bad_request(metrics, BadRequest(message)),
+    };
     if let Err(error) = caller.namespace_of(Some(&lease.namespace)) {
         return forbidden(metrics, error, StatusCode::FORBIDDEN);
     }
-    let cost = if parsed.failed {
-        SettleCost::Failed
-    } else if parsed.cost.is_none() && parsed.costs.is_empty() {
-        SettleCost::AsReserved
-    } else {
-        SettleCost::Actual { all: parsed.cost, by_rule: parsed.costs }
-    };
     match engine.settle(&lease, &cost).await {
         Ok(found) => {
             metrics.responses_ok.inc();
@@ -272,41 +245,6 @@ async fn settle<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             )
         }
     }
-}
-
-/// `POST /v1/leases` body: `{"namespace": "…", "leases": [{"rule": "<rule id>", "key": "…",
-/// "settle": {"hold": "<id>", "spent": N}, "ask": {"hold": "<id>", "want": N}}, …]}`; hold and
-/// rule ids are decimal strings (64 bits do not survive a JSON number).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LeasesBody {
-    namespace: String,
-    leases: Vec<LeaseEntry>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LeaseEntry {
-    rule: String,
-    key: String,
-    #[serde(default)]
-    settle: Option<LeaseSettle>,
-    #[serde(default)]
-    ask: Option<LeaseWant>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LeaseSettle {
-    hold: String,
-    spent: u64,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LeaseWant {
-    hold: String,
-    want: u64,
 }
 
 /// Most lease operations in one `POST /v1/leases`, and the longest key.
@@ -381,19 +319,17 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     match engine.lease_for_holder(&parsed.namespace, &asks).await {
         Ok(grants) => {
             metrics.responses_ok.inc();
-            let grants: Vec<serde_json::Value> = grants
+            let grants = grants
                 .iter()
-                .map(|g| {
-                    json!({
-                        "amount": g.amount,
-                        "lastsUs": g.lasts,
-                        "remaining": g.after.remaining,
-                        "resetAfterUs": g.after.reset_after,
-                        "holders": g.holders,
-                    })
+                .map(|g| Grant {
+                    amount: g.amount,
+                    lasts_us: g.lasts,
+                    remaining: g.after.remaining,
+                    reset_after_us: g.after.reset_after,
+                    holders: g.holders,
                 })
                 .collect();
-            (StatusCode::OK, axum::Json(json!({ "grants": grants }))).into_response()
+            (StatusCode::OK, axum::Json(Granted { grants })).into_response()
         }
         Err(crate::engine::HolderLeaseError::Refused(message)) => bad_request(metrics, BadRequest(message)),
         Err(crate::engine::HolderLeaseError::Store(error)) => {
@@ -402,14 +338,6 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
             error_response(StatusCode::SERVICE_UNAVAILABLE, format!("the leases did not reach the store ({error})"))
         }
     }
-}
-
-/// `POST /v1/checks` body: `{"requests": [check, …]}`, each check a `POST /v1/check` body.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawBatch<'a> {
-    #[serde(borrow)]
-    requests: Vec<&'a serde_json::value::RawValue>,
 }
 
 /// One answer of a batch: the decision without the per-rule detail (`POST /v1/check` has it),
@@ -453,7 +381,7 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
         Ok(body) => body,
         Err(response) => return response,
     };
-    let batch: RawBatch = match serde_json::from_slice(&body) {
+    let batch: BatchBody = match serde_json::from_slice(&body) {
         Ok(batch) => batch,
         Err(e) => {
             return bad_request(metrics, BadRequest(format!("expected {{\"requests\": [check, …]}}: {e}")));
@@ -765,90 +693,8 @@ async fn metrics<S: Store>(State(state): Shared<S>) -> Response {
         .into_response()
 }
 
-/// What `GET /v1/snapshot` shows of the policies in force.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct SnapshotView {
-    pub version: String,
-    /// `namespace/name` of each policy in force.
-    pub policies: Vec<String>,
-    pub rules: Vec<RuleView>,
-    pub header_names: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct RuleView {
-    pub policy: String,
-    pub rule: String,
-    /// The rule's `RuleId` in hex.
-    pub id: String,
-    pub algorithm: crate::algorithm::Algorithm,
-    pub requests: u64,
-    /// As written in the policy.
-    pub per: String,
-    /// Effective capacity of the bucket algorithms; absent for window algorithms.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub burst: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_delay: Option<String>,
-    pub cost: u64,
-    pub mode: crate::policy::Mode,
-    pub on_store_failure: crate::policy::FailureMode,
-    pub key: String,
-}
-
-impl SnapshotView {
-    pub fn of(part: &crate::policy::SnapshotPart<'_>) -> SnapshotView {
-        SnapshotView {
-            version: part.version(),
-            policies: part.policies().map(|p| p.qualified_name().to_string()).collect(),
-            rules: part
-                .policies()
-                .flat_map(|p| p.rules())
-                .map(|r| RuleView {
-                    policy: r.policy().to_string(),
-                    rule: r.name().to_string(),
-                    id: format!("{:016x}", r.id()),
-                    algorithm: r.algorithm(),
-                    requests: r.limit().requests(),
-                    per: r.per_text().to_string(),
-                    burst: r.algorithm().uses_burst().then(|| r.limit().burst()),
-                    max_delay: r.max_delay_text().map(str::to_string),
-                    cost: r.cost(),
-                    mode: r.mode(),
-                    on_store_failure: r.on_store_failure(),
-                    key: r.key_description(),
-                })
-                .collect(),
-            header_names: part.header_names(),
-        }
-    }
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct SnapshotBody<'a> {
-    // No `version` here: the flattened view carries it, and a second copy made the JSON object
-    // repeat the key, which strict parsers (serde structs among them) refuse.
-    loaded: bool,
-    loaded_at_ms: u64,
-    #[serde(flatten)]
-    view: SnapshotView,
-    /// The policies in force, as documents a sidecar can compile into the same snapshot.
-    sources: Vec<&'a crate::policy::RateLimitPolicy>,
-    last_reload_error: Option<crate::engine::ReloadError>,
-    store: crate::store::StoreStatus,
-}
-
 /// The live snapshot as far as the caller may see it: a tenant gets its own namespaces' policies
 /// and header names only, under the version a compile of exactly those would have.
-/// The longest `GET /v1/snapshot?wait=` honoured.
-pub const MAX_SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
-/// Answered when `wait` was honoured: a client can tell an endpoint that holds an unchanged
-/// snapshot's request (and so tells it of a change at once) from one that answers at once.
-pub const SNAPSHOT_WAIT_HEADER: &str = "x-sluice-snapshot-wait";
-
 /// `?wait=DURATION` of a snapshot request: none, or at most [`MAX_SNAPSHOT_WAIT`].
 fn snapshot_wait(uri: &Uri) -> Result<Option<std::time::Duration>, BadRequest> {
     let Some(query) = uri.query() else { return Ok(None) };

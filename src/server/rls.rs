@@ -46,7 +46,7 @@ pub const MAX_ENTRIES: usize = 32;
 /// Bytes of one entry's key or value.
 pub const MAX_ENTRY_BYTES: usize = 4096;
 /// Encoded request size; the HTTP check API's body limit.
-pub const MAX_MESSAGE_BYTES: usize = super::http::MAX_BODY_BYTES;
+pub const MAX_MESSAGE_BYTES: usize = crate::api::MAX_BODY_BYTES;
 /// The share of the caller's `grpc-timeout` the store may use before the rules' `onStoreFailure`
 /// decides: the rest is for deciding, encoding and the way back, so the answer beats the deadline.
 const STORE_SHARE_OF_DEADLINE: f64 = 0.6;

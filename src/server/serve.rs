@@ -15,49 +15,8 @@ use tokio::sync::watch;
 use super::reload::SettledChange;
 use crate::engine::Engine;
 use crate::listen::ConnectionLimits;
-use std::collections::HashMap;
-
-use crate::policy::{LoadError, LoadErrors, Snapshot, compile, parse_paths, policy_files, why_empty};
+use crate::policy::{load_snapshot, policy_files, why_empty};
 use crate::store::Store;
-
-/// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
-/// naming the file, the document and the field, so a typo never silently drops a policy. Each
-/// policy is validated (and its regexes compiled) once, by the compile.
-pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
-    let (snapshot, warnings) = load_snapshot_with_warnings(paths)?;
-    for warning in warnings {
-        tracing::warn!("{warning}");
-    }
-    Ok(snapshot)
-}
-
-/// [`load_snapshot`], and the risky but valid choices of the policies (what the webhook returns
-/// as admission warnings), each naming its file, policy and field.
-pub fn load_snapshot_with_warnings(paths: &[PathBuf]) -> Result<(Snapshot, Vec<String>), String> {
-    let parsed = parse_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
-    let warnings: Vec<String> = parsed
-        .iter()
-        .flat_map(|l| {
-            let at = format!("{} (document {}), policy {}", l.file.display(), l.document, l.policy.qualified_name());
-            crate::policy::validate::warnings(&l.policy).into_iter().map(move |w| format!("{at}: {w}"))
-        })
-        .collect();
-    let origins: HashMap<String, (PathBuf, usize)> =
-        parsed.iter().map(|l| (l.policy.qualified_name(), (l.file.clone(), l.document))).collect();
-    let compiled = compile(parsed.into_iter().map(|l| l.policy).collect());
-    if compiled.rejected.is_empty() {
-        return Ok((compiled.snapshot, warnings));
-    }
-    let errors = compiled
-        .rejected
-        .into_iter()
-        .map(|rejected| {
-            let (file, document) = origins.get(&rejected.policy).cloned().unwrap_or_default();
-            LoadError::Invalid { file, document, policy: rejected.policy, errors: rejected.errors }
-        })
-        .collect();
-    Err(LoadErrors(errors).to_string())
-}
 
 /// Why a start-up on `paths` is refused when they hold no policy: with none, every request is
 /// admitted unlimited while `/readyz` says ready, which is what a mistyped path or a ConfigMap

@@ -73,8 +73,8 @@ impl Exchange for Exchanges {
     type Answer = Outcome;
     /// Within what the endpoint accepts (`MAX_BATCH_CHECKS`, `MAX_BATCH_BODY_BYTES` in
     /// src/server/http.rs), with room for the envelope.
-    const MAX_REQUESTS: usize = crate::server::http::MAX_BATCH_CHECKS;
-    const MAX_WEIGHT: usize = crate::server::http::MAX_BATCH_BODY_BYTES - 64;
+    const MAX_REQUESTS: usize = crate::api::MAX_BATCH_CHECKS;
+    const MAX_WEIGHT: usize = crate::api::MAX_BATCH_BODY_BYTES - 64;
 
     /// The body and its separating comma.
     fn weight(body: &Vec<u8>) -> usize {
@@ -99,15 +99,7 @@ impl Exchanges {
     async fn send(&self, batch: Vec<Waiting>) {
         self.metrics.endpoint_exchanges.get_or_create(&KindLabels { kind: "batch" }).inc();
         self.metrics.batched_checks.inc_by(batch.len() as u64);
-        let mut body = Vec::with_capacity(16 + batch.iter().map(|w| w.request.len() + 1).sum::<usize>());
-        body.extend_from_slice(b"{\"requests\":[");
-        for (i, waiting) in batch.iter().enumerate() {
-            if i > 0 {
-                body.push(b',');
-            }
-            body.extend_from_slice(&waiting.request);
-        }
-        body.extend_from_slice(b"]}");
+        let body = crate::api::checks::batch_body(batch.iter().map(|w| w.request.as_slice()));
         let answered = match tokio::time::timeout(
             self.timeout,
             self.endpoint.post(&self.endpoint.checks_uri, body.into()),

@@ -5,7 +5,6 @@
 //! stop paying the timeout: they go straight to the fallback until a probe finds it back.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -15,7 +14,6 @@ use bytes::Bytes;
 use http::header::{ETAG, HeaderName, HeaderValue, IF_NONE_MATCH};
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::batch::Checks;
@@ -24,10 +22,12 @@ use super::endpoint::{Credential, Endpoint, ExchangeFailure, MAX_ENDPOINT_BODY, 
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
 use super::verdict::{Held, decision_of, error_chain};
+use crate::api::check::CheckInput;
+use crate::api::snapshot::SnapshotDocument;
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{CheckResponse, Engine, Holds, SettleCost, WithoutStore};
+use crate::policy::RequestView;
 use crate::policy::response_cost::ResponseCost;
-use crate::policy::{RateLimitPolicy, RequestView};
 use crate::request::headers::UsedHeaderProblem;
 use crate::store::breaker::{Breaker, BreakerConfig};
 use crate::store::memory::MemoryStore;
@@ -80,41 +80,6 @@ enum HeaderFilter {
     Only(Vec<String>),
 }
 
-/// One request as the limiter sees it.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CheckInput<'a> {
-    pub namespace: &'a str,
-    pub labels: &'a BTreeMap<String, String>,
-    pub method: &'a str,
-    pub path: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub host: Option<&'a str>,
-    pub client_ip: IpAddr,
-    pub headers: BTreeMap<String, String>,
-    /// Integer fields of the request's JSON body that estimates read (digits only).
-    #[serde(skip_serializing_if = "BTreeMap::is_empty", serialize_with = "as_integers")]
-    pub request_fields: BTreeMap<String, String>,
-}
-
-/// `requestFields` as the check API takes them: JSON integers (they are digits: see
-/// `sidecar::proxy`).
-fn as_integers<S: serde::Serializer>(fields: &BTreeMap<String, String>, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.collect_map(fields.iter().filter_map(|(k, v)| Some((k, v.parse::<u64>().ok()?))))
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct SnapshotDocument {
-    version: String,
-    #[serde(default = "yes")]
-    loaded: bool,
-    #[serde(default)]
-    header_names: Vec<String>,
-    #[serde(default)]
-    sources: Vec<RateLimitPolicy>,
-}
-
 /// What a snapshot request brought: the new snapshot's ETag (`None`: unchanged), and whether the
 /// endpoint held the request (it pushes changes).
 struct Fetched {
@@ -124,10 +89,6 @@ struct Fetched {
 
 /// How long the endpoint may hold a snapshot request while nothing changes.
 const SNAPSHOT_WAIT: Duration = Duration::from_secs(30);
-
-fn yes() -> bool {
-    true
-}
 
 /// What the sidecar's `/readyz` answers. An endpoint that is away leaves readiness alone (taking
 /// every pod out of its Service because a shared dependency is down would be worse than the
@@ -246,20 +207,7 @@ impl Decider {
                 Err(error) => Err(error.to_string()),
             },
             Held::Endpoint(token) => {
-                let mut body = serde_json::json!({ "lease": token });
-                match &cost {
-                    SettleCost::AsReserved => {}
-                    SettleCost::Failed => body["failed"] = true.into(),
-                    SettleCost::Actual { all, by_rule } => {
-                        if let Some(all) = all {
-                            body["cost"] = (*all).into();
-                        }
-                        if !by_rule.is_empty() {
-                            body["costs"] = serde_json::json!(by_rule);
-                        }
-                    }
-                }
-                let body = body.to_string();
+                let body = serde_json::to_vec(&crate::api::settle::SettleBody::new(token, &cost)).unwrap_or_default();
                 match tokio::time::timeout(self.timeout, self.endpoint.post(&self.endpoint.settle_uri, body.into()))
                     .await
                 {
@@ -456,7 +404,7 @@ impl Decider {
     /// (renewed from the endpoint when the table asks). Otherwise, and for a request the
     /// endpoint would refuse as malformed, `None`: the endpoint is asked as always.
     async fn without_endpoint(&self, input: &CheckInput<'_>) -> Option<(Source, Decision)> {
-        if !self.local_is_exact.load(Ordering::Acquire) || crate::server::request::check_path(input.path).is_err() {
+        if !self.local_is_exact.load(Ordering::Acquire) || crate::api::check::check_path(input.path).is_err() {
             return None;
         }
         let view = view_of(input);
@@ -588,7 +536,7 @@ impl Decider {
             .request(request)
             .await
             .map_err(|e| ExchangeFailure::of_transport(uri, error_chain(&e)))?;
-        let held = response.headers().contains_key(crate::server::http::SNAPSHOT_WAIT_HEADER);
+        let held = response.headers().contains_key(crate::api::SNAPSHOT_WAIT_HEADER);
         if response.status() == StatusCode::NOT_MODIFIED {
             return Ok(Fetched { etag: None, held });
         }

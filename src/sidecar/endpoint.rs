@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use super::config::Config;
 use super::verdict::{Decision, EndpointError, Held, decision_of, error_chain};
+use crate::api::leases::{Granted, LeaseEntry, LeaseSettle, LeaseWant, LeasesBody};
 
 /// The endpoint's answers are small; this only guards against a misdirected URL.
 pub(super) const MAX_ENDPOINT_BODY: usize = 4 << 20;
@@ -39,7 +40,7 @@ pub(super) struct Endpoint {
 impl Endpoint {
     pub fn authorize(&self, request: http::request::Builder) -> http::request::Builder {
         match self.credential.as_ref().and_then(|c| c.value.load_full()) {
-            Some(value) => request.header(crate::server::auth::AUTHORIZATION_HEADER, (*value).clone()),
+            Some(value) => request.header(crate::request::headers::CREDENTIAL_HEADER, (*value).clone()),
             None => request,
         }
     }
@@ -142,24 +143,19 @@ impl crate::store::LeaseStore for Endpoint {
         ops: &[crate::store::LeaseOp<'_>],
     ) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, crate::store::StoreError> {
         use crate::store::StoreError;
-        let leases: Vec<serde_json::Value> = ops
-            .iter()
-            .map(|op| {
-                let mut entry = serde_json::json!({
-                    "rule": op.rule.to_string(),
-                    "key": String::from_utf8_lossy(op.key),
-                });
-                if let Some((hold, spent)) = op.settle {
-                    entry["settle"] = serde_json::json!({ "hold": hold.to_string(), "spent": spent });
-                }
-                if let Some(ask) = op.ask {
-                    entry["ask"] = serde_json::json!({ "hold": ask.hold.to_string(), "want": ask.want });
-                }
-                entry
-            })
-            .collect();
-        let body = serde_json::to_vec(&serde_json::json!({ "namespace": namespace, "leases": leases }))
-            .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let body = LeasesBody {
+            namespace: namespace.to_string(),
+            leases: ops
+                .iter()
+                .map(|op| LeaseEntry {
+                    rule: op.rule.to_string(),
+                    key: String::from_utf8_lossy(op.key).into_owned(),
+                    settle: op.settle.map(|(hold, spent)| LeaseSettle { hold: hold.to_string(), spent }),
+                    ask: op.ask.map(|ask| LeaseWant { hold: ask.hold.to_string(), want: ask.want }),
+                })
+                .collect(),
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let (status, answer) =
             self.post(&self.leases_uri, Bytes::from(body)).await.map_err(|e| StoreError::Unavailable(e.to_string()))?;
         if !status.is_success() {
@@ -189,22 +185,6 @@ impl crate::store::LeaseStore for Endpoint {
             })
             .collect())
     }
-}
-
-#[derive(Deserialize)]
-struct Granted {
-    grants: Vec<Grant>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Grant {
-    amount: u64,
-    lasts_us: u64,
-    remaining: u64,
-    reset_after_us: u64,
-    #[serde(default)]
-    holders: u64,
 }
 
 /// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of

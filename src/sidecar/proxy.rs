@@ -22,14 +22,15 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::connect::{Acknowledger, UpstreamConnector};
-use super::decide::{CheckInput, Decider};
+use super::decide::Decider;
 use super::metering::Metering;
 use super::metrics::SidecarMetrics;
 use super::overload::{Shed, Slot};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
+use crate::api::check::CheckInput;
+use crate::api::check::{MAX_PATH_LEN, check_path};
 use crate::engine::SettleCost;
 use crate::request::{forwarded, headers, host};
-use crate::server::request::{MAX_PATH_LEN, check_path};
 
 /// What the proxy answers with: the application's streaming body, or a small one of its own.
 pub type ProxyBody = Either<Releasing<Incoming>, Full<Bytes>>;

@@ -6,8 +6,8 @@ use super::arrivals::Arrival;
 use super::comparison::{CompareRow, Comparison};
 use super::replay::{ReplayOptions, replay};
 use crate::algorithm::Algorithm;
+use crate::api::check::CheckRequest;
 use crate::policy::{RateLimitPolicy, compile};
-use crate::server::request::CheckRequest;
 
 /// The policies with every rule switched to `algorithm`: the same `requests` and `per`; the
 /// rule's `burst` for the bucket algorithms when it had one (else their default, `requests`);

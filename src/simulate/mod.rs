@@ -22,8 +22,8 @@ use std::path::PathBuf;
 pub use arrivals::{Arrival, parse_pattern, parse_trace};
 pub use replay::{ReplayOptions, RuleReport, SimulationReport, Timeline, replay};
 
+use crate::api::check::CheckRequest;
 use crate::duration::parse_duration;
-use crate::server::request::CheckRequest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimulateError {
@@ -118,7 +118,7 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
         ));
     }
     let (snapshot, warnings) =
-        crate::server::serve::load_snapshot_with_warnings(&args.policies).map_err(SimulateError::Policies)?;
+        crate::policy::load_snapshot_with_warnings(&args.policies).map_err(SimulateError::Policies)?;
     // The command's own stderr: the report on stdout stays what a script reads.
     for warning in warnings {
         eprintln!("warning: {warning}");

@@ -12,11 +12,11 @@ use super::SimulateError;
 use super::arrivals::Arrival;
 use super::stats::{Bound, max_admitted_in_any_window, theoretical_bound};
 use crate::algorithm::{Decision, HoldId, Micros};
+use crate::api::check::CheckRequest;
 use crate::clock::FakeClock;
 use crate::duration::MICROS_PER_MS;
 use crate::engine::leases::QuotaLeases;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
-use crate::server::request::CheckRequest;
 use crate::store::memory::MemoryStore;
 use crate::store::{LeaseOp, LeaseStore, RuleCheck, Settle, Store};
 

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::FakeClock;
 use sluice::duration::{HumanDuration, parse_duration};
-use sluice::server::engine::Engine;
+use sluice::engine::Engine;
 use sluice::store::keys::DEFAULT_TAG;
 use sluice::store::memory::MemoryStore;
 use sluice::store::{RuleCheck, RuleId, Settle, Store};

@@ -8,7 +8,7 @@ use std::sync::LazyLock;
 use libfuzzer_sys::fuzz_target;
 use sluice::policy::{Matched, Snapshot, compile, load_str};
 use sluice::server::auth::Caller;
-use sluice::server::request::CheckRequest;
+use sluice::api::check::CheckRequest;
 
 static EXAMPLES: LazyLock<Snapshot> = LazyLock::new(|| {
     let yaml = include_str!("../../../examples/policies/layered.yaml");

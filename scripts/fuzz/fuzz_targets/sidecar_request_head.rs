@@ -1,7 +1,7 @@
 //! The head of a request the sidecar receives (method, target, version, headers, TCP peer,
 //! `--trusted-hops`), through what `sidecar::proxy::Proxy::handle` does with it before and after
 //! asking about it: hop-by-hop headers stripped (`request::headers::strip_hop_by_hop`), the
-//! target checked (`server::request::check_path`), the client named
+//! target checked (`api::check::check_path`), the client named
 //! (`request::forwarded::client_ip`), the Host decided (`request::host::request_host`), the
 //! headers the namespace's rules use checked and collected (`check_used_headers`,
 //! `used_header_value`, `MAX_CHECK_HEADER_BYTES`), the `CheckInput` built, and the application's
@@ -31,8 +31,8 @@ use sluice::request::headers::{check_used_headers, strip_hop_by_hop, used_header
 use sluice::request::host::request_host;
 use sluice::rule::MAX_INLINE_KEY;
 use sluice::server::auth::Caller;
-use sluice::server::request::{CheckRequest, check_path};
-use sluice::sidecar::decide::{CheckInput, MAX_CHECK_HEADER_BYTES, view_of};
+use sluice::api::check::{CheckInput, CheckRequest, check_path};
+use sluice::sidecar::decide::{MAX_CHECK_HEADER_BYTES, view_of};
 use sluice::sidecar::proxy::is_websocket_upgrade;
 
 const NAMESPACE: &str = "tenant-acme";
