@@ -31,7 +31,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
 use super::FIELD_MANAGER;
-use super::injection::{EventNote, publish_event};
+use super::missing_sidecars::{EventNote, publish_event};
 use crate::admission::inject::INJECT_LABEL;
 use crate::admission::traffic::{GUARDED_PORTS_ANNOTATION, INGRESS_PORTS_LABEL, parse_ports};
 use crate::telemetry::Metrics;

@@ -13,8 +13,8 @@
 
 pub mod controller;
 pub mod exposure;
-pub mod injection;
 pub mod leader;
+pub mod missing_sidecars;
 pub mod status;
 pub mod token_keys;
 pub mod tokenreview;
@@ -277,12 +277,12 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         None
     };
     let audit = (args.webhook.webhook_listen.is_some() && args.webhook.report_missing_sidecars).then(|| {
-        let config = injection::AuditConfig {
+        let config = missing_sidecars::AuditConfig {
             namespaces: args.namespaces.clone(),
             operator_namespace: args.operator_namespace.clone(),
             identity: identity.clone(),
         };
-        tokio::spawn(injection::audit(client.clone(), config, metrics.clone(), leading.clone(), stopped.clone()))
+        tokio::spawn(missing_sidecars::audit(client.clone(), config, metrics.clone(), leading.clone(), stopped.clone()))
     });
     let exposure = args.webhook.webhook_listen.is_some().then(|| {
         let config = exposure::ExposureConfig {

@@ -11,8 +11,8 @@
 
 pub mod accuracy;
 pub mod arrivals;
-pub mod compare;
 pub mod comparison;
+pub mod every_algorithm;
 pub mod plot;
 pub mod replay;
 pub mod stats;
@@ -140,7 +140,7 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
         ReplayOptions { start_offset: args.start, bucket: args.bucket, hold: args.hold, holders: args.holders };
     let mut report = replay(&snapshot, &template, &arrivals, &options)?;
     if args.compare {
-        report.compare = Some(compare::compare(snapshot.sources(), &template, &arrivals, &options)?);
+        report.compare = Some(every_algorithm::compare(snapshot.sources(), &template, &arrivals, &options)?);
     }
     if let Some(path) = &args.svg {
         plot::write_svg(&report, path)?;

@@ -1,0 +1,139 @@
+use super::*;
+use crate::algorithm::Algorithm;
+
+#[test]
+fn bucket_quotas_are_their_capacity_over_the_refill_time() {
+    let bucket = Limit::new(Algorithm::TokenBucket, 10, 1_000_000, Some(20), None).unwrap();
+    assert_eq!((bucket.capacity(), quota_window(&bucket)), (20, 2_000_000));
+    let window = Limit::new(Algorithm::FixedWindow, 100, 60_000_000, None, None).unwrap();
+    assert_eq!((window.capacity(), quota_window(&window)), (100, 60_000_000));
+}
+
+#[test]
+fn each_replica_enforces_its_share() {
+    let limit = Limit::new(Algorithm::Gcra, 100, 1_000_000, Some(30), None).unwrap();
+    let share = replica_share(&limit, 4);
+    assert_eq!((share.requests(), share.burst(), share.per()), (25, 7, 1_000_000));
+    let tiny = Limit::new(Algorithm::FixedWindow, 2, 1_000_000, None, None).unwrap();
+    assert_eq!(replica_share(&tiny, 8).requests(), 1, "never zero");
+    assert_eq!(replica_share(&limit, 1), limit);
+}
+
+/// The `check` span's name and fields as a subscriber sees them.
+#[derive(Default, Clone)]
+struct SpanFields(Arc<Mutex<Vec<String>>>);
+
+struct Visitor<'a>(&'a mut Vec<String>);
+
+impl tracing::field::Visit for Visitor<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push(format!("{}={value:?}", field.name()));
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for SpanFields {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = self.0.lock();
+        fields.push(format!("span {}", attrs.metadata().name()));
+        attrs.record(&mut Visitor(&mut fields));
+    }
+    fn on_record(
+        &self,
+        _: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        values.record(&mut Visitor(&mut self.0.lock()));
+    }
+}
+
+fn traced_check(filter: &str) -> Vec<String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    let policy = crate::policy::load_str(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespace: ns}\nspec:\n  rules:\n  - {name: r, algorithm: gcra, limit: {requests: 5, per: 1s}}\n",
+            std::path::Path::new("p.yaml"),
+        )
+        .unwrap();
+    let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
+    let version = snapshot.version().to_string();
+    let clock = Arc::new(crate::clock::SystemClock);
+    let engine = Engine::new(Arc::new(MemoryStore::new(16)), clock, Arc::new(Metrics::new()));
+    engine.install(Arc::new(snapshot));
+    let fields = SpanFields::default();
+    let subscriber =
+        tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(filter)).with(fields.clone());
+    tracing::subscriber::with_default(subscriber, || {
+        let request = RequestView { namespace: "ns", ..RequestView::new("/") };
+        let response = futures::executor::block_on(engine.check(&request, Holds::Returned));
+        assert!(response.allowed);
+    });
+    let recorded = fields.0.lock().clone();
+    recorded.into_iter().map(|f| f.replace(&version, "VERSION")).collect()
+}
+
+#[test]
+fn checks_run_in_a_span_with_the_snapshot_and_rule_count_only_when_asked() {
+    assert_eq!(
+        traced_check("sluice::check=debug"),
+        ["span check", "namespace=\"ns\"", "snapshot=\"VERSION\"", "rules=1", "allowed=true"]
+    );
+    assert!(traced_check("info").is_empty(), "no span at info");
+}
+
+/// A shared store whose denial cache answered: the first rule's cached denial, the second not
+/// asked.
+struct CachedDenial;
+
+impl Store for CachedDenial {
+    async fn check(&self, _: Option<Micros>, checks: &[RuleCheck<'_>]) -> Result<Verdict, StoreError> {
+        let denial = Decision { allowed: false, remaining: 0, reset_after: 1_000, retry_after: Some(500), delay: 0 };
+        let other = Decision {
+            allowed: true,
+            remaining: checks[1].limit.capacity(),
+            reset_after: 0,
+            retry_after: None,
+            delay: 0,
+        };
+        Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0) })
+    }
+
+    async fn settle_for(
+        &self,
+        _: &str,
+        _: Option<Micros>,
+        _: &[Settle<'_>],
+        _: crate::algorithm::HoldId,
+    ) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}
+
+#[tokio::test]
+async fn rules_a_cached_denial_did_not_ask_are_marked_and_left_out_of_headers() {
+    let policy = crate::policy::load_str(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespace: ns}\nspec:\n  rules:\n  - {name: hot, algorithm: gcra, limit: {requests: 5, per: 1s}}\n  - {name: other, algorithm: gcra, limit: {requests: 50, per: 1s}}\n",
+            std::path::Path::new("p.yaml"),
+        )
+        .unwrap();
+    let snapshot = crate::policy::compile(policy.into_iter().map(|l| l.policy).collect()).snapshot;
+    let engine = Engine::new(CachedDenial, Arc::new(crate::clock::SystemClock), Arc::new(Metrics::new()));
+    engine.install(Arc::new(snapshot));
+    let response = engine.check(&RequestView { namespace: "ns", ..RequestView::new("/") }, Holds::Returned).await;
+    assert!(!response.allowed);
+    assert_eq!((response.rules[0].not_decided, response.rules[1].not_decided), (false, true));
+    let policy_header = response.headers.iter().find(|(k, _)| k == "RateLimit-Policy").map(|(_, v)| v.as_str());
+    assert_eq!(policy_header, Some("\"p/hot\";q=5;w=1"), "only the rule that decided");
+    let json = serde_json::to_value(&response).unwrap();
+    assert_eq!(json["rules"][1]["notDecided"], true);
+    assert!(json["rules"][0].get("notDecided").is_none());
+}
+
+#[test]
+fn header_names_leave_out_the_namespace() {
+    assert_eq!(header_name("tenant-acme/orders-api", "per-key"), "orders-api/per-key");
+}
