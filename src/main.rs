@@ -1,16 +1,9 @@
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use sluice::clock::SystemClock;
-use sluice::role::{self, store::StoreArgs};
-use sluice::server::auth::{Auth, AuthArgs, Authenticator};
-use sluice::server::{http, rls, serve};
-use sluice::telemetry::Metrics;
-use tokio::sync::watch;
+use sluice::server::serve;
 
 #[derive(Parser)]
 #[command(name = "sluice", version, about = "Kubernetes-native distributed rate limiter")]
@@ -33,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Standalone enforcement endpoint on RateLimitPolicy YAML files, hot-reloaded.
-    Serve(ServeArgs),
+    Serve(serve::ServeArgs),
     /// In-cluster: controller, embedded enforcement endpoint, status writer (leader), webhooks.
     Operator(sluice::operator::OperatorArgs),
     /// Print the RateLimitPolicy CustomResourceDefinition (what crds/ holds).
@@ -84,39 +77,6 @@ struct ExplainArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(clap::Args)]
-struct ServeArgs {
-    /// Policy files or directories (their *.yaml and *.yml files); multi-document YAML.
-    #[arg(long = "policies", short = 'p', required = true, num_args = 1.., env = "SLUICE_POLICIES", value_delimiter = ',')]
-    policies: Vec<PathBuf>,
-    /// Start, and reload, even when the policies hold no RateLimitPolicy document (every
-    /// request is then allowed). Without it an empty set refuses to start, and a reload that
-    /// leaves none keeps the last good snapshot: a mistyped path must not look like a limiter.
-    #[arg(long, env = "SLUICE_ALLOW_EMPTY")]
-    allow_empty: bool,
-    /// Address of the check API.
-    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = sluice::listen::parse_listen_address)]
-    listen: SocketAddr,
-    #[command(flatten)]
-    store: StoreArgs,
-    #[command(flatten)]
-    auth: AuthArgs,
-    #[command(flatten)]
-    grpc: sluice::server::rls::GrpcArgs,
-    /// PEM certificate chain to serve the check API over HTTPS (with --tls-key); plain HTTP
-    /// without it.
-    #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// PEM private key of --tls-cert.
-    #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// How often policy and token files are checked for changes.
-    #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = sluice::duration::parse_positive_std_duration)]
-    reload_interval: Duration,
-    #[command(flatten)]
-    listen_limits: sluice::listen::ListenArgs,
 }
 
 fn init_logging(format: &str) {
@@ -187,7 +147,7 @@ fn run() -> anyhow::Result<()> {
             print!("{}", sluice::policy::crd_yaml());
             Ok(())
         }
-        Command::Serve(args) => run_async(&cli.log_format, cli.worker_threads, run_serve(args)),
+        Command::Serve(args) => run_async(&cli.log_format, cli.worker_threads, async { Ok(serve::run(args).await?) }),
         Command::Sidecar(args) => {
             run_async(&cli.log_format, cli.worker_threads, async { Ok(sluice::sidecar::run(args).await?) })
         }
@@ -253,123 +213,6 @@ fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.to_text());
-    }
-    Ok(())
-}
-
-async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
-    let paths = args.policies.clone();
-    // The fingerprint read before the load is the watcher's baseline: an edit made while the
-    // process starts is then seen as a change, not taken for what was loaded.
-    let (baseline, loaded) =
-        tokio::task::spawn_blocking(move || (serve::fingerprint(&paths), sluice::policy::load_snapshot(&paths)))
-            .await?;
-    let snapshot = match loaded {
-        Ok(snapshot) => snapshot,
-        Err(message) => bail!("cannot start: invalid policies:\n{message}"),
-    };
-    if snapshot.policies().is_empty() && !args.allow_empty {
-        bail!("cannot start: {}", serve::empty_policy_set(&args.policies));
-    }
-    let tokens = args.auth.static_tokens().context("cannot start")?;
-    if args.grpc.grpc_tls && args.tls_cert.is_none() {
-        bail!("cannot start: --grpc-tls serves the certificate of --tls-cert and --tls-key, which are not given");
-    }
-    // One process-wide rustls provider before the first TLS configuration (ring, as elsewhere).
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(
-            axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
-                .await
-                .with_context(|| format!("cannot load --tls-cert {} / --tls-key {}", cert.display(), key.display()))?,
-        ),
-        _ => None,
-    };
-    let metrics = Arc::new(Metrics::new());
-    let clock = Arc::new(SystemClock);
-    let (engine, memory) = role::engine(&args.store, clock, metrics).await.context("cannot set up the store")?;
-    let store = sluice::store::Store::status(engine.store());
-    tracing::info!(
-        kind = store.kind,
-        endpoint = store.endpoint.as_deref().unwrap_or("this process"),
-        breaker = store.breaker.unwrap_or("none"),
-        timeout_ms = store.timeout_ms,
-        "store set up"
-    );
-    tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
-    engine.install(Arc::new(snapshot));
-
-    // Register for SIGTERM before announcing the address: a signal future only installs its
-    // handler when first polled, and a supervisor may signal as soon as it sees the address.
-    let mut terminated = std::pin::pin!(role::termination_signal());
-    let _ = futures::poll!(&mut terminated);
-    // The gRPC listener first: whoever waits for the check API's address finds both open.
-    let grpc_listener = match args.grpc.grpc_listen {
-        Some(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on --grpc-listen {addr}"))?;
-            tracing::info!(grpc = %listener.local_addr()?, tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
-            Some(listener)
-        }
-        None => None,
-    };
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener.local_addr()?;
-    tracing::info!(%address, tls = tls.is_some(), "check API listening");
-    match &tokens {
-        Some(tokens) => {
-            tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")
-        }
-        None if !address.ip().is_loopback() => tracing::warn!(
-            %address,
-            "authentication is off on a non-loopback address: anyone who can connect may spend or block any \
-             namespace's limits; start with --tokens FILE (docs/security.md)"
-        ),
-        None => {}
-    }
-
-    let (stop, stopped) = watch::channel(false);
-    let watcher = tokio::spawn(serve::watch_policies(
-        engine.clone(),
-        args.policies,
-        baseline,
-        args.reload_interval,
-        args.allow_empty,
-        stopped.clone(),
-    ));
-    let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
-    let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
-    tokio::spawn(role::follow_lease_keys(args.store.clone(), engine.clone(), stopped.clone()));
-    let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
-    let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
-    let auth = Auth::new(verifiers);
-    let grpc_server = grpc_listener.map(|listener| {
-        let limiter = rls::RateLimiter::from_args(engine.clone(), auth.clone(), &args.grpc);
-        let tls = if args.grpc.grpc_tls { tls.clone() } else { None };
-        let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
-        tokio::spawn(async move { rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
-    });
-    let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
-    let router = http::router_with(state);
-    let server = match tls {
-        Some(tls) => tokio::spawn(serve::serve_https(listener, router, tls, args.listen_limits.limits(), stopped)),
-        None => tokio::spawn(serve::serve_http(listener, router, args.listen_limits.limits(), stopped)),
-    };
-
-    terminated.await;
-    tracing::info!("shutting down: draining in-flight requests");
-    let _ = stop.send(true);
-    engine.stop_snapshot_waits();
-    server.await?.context("HTTP server failed")?;
-    if let Some(grpc_server) = grpc_server {
-        grpc_server.await?.context("gRPC server failed")?;
-    }
-    let _ = tokio::join!(watcher, sweeper, lease_keeper);
-    if let Some(token_watcher) = token_watcher {
-        let _ = token_watcher.await;
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! Kubernetes ConfigMap (which swaps a symlinked directory) can replace a file, costs a read of a
 //! few small files per interval, and keeps reload latency bounded by the interval.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,11 +13,199 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::auth::{Auth, AuthArgs, Authenticator};
 use super::reload::SettledChange;
+use super::{http, rls};
+use crate::clock::SystemClock;
 use crate::engine::Engine;
 use crate::listen::ConnectionLimits;
 use crate::policy::{load_snapshot, policy_files, why_empty};
+use crate::role::{self, store::StoreArgs};
 use crate::store::Store;
+use crate::telemetry::Metrics;
+
+/// Flags of `sluice serve`.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Policy files or directories (their *.yaml and *.yml files); multi-document YAML.
+    #[arg(long = "policies", short = 'p', required = true, num_args = 1.., env = "SLUICE_POLICIES", value_delimiter = ',')]
+    pub policies: Vec<PathBuf>,
+    /// Start, and reload, even when the policies hold no RateLimitPolicy document (every
+    /// request is then allowed). Without it an empty set refuses to start, and a reload that
+    /// leaves none keeps the last good snapshot: a mistyped path must not look like a limiter.
+    #[arg(long, env = "SLUICE_ALLOW_EMPTY")]
+    pub allow_empty: bool,
+    /// Address of the check API.
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:8080", value_parser = crate::listen::parse_listen_address)]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+    #[command(flatten)]
+    pub grpc: crate::server::rls::GrpcArgs,
+    /// PEM certificate chain to serve the check API over HTTPS (with --tls-key); plain HTTP
+    /// without it.
+    #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// How often policy and token files are checked for changes.
+    #[arg(long, env = "SLUICE_RELOAD_INTERVAL", default_value = "250ms", value_parser = crate::duration::parse_positive_std_duration)]
+    pub reload_interval: Duration,
+    #[command(flatten)]
+    pub listen_limits: crate::listen::ListenArgs,
+}
+
+/// Why `sluice serve` did not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot start: invalid policies:\n{0}")]
+    Policies(String),
+    #[error("cannot start: {0}")]
+    Empty(String),
+    #[error("cannot start")]
+    Tokens(#[source] super::auth::TokenFileError),
+    #[error("cannot start: --grpc-tls serves the certificate of --tls-cert and --tls-key, which are not given")]
+    GrpcTlsWithoutCert,
+    #[error("cannot load --tls-cert {} / --tls-key {}", cert.display(), key.display())]
+    Tls {
+        cert: PathBuf,
+        key: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("cannot set up the store")]
+    Store(#[source] crate::role::store::BackendError),
+    #[error("cannot listen on {0}")]
+    Listen(String, #[source] std::io::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("a task of the endpoint failed")]
+    Task(#[from] tokio::task::JoinError),
+    #[error("HTTP server failed")]
+    Http(#[source] std::io::Error),
+    #[error("gRPC server failed")]
+    Grpc(#[source] tonic::transport::Error),
+}
+
+/// `sluice serve`: the endpoint on policies read from files until SIGTERM, then drained.
+pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
+    let paths = args.policies.clone();
+    // The fingerprint read before the load is the watcher's baseline: an edit made while the
+    // process starts is then seen as a change, not taken for what was loaded.
+    let (baseline, loaded) = tokio::task::spawn_blocking(move || (fingerprint(&paths), load_snapshot(&paths))).await?;
+    let snapshot = match loaded {
+        Ok(snapshot) => snapshot,
+        Err(message) => return Err(ServeError::Policies(message)),
+    };
+    if snapshot.policies().is_empty() && !args.allow_empty {
+        return Err(ServeError::Empty(empty_policy_set(&args.policies)));
+    }
+    let tokens = args.auth.static_tokens().map_err(ServeError::Tokens)?;
+    if args.grpc.grpc_tls && args.tls_cert.is_none() {
+        return Err(ServeError::GrpcTlsWithoutCert);
+    }
+    // One process-wide rustls provider before the first TLS configuration (ring, as elsewhere).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let tls =
+        match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(
+                axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
+                    .await
+                    .map_err(|error| ServeError::Tls { cert: cert.clone(), key: key.clone(), error })?,
+            ),
+            _ => None,
+        };
+    let metrics = Arc::new(Metrics::new());
+    let clock = Arc::new(SystemClock);
+    let (engine, memory) = role::engine(&args.store, clock, metrics).await.map_err(ServeError::Store)?;
+    let store = Store::status(engine.store());
+    tracing::info!(
+        kind = store.kind,
+        endpoint = store.endpoint.as_deref().unwrap_or("this process"),
+        breaker = store.breaker.unwrap_or("none"),
+        timeout_ms = store.timeout_ms,
+        "store set up"
+    );
+    tracing::info!(version = snapshot.version(), rules = snapshot.rule_count(), "policies loaded");
+    engine.install(Arc::new(snapshot));
+
+    // Register for SIGTERM before announcing the address: a signal future only installs its
+    // handler when first polled, and a supervisor may signal as soon as it sees the address.
+    let mut terminated = std::pin::pin!(role::termination_signal());
+    let _ = futures::poll!(&mut terminated);
+    // The gRPC listener first: whoever waits for the check API's address finds both open.
+    let grpc_listener = match args.grpc.grpc_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|error| ServeError::Listen(format!("--grpc-listen {addr}"), error))?;
+            tracing::info!(grpc = %listener.local_addr()?, tls = args.grpc.grpc_tls, "rate limit service (gRPC) listening");
+            Some(listener)
+        }
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|error| ServeError::Listen(args.listen.to_string(), error))?;
+    let address = listener.local_addr()?;
+    tracing::info!(%address, tls = tls.is_some(), "check API listening");
+    match &tokens {
+        Some(tokens) => {
+            tracing::info!(path = %tokens.path().display(), tokens = tokens.table().len(), "authentication on")
+        }
+        None if !address.ip().is_loopback() => tracing::warn!(
+            %address,
+            "authentication is off on a non-loopback address: anyone who can connect may spend or block any \
+             namespace's limits; start with --tokens FILE (docs/security.md)"
+        ),
+        None => {}
+    }
+
+    let (stop, stopped) = watch::channel(false);
+    let watcher = tokio::spawn(watch_policies(
+        engine.clone(),
+        args.policies,
+        baseline,
+        args.reload_interval,
+        args.allow_empty,
+        stopped.clone(),
+    ));
+    let token_watcher = tokens.clone().map(|t| tokio::spawn(t.watch(args.reload_interval, stopped.clone())));
+    let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
+    tokio::spawn(role::follow_lease_keys(args.store.clone(), engine.clone(), stopped.clone()));
+    let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
+    let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
+    let auth = Auth::new(verifiers);
+    let grpc_server = grpc_listener.map(|listener| {
+        let limiter = rls::RateLimiter::from_args(engine.clone(), auth.clone(), &args.grpc);
+        let tls = if args.grpc.grpc_tls { tls.clone() } else { None };
+        let (grpc, stopped) = (args.grpc.clone(), stopped.clone());
+        tokio::spawn(async move { rls::serve_grpc(listener, limiter, &grpc, tls, stopped).await })
+    });
+    let state = http::ApiState { engine: engine.clone(), auth, gateway_trusted_hops: args.auth.gateway_trusted_hops };
+    let router = http::router_with(state);
+    let server = match tls {
+        Some(tls) => tokio::spawn(serve_https(listener, router, tls, args.listen_limits.limits(), stopped)),
+        None => tokio::spawn(serve_http(listener, router, args.listen_limits.limits(), stopped)),
+    };
+
+    terminated.await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let _ = stop.send(true);
+    engine.stop_snapshot_waits();
+    server.await?.map_err(ServeError::Http)?;
+    if let Some(grpc_server) = grpc_server {
+        grpc_server.await?.map_err(ServeError::Grpc)?;
+    }
+    let _ = tokio::join!(watcher, sweeper, lease_keeper);
+    if let Some(token_watcher) = token_watcher {
+        let _ = token_watcher.await;
+    }
+    Ok(())
+}
 
 /// Why a start-up on `paths` is refused when they hold no policy: with none, every request is
 /// admitted unlimited while `/readyz` says ready, which is what a mistyped path or a ConfigMap
