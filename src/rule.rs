@@ -1,8 +1,9 @@
 //! What a store needs to know of a compiled rule, and nothing more: the neutral ground between
 //! `policy` (which compiles rules) and `store` (which decides them), so neither depends on the
-//! other. What a rule does when its store fails is the engine's business, not the store's.
+//! other: the checks a store is asked ([`RuleCheck`]) and the verdict it answers ([`Verdict`]).
+//! What a rule does when its store fails is the engine's business, not the store's.
 
-use crate::algorithm::Limit;
+use crate::algorithm::{Decision, Limit};
 
 /// The namespace of a policy or request that names none.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -70,4 +71,48 @@ impl std::hash::Hasher for PrehashedHasher {
     fn write_u64(&mut self, value: u64) {
         self.0 = value;
     }
+}
+
+/// The decision for a whole request.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Every enforcing rule admitted the request.
+    pub allowed: bool,
+    /// One decision per [`RuleCheck`], in order.
+    pub decisions: Vec<Decision>,
+    /// Set when a cached denial of this rule answered the request without asking the store
+    /// ([`crate::store::denials`]): the other rules were not decided, and their decisions only say that they
+    /// refused nothing.
+    pub cached_denial: Option<usize>,
+}
+
+impl Verdict {
+    /// A request refused by its rule `by` alone, before the others were asked (a cached denial,
+    /// a dry quota lease): `decision` is that rule's; the others, whose `limits` are given in
+    /// order, refused nothing, and nothing is known of their state.
+    pub fn refused_by<'a>(by: usize, decision: Decision, limits: impl IntoIterator<Item = &'a Limit>) -> Verdict {
+        let decisions = limits
+            .into_iter()
+            .enumerate()
+            .map(|(i, limit)| {
+                if i == by {
+                    decision
+                } else {
+                    Decision { allowed: true, remaining: limit.capacity(), ..Decision::default() }
+                }
+            })
+            .collect();
+        Verdict { allowed: false, decisions, cached_denial: Some(by) }
+    }
+
+    /// Combines per-rule decisions the way every store must.
+    pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
+        let allowed = admits(checks, &decisions);
+        Verdict { allowed, decisions, cached_denial: None }
+    }
+}
+
+/// A request is admitted when every enforcing rule admits it; shadow rules never deny.
+pub fn admits(checks: &[RuleCheck<'_>], decisions: &[Decision]) -> bool {
+    checks.iter().zip(decisions).all(|(c, d)| d.allowed || !c.enforce)
 }

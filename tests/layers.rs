@@ -101,27 +101,32 @@ fn every_module_lib_rs_declares_stands_on_a_layer() {
     assert!(layers.windows(2).all(|w| w[0] <= w[1]), "src/lib.rs lists its modules out of layer order: {declared:?}");
 }
 
-/// The sidecar and simulate stand on the engine and the wire contract (`api`), not on the
-/// endpoint's implementation: "why does the sidecar import the server?" has no answer to give.
+/// Peers that must not lean on each other: policies and state meet only in `rule` ("neither
+/// depends on the other"), and the sidecar and simulate stand on the engine and the wire contract
+/// (`api`), not on the endpoint's implementation ("why does the sidecar import the server?" has no
+/// answer to give).
+const APART: &[(&str, &str)] =
+    &[("policy", "store"), ("store", "policy"), ("sidecar", "server"), ("simulate", "server")];
+
 #[test]
-fn the_sidecar_and_simulate_do_not_use_the_endpoint() {
+fn peers_that_stand_apart_do_not_use_each_other() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut violations = Vec::new();
-    for peer in ["sidecar", "simulate"] {
+    for (module, other) in APART {
         let mut files = Vec::new();
-        rust_files(&src.join(peer), &mut files);
-        assert!(!files.is_empty(), "no src/{peer}/");
+        rust_files(&src.join(module), &mut files);
+        assert!(!files.is_empty(), "no src/{module}/");
         for file in files {
             let text = std::fs::read_to_string(&file).expect("read");
             for (number, line) in text.lines().enumerate() {
                 let code = line.trim_start();
-                if !code.starts_with("//") && named_modules(code).contains(&"server") {
-                    violations.push(format!("{}:{}: {code}", file.display(), number + 1));
+                if !code.starts_with("//") && named_modules(code).contains(other) {
+                    violations.push(format!("{}:{}: `{module}` uses `{other}`: {code}", file.display(), number + 1));
                 }
             }
         }
     }
-    assert!(violations.is_empty(), "entry points using the endpoint's code:\n{}", violations.join("\n"));
+    assert!(violations.is_empty(), "peers leaning on each other:\n{}", violations.join("\n"));
 }
 
 #[test]

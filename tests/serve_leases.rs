@@ -185,7 +185,7 @@ async fn sidecars_decide_hot_keys_from_slices_the_endpoint_grants() {
             (r.status().as_u16(), r.text().await.unwrap())
         }
     };
-    let id = |rule: &str| sluice::policy::compile::rule_id(&format!("tenant-a/leased/{rule}")).to_string();
+    let id = |rule: &str| sluice::policy::rule_id(&format!("tenant-a/leased/{rule}")).to_string();
     let (status, body) = lease(id("exact"), json!({"hold": "7", "want": 5})).await;
     assert_eq!((status, body.contains("tenant-a/leased/exact is not consistency: leased")), (400, true), "{body}");
     let (status, body) = lease("12".into(), json!({"hold": "7", "want": 5})).await;

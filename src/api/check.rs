@@ -9,8 +9,8 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::canonical_header_name;
-use crate::policy::validate::is_token;
+use crate::request::names::canonical_header_name;
+use crate::request::names::is_token;
 
 use crate::engine::MAX_COST;
 const MAX_NAME_LEN: usize = 253;

@@ -7,7 +7,8 @@ use std::time::Duration;
 use super::leases::{Due, LeasedCheck, Local, QuotaLeases};
 use crate::clock::Clock;
 use crate::policy::Matched;
-use crate::store::{LeaseOp, LeaseStore, StoreError, Verdict};
+use crate::rule::Verdict;
+use crate::store::{LeaseOp, LeaseStore, StoreError};
 
 /// The verdict of a request whose every rule is `consistency: leased` and enforcing, from the
 /// slices in `leases`, renewing them through `store` once if the table asks; `None` when the

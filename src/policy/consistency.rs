@@ -2,7 +2,7 @@
 //! ([`crate::algorithm::lease`]).
 
 use super::crd::{ConsistencyMode, ConsistencySpec};
-use super::validate::ValidationErrors;
+use super::errors::ValidationErrors;
 use crate::algorithm::{Limit, Micros};
 use crate::duration::{HumanDuration, MICROS_PER_MS, MICROS_PER_SECOND, parse_duration};
 

@@ -9,15 +9,16 @@
 
 use serde::Serialize;
 
-use super::compile::{CompiledPolicy, CompiledRule, HeaderTest, KeySource, SelectorOp, Snapshot};
 use super::crd::{Missing, PolicyRule};
 use super::matching::{
     Matched, RequestView, RuleMismatch, SelectorMismatch, build_key, matching_inputs, rule_mismatch, selector_mismatch,
 };
+use super::snapshot::{CompiledPolicy, CompiledRule, HeaderTest, KeySource, SelectorOp, Snapshot};
 use crate::algorithm::{Decision, Micros};
 use crate::duration::MICROS_PER_MS;
 use crate::overload::Class;
-use crate::store::{RuleCheck, Verdict};
+use crate::rule::RuleCheck;
+use crate::rule::Verdict;
 
 /// How a snapshot treats one request, policy by policy and rule by rule.
 #[derive(Debug)]

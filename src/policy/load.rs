@@ -14,7 +14,8 @@ use serde_yaml::Value;
 
 use super::Snapshot;
 use super::crd::RateLimitPolicy;
-use super::validate::{ValidationErrors, validate};
+use super::errors::ValidationErrors;
+use super::validate::validate;
 
 const API_VERSION: &str = "sluice.dev/v1alpha1";
 const KIND: &str = "RateLimitPolicy";

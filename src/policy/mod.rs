@@ -1,38 +1,38 @@
 //! Rate-limit policies: the `RateLimitPolicy` custom resource ([`crd`]), its validation
 //! ([`validate`]), loading from YAML files ([`load`]), compilation into an immutable
-//! [`Snapshot`] ([`compile`]) and request matching with key building ([`matching`]).
+//! [`Snapshot`] ([`compile`] builds, [`snapshot`] holds) and request matching with key building
+//! ([`matching`]).
 //!
 //! Pure: specs in, snapshot out. Nothing here talks HTTP or to the Kubernetes API.
 
 pub mod compile;
 pub mod consistency;
 pub mod crd;
+pub mod errors;
 pub mod explain;
 pub mod load;
 pub mod matching;
 pub mod path;
 pub mod pattern;
 pub mod response_cost;
+pub mod snapshot;
 pub mod validate;
 
-pub use compile::{
-    Compiled, CompiledPolicy, CompiledRule, DeclaredRefusal, Rejected, Snapshot, SnapshotPart, compile, rule_id,
-};
+pub use compile::{Compiled, Rejected, compile};
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
     PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec,
     ResponseCostMode, ResponseCostSpec, crd_yaml,
 };
+pub use errors::{FieldError, ValidationErrors};
 pub use explain::{ExplainReport, Explanation};
 pub use load::{
     LoadError, LoadErrors, LoadedPolicy, load_paths, load_snapshot, load_snapshot_with_warnings, load_str, parse_paths,
     policy_files, why_empty,
 };
-pub use matching::{
-    Descriptor, HOP_BY_HOP, Matched, NoEntries, Pairs, RequestView, StrMap, canonical_header_name, encode_key,
-    same_header_name,
-};
-pub use validate::{FieldError, ValidationErrors, validate, warnings};
+pub use matching::{Descriptor, Matched, RequestView, encode_key};
+pub use snapshot::{CompiledPolicy, CompiledRule, DeclaredRefusal, Snapshot, SnapshotPart, rule_id};
+pub use validate::{validate, warnings};
 
 #[cfg(test)]
 mod tests;

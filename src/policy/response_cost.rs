@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use super::crd::{ResponseCostMode, ResponseCostSpec};
-use super::matching::StrMap;
-use super::validate::ValidationErrors;
+use super::errors::ValidationErrors;
 use crate::algorithm::{Limit, MAX_REQUESTS, Micros};
 use crate::duration::parse_duration;
+use crate::request::names::StrMap;
 use crate::usage::{JsonPath, UsageSpec};
 
 /// How long a reservation lasts when `reservationTtl` is not given.
@@ -103,7 +103,7 @@ pub fn compile(
     }
     let header = spec.header.as_ref().map(|h| h.to_ascii_lowercase());
     if let Some(h) = &header
-        && (!super::validate::is_token(h) || super::matching::HOP_BY_HOP.contains(&h.as_str()))
+        && (!crate::request::names::is_token(h) || crate::request::names::HOP_BY_HOP.contains(&h.as_str()))
     {
         errs.push(format!("{path}.header"), format!("{h:?} is not a header name an application can send"));
     }

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use super::crd::MAX_RULES;
 use super::*;
+use crate::request::names::{canonical_header_name, same_header_name};
 
 fn policy(yaml: &str) -> RateLimitPolicy {
     serde_yaml::from_str(yaml).expect("test policy parses")
@@ -980,7 +981,7 @@ mod overload {
             client_ip: None,
             headers: &headers,
             cost: 1,
-            fields: &crate::policy::NoEntries,
+            fields: &crate::request::names::NoEntries,
             descriptor: None,
         };
         snapshot.classify(&view).0

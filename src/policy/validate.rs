@@ -3,8 +3,6 @@
 //! loaded from a file never saw an API server) plus what CEL cannot: regexes, header names, the
 //! numeric limits of the algorithms.
 
-use std::fmt;
-
 use super::pattern::PolicyRegex as Regex;
 
 use super::crd::{
@@ -14,10 +12,11 @@ use super::crd::{
     MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, OverloadSpec,
     PathMatch, PolicyRule, RateLimitPolicy, RefusalSpec, regex_count_message,
 };
-use super::matching::{HOP_BY_HOP, same_header_name};
+use super::errors::ValidationErrors;
 use super::path::normalize;
 use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
 use crate::duration::{Micros, parse_duration};
+use crate::request::names::{HOP_BY_HOP, is_token, same_header_name};
 
 /// Above this many requests per window a slidingWindowLog rule is admitted with a warning.
 const LOG_WARN_REQUESTS: u64 = 100;
@@ -31,44 +30,6 @@ type RegexSizes = Vec<(String, usize, Option<Regex>)>;
 
 /// Compiled regexes of a validated policy, by field path (`spec.rules[0].match.paths[1].regex`).
 pub(super) type CompiledRegexes = std::collections::HashMap<String, Regex>;
-
-/// One problem in a policy, at a field path such as `spec.rules[1].limit.per`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{path}: {message}")]
-pub struct FieldError {
-    pub path: String,
-    pub message: String,
-}
-
-/// Every problem found in a policy (never empty when returned as an error).
-#[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
-pub struct ValidationErrors {
-    pub errors: Vec<FieldError>,
-}
-
-impl fmt::Display for ValidationErrors {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, e) in self.errors.iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            write!(f, "{e}")?;
-        }
-        Ok(())
-    }
-}
-
-impl ValidationErrors {
-    pub(crate) fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.errors.push(FieldError { path: path.into(), message: message.into() });
-    }
-    pub fn is_empty(&self) -> bool {
-        self.errors.is_empty()
-    }
-    pub fn iter(&self) -> impl Iterator<Item = &FieldError> {
-        self.errors.iter()
-    }
-}
 
 /// Checks a policy and reports every problem with its field path.
 pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
@@ -644,11 +605,6 @@ pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
 /// An RFC 1123 label such as a namespace name: what [`check_rule_name`] accepts.
 pub(crate) fn is_dns_label(name: &str) -> bool {
     check_rule_name(name).is_ok()
-}
-
-/// An RFC 9110 token (header names, methods): one home for every parser that needs it.
-pub(crate) fn is_token(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
 }
 
 fn check_host_pattern(host: &str) -> Result<(), String> {

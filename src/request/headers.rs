@@ -12,7 +12,7 @@
 //!   Django, Flask, Rack…), which read `X-API-Key` and `X_API_KEY` both as `HTTP_X_API_KEY`: a
 //!   rule on `x-api-key` sees a value sent as `X_API_KEY` — otherwise a client could get a fresh
 //!   bucket by spelling the name with underscores (see
-//!   [`canonical_header_name`](crate::policy::canonical_header_name));
+//!   [`canonical_header_name`](super::names::canonical_header_name));
 //! - a header sent several times, under one spelling or several, has no single value (joining
 //!   the copies, or keeping the first or the last, each lets a client pick its own bucket by
 //!   adding a copy), so such a request is refused when a rule uses that header;
@@ -22,7 +22,7 @@
 use http::HeaderMap;
 use http::header::{self, HeaderName, HeaderValue};
 
-use crate::policy::{HOP_BY_HOP, StrMap, same_header_name};
+use super::names::{HOP_BY_HOP, StrMap, same_header_name};
 
 /// The header carrying the caller's credential to the endpoint (see `server::auth`): never part
 /// of what rules see.
@@ -65,7 +65,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
 }
 
 /// The copies of header `name` (canonical, see
-/// [`canonical_header_name`](crate::policy::canonical_header_name)) the application receives,
+/// [`canonical_header_name`](super::names::canonical_header_name)) the application receives,
 /// under any spelling, with the name each was sent as: hop-by-hop copies left out (a proxy
 /// removes them by their exact name), and nothing for the credential header.
 fn received<'a>(headers: &'a HeaderMap, name: &str) -> impl Iterator<Item = (&'a str, &'a HeaderValue)> {

@@ -5,7 +5,8 @@
 //! - [`headers`]: header values as rules see them (duplicates of used headers refused, `_` read
 //!   as `-`);
 //! - [`host`]: the host rules see (several or invalid Host headers refused);
-//! - [`labels`]: workload labels written as `k=v,k2=v2`.
+//! - [`labels`]: workload labels written as `k=v,k2=v2`;
+//! - [`names`]: header-name tokens, canonical names, hop-by-hop headers, the maps rules read.
 //!
 //! Pure functions over `http` types; no I/O.
 
@@ -13,3 +14,4 @@ pub mod forwarded;
 pub mod headers;
 pub mod host;
 pub mod labels;
+pub mod names;

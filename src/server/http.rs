@@ -532,7 +532,7 @@ async fn authz<S: Store>(State(state): Shared<S>, request: axum::extract::Reques
         client_ip,
         headers: &HeaderLookup(headers),
         cost: parts.cost,
-        fields: &crate::policy::NoEntries,
+        fields: &crate::request::names::NoEntries,
         descriptor: None,
     };
     let decision = engine.check(&view, Holds::Skipped("authz")).await;

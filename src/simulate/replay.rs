@@ -16,7 +16,8 @@ use crate::api::check::CheckRequest;
 use crate::clock::FakeClock;
 use crate::duration::MICROS_PER_MS;
 use crate::engine::leases::QuotaLeases;
-use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot, StrMap};
+use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot};
+use crate::request::names::StrMap;
 use crate::store::memory::MemoryStore;
 use crate::store::{LeaseOp, LeaseStore, RuleCheck, Settle, Store};
 

@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use crate::algorithm::{HoldId, Micros};
+use crate::rule::Verdict;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
-use crate::store::{RuleCheck, Store, StoreError, StoreStatus, Verdict};
+use crate::store::{RuleCheck, Store, StoreError, StoreStatus};
 
 /// The store a process decides with.
 pub enum Backend {

@@ -24,8 +24,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use super::{RuleCheck, Verdict};
+use super::RuleCheck;
 use crate::algorithm::{Decision, Limit, Micros};
+use crate::rule::Verdict;
 
 #[derive(Debug, Clone)]
 struct Denial {

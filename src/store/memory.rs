@@ -46,9 +46,10 @@ use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, MutexGuard};
 
-use super::{RuleCheck, RuleId, Store, StoreError, Verdict};
+use super::{RuleCheck, RuleId, Store, StoreError};
 use crate::algorithm::{self, Decision, Micros, State};
 use crate::clock::{Clock, SystemClock};
+use crate::rule::Verdict;
 
 /// Default cap: a million counter keys' worth ([`UNIT_BYTES`] each), about 64 MB of state.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -450,7 +451,7 @@ impl MemoryStore {
             let state = guards[guard_of(shard)].as_ref().and_then(|g| g.slots.get(&slot)).map(|e| &e.state);
             decisions.push(algorithm::check(check.limit, state, now, check.cost));
         }
-        let allowed = super::admits(checks, decisions);
+        let allowed = crate::rule::admits(checks, decisions);
         if allowed {
             for ((check, &(slot, shard)), decision) in checks.iter().zip(slots.iter()).zip(decisions.iter()) {
                 if decision.allowed

@@ -14,14 +14,16 @@ mod redis_batches;
 pub mod redis_library;
 mod redis_primary;
 mod redis_setup;
+pub mod redis_url;
 pub mod redis_usage;
 pub mod tenants;
 
 use std::future::Future;
 
 use crate::algorithm::lease::{LeaseAsk, LeaseGrant};
-use crate::algorithm::{Decision, HoldId, Limit, Micros};
+use crate::algorithm::{HoldId, Limit, Micros};
 
+use crate::rule::Verdict;
 pub use crate::rule::{RuleCheck, RuleId};
 
 /// One (rule, key) under which a request holds capacity, and what it settles to.
@@ -48,50 +50,6 @@ pub struct LeaseOp<'a> {
     pub key: &'a [u8],
     pub settle: Option<(HoldId, u64)>,
     pub ask: Option<LeaseAsk>,
-}
-
-/// The decision for a whole request.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct Verdict {
-    /// Every enforcing rule admitted the request.
-    pub allowed: bool,
-    /// One decision per [`RuleCheck`], in order.
-    pub decisions: Vec<Decision>,
-    /// Set when a cached denial of this rule answered the request without asking the store
-    /// ([`denials`]): the other rules were not decided, and their decisions only say that they
-    /// refused nothing.
-    pub cached_denial: Option<usize>,
-}
-
-impl Verdict {
-    /// A request refused by its rule `by` alone, before the others were asked (a cached denial,
-    /// a dry quota lease): `decision` is that rule's; the others, whose `limits` are given in
-    /// order, refused nothing, and nothing is known of their state.
-    pub fn refused_by<'a>(by: usize, decision: Decision, limits: impl IntoIterator<Item = &'a Limit>) -> Verdict {
-        let decisions = limits
-            .into_iter()
-            .enumerate()
-            .map(|(i, limit)| {
-                if i == by {
-                    decision
-                } else {
-                    Decision { allowed: true, remaining: limit.capacity(), ..Decision::default() }
-                }
-            })
-            .collect();
-        Verdict { allowed: false, decisions, cached_denial: Some(by) }
-    }
-
-    /// Combines per-rule decisions the way every store must.
-    pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
-        let allowed = admits(checks, &decisions);
-        Verdict { allowed, decisions, cached_denial: None }
-    }
-}
-
-/// A request is admitted when every enforcing rule admits it; shadow rules never deny.
-pub fn admits(checks: &[RuleCheck<'_>], decisions: &[Decision]) -> bool {
-    checks.iter().zip(decisions).all(|(c, d)| d.allowed || !c.enforce)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -78,7 +78,7 @@ fn explain_agrees_with_resolve_on_many_requests() {
                                 client_ip,
                                 headers,
                                 cost: 2,
-                                fields: &crate::policy::NoEntries,
+                                fields: &crate::request::names::NoEntries,
                                 descriptor: None,
                             };
                             let mut resolved = Vec::new();
