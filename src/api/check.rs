@@ -208,6 +208,48 @@ fn as_integers<S: serde::Serializer>(fields: &BTreeMap<String, String>, serializ
     serializer.collect_map(fields.iter().filter_map(|(k, v)| Some((k, v.parse::<u64>().ok()?))))
 }
 
+/// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of
+/// `POST /v1/checks` (which may instead say why that check was refused).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckAnswer {
+    pub allowed: Option<bool>,
+    #[serde(default)]
+    pub retry_after_ms: Option<u64>,
+    #[serde(default)]
+    pub delay_ms: u64,
+    #[serde(default, deserialize_with = "header_pairs")]
+    pub headers: Vec<(String, String)>,
+    /// Set with `error` when this check was refused.
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    /// What an admitted request holds, to release when it ends.
+    #[serde(default)]
+    pub lease: Option<String>,
+    /// A refusing rule's declared body.
+    #[serde(default)]
+    pub body: Option<String>,
+}
+
+/// The `headers` object as name/value pairs in the answer's order, without building a map.
+fn header_pairs<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<(String, String)>, D::Error> {
+    struct Pairs;
+    impl<'de> serde::de::Visitor<'de> for Pairs {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of header names to values")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(6));
+            while let Some(pair) = map.next_entry()? {
+                pairs.push(pair);
+            }
+            Ok(pairs)
+        }
+    }
+    deserializer.deserialize_map(Pairs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,5 +347,27 @@ mod tests {
         let bare = CheckInput { host: None, headers: BTreeMap::new(), request_fields: BTreeMap::new(), ..input };
         let read = CheckRequest::from_json(&serde_json::to_vec(&bare).unwrap()).unwrap();
         assert_eq!((read.host, read.headers.len(), read.request_fields.len()), (None, 0, 0));
+    }
+
+    #[test]
+    fn what_the_endpoint_answers_the_sidecar_reads() {
+        let response = crate::engine::CheckResponse {
+            allowed: false,
+            status: 429,
+            retry_after_ms: Some(250),
+            delay_ms: 0,
+            headers: vec![(std::borrow::Cow::Borrowed("retry-after"), "1".to_string())],
+            body: Some("over quota".into()),
+            rules: vec![],
+            snapshot: "v7".into(),
+            lease: Some("t.sig".into()),
+        };
+        let read: CheckAnswer = serde_json::from_slice(&serde_json::to_vec(&response).unwrap()).unwrap();
+        assert_eq!((read.allowed, read.status, read.retry_after_ms), (Some(false), Some(429), Some(250)));
+        assert_eq!(read.headers, [("retry-after".to_string(), "1".to_string())]);
+        assert_eq!(
+            (read.body.as_deref(), read.lease.as_deref(), read.error),
+            (Some("over quota"), Some("t.sig"), None)
+        );
     }
 }

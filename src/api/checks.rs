@@ -1,7 +1,9 @@
 //! `POST /v1/checks`: many checks in one call, `{"requests": [check, …]}`, each check a
 //! `POST /v1/check` body ([`super::check`]), answered in order.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+
+use super::check::CheckAnswer;
 
 /// The body as the endpoint reads it: each check kept as its raw JSON, parsed on its own so that
 /// one bad check is refused without failing the others.
@@ -27,6 +29,43 @@ pub fn batch_body<'a>(checks: impl ExactSizeIterator<Item = &'a [u8]> + Clone) -
     body
 }
 
+/// One answer of a batch: the decision without the per-rule detail (`POST /v1/check` has it),
+/// or why this one check was refused.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum BatchResult<'a> {
+    Decided(LeanDecision<'a>),
+    Refused { status: u16, error: String },
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeanDecision<'a> {
+    pub allowed: bool,
+    pub status: u16,
+    pub retry_after_ms: Option<u64>,
+    pub delay_ms: u64,
+    #[serde(serialize_with = "crate::engine::ordered_map")]
+    pub headers: &'a [(std::borrow::Cow<'static, str>, String)],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<&'a str>,
+    pub snapshot: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease: Option<&'a str>,
+}
+
+/// The answer as the endpoint writes it: `{"results": [result, …]}`, in the checks' order.
+#[derive(Serialize)]
+pub struct BatchResults<'a> {
+    pub results: &'a [BatchResult<'a>],
+}
+
+/// The answer as a client reads it: each result a [`CheckAnswer`].
+#[derive(Deserialize)]
+pub struct BatchAnswer {
+    pub results: Vec<CheckAnswer>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -45,5 +84,44 @@ mod tests {
         );
         let empty = batch_body(std::iter::empty());
         assert!(serde_json::from_slice::<BatchBody<'_>>(&empty).unwrap().requests.is_empty());
+    }
+
+    #[test]
+    fn what_the_endpoint_answers_a_client_reads_result_by_result() {
+        let headers = vec![(std::borrow::Cow::Borrowed("ratelimit"), "limit=10, remaining=0".to_string())];
+        let results = [
+            BatchResult::Decided(LeanDecision {
+                allowed: false,
+                status: 429,
+                retry_after_ms: Some(1500),
+                delay_ms: 0,
+                headers: &headers,
+                body: Some("slow down"),
+                snapshot: "v1",
+                lease: None,
+            }),
+            BatchResult::Decided(LeanDecision {
+                allowed: true,
+                status: 200,
+                retry_after_ms: None,
+                delay_ms: 20,
+                headers: &[],
+                body: None,
+                snapshot: "v1",
+                lease: Some("t.sig"),
+            }),
+            BatchResult::Refused { status: 400, error: "path: must start with '/'".into() },
+        ];
+        let sent = serde_json::to_vec(&BatchResults { results: &results }).unwrap();
+        let read: BatchAnswer = serde_json::from_slice(&sent).unwrap();
+        let [refused, admitted, bad] = &read.results[..] else { panic!("{} results", read.results.len()) };
+        assert_eq!((refused.allowed, refused.status, refused.retry_after_ms), (Some(false), Some(429), Some(1500)));
+        assert_eq!(refused.headers, [("ratelimit".to_string(), "limit=10, remaining=0".to_string())]);
+        assert_eq!(refused.body.as_deref(), Some("slow down"));
+        assert_eq!((admitted.allowed, admitted.delay_ms, admitted.lease.as_deref()), (Some(true), 20, Some("t.sig")));
+        assert_eq!(
+            (bad.allowed, bad.status, bad.error.as_deref()),
+            (None, Some(400), Some("path: must start with '/'"))
+        );
     }
 }

@@ -17,12 +17,11 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use serde::Serialize;
 use serde_json::json;
 
 use super::auth::{Auth, AuthError, Caller, Forbidden};
 use crate::api::check::{BadRequest, CheckRequest, check_path};
-use crate::api::checks::BatchBody;
+use crate::api::checks::{BatchBody, BatchResult, BatchResults, LeanDecision};
 use crate::api::leases::{Grant, Granted, LeasesBody};
 use crate::api::settle::SettleBody;
 use crate::api::snapshot::{SnapshotBody, SnapshotView};
@@ -340,31 +339,6 @@ async fn leases<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     }
 }
 
-/// One answer of a batch: the decision without the per-rule detail (`POST /v1/check` has it),
-/// or why this one check was refused.
-#[derive(Serialize)]
-#[serde(untagged)]
-enum BatchResult<'a> {
-    Decided(LeanDecision<'a>),
-    Refused { status: u16, error: String },
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct LeanDecision<'a> {
-    allowed: bool,
-    status: u16,
-    retry_after_ms: Option<u64>,
-    delay_ms: u64,
-    #[serde(serialize_with = "crate::engine::ordered_map")]
-    headers: &'a [(std::borrow::Cow<'static, str>, String)],
-    #[serde(skip_serializing_if = "Option::is_none")]
-    body: Option<&'a str>,
-    snapshot: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lease: Option<&'a str>,
-}
-
 /// Many checks in one call, for a proxy that has several requests waiting (the sidecar under
 /// load): one HTTP exchange instead of one per request. Each check is parsed, authorized and
 /// decided exactly as `POST /v1/check` would, concurrently, and answered in order; one bad check
@@ -456,11 +430,6 @@ async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Bod
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
-}
-
-#[derive(Serialize)]
-struct BatchResults<'a> {
-    results: &'a [BatchResult<'a>],
 }
 
 /// Why each rule of the caller's namespace applies or not, with the decision a check would make

@@ -10,20 +10,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use serde::Deserialize;
 
-use super::endpoint::{Answer, Endpoint};
+use super::endpoint::Endpoint;
 use super::metrics::{KindLabels, SidecarMetrics};
 use super::verdict::{Decision, EndpointError};
+use crate::api::checks::BatchAnswer;
 use crate::batching::{Batcher, Exchange, Pending};
 
 /// How long single checks are sent after an endpoint said it has no batch API.
 const SINGLE_CHECKS_FOR: Duration = Duration::from_secs(30);
-
-#[derive(Deserialize)]
-struct BatchAnswer {
-    results: Vec<Answer>,
-}
 
 type Outcome = Result<Decision, EndpointError>;
 /// A check waiting for an exchange: its JSON body, and where its decision goes.

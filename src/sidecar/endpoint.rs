@@ -11,10 +11,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
 
 use super::config::Config;
 use super::verdict::{Decision, EndpointError, Held, decision_of, error_chain};
+use crate::api::check::CheckAnswer;
 use crate::api::leases::{Granted, LeaseEntry, LeaseSettle, LeaseWant, LeasesBody};
 
 /// The endpoint's answers are small; this only guards against a misdirected URL.
@@ -71,7 +71,7 @@ impl Endpoint {
         if !status.is_success() {
             return Err(EndpointError::Status(status));
         }
-        let answer: Answer = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
+        let answer: CheckAnswer = serde_json::from_slice(&body).map_err(|e| EndpointError::Decode(e.to_string()))?;
         answer.decision()
     }
 }
@@ -187,30 +187,7 @@ impl crate::store::LeaseStore for Endpoint {
     }
 }
 
-/// One decision as the endpoint answers it: a `POST /v1/check` answer, or one result of
-/// `POST /v1/checks` (which may instead say why that check was refused).
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub(super) struct Answer {
-    allowed: Option<bool>,
-    #[serde(default)]
-    retry_after_ms: Option<u64>,
-    #[serde(default)]
-    delay_ms: u64,
-    #[serde(default, deserialize_with = "header_pairs")]
-    headers: Vec<(String, String)>,
-    /// Set with `error` when this check was refused.
-    status: Option<u16>,
-    error: Option<String>,
-    /// What an admitted request holds, to release when it ends.
-    #[serde(default)]
-    lease: Option<String>,
-    /// A refusing rule's declared body.
-    #[serde(default)]
-    body: Option<String>,
-}
-
-impl Answer {
+impl CheckAnswer {
     pub fn decision(self) -> Result<Decision, EndpointError> {
         if let Some(error) = self.error {
             let status = self.status.and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::BAD_REQUEST);
@@ -232,25 +209,6 @@ impl Answer {
             self.body.as_deref(),
         ))
     }
-}
-
-/// The `headers` object as name/value pairs in the answer's order, without building a map.
-fn header_pairs<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<(String, String)>, D::Error> {
-    struct Pairs;
-    impl<'de> serde::de::Visitor<'de> for Pairs {
-        type Value = Vec<(String, String)>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an object of header names to values")
-        }
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(6));
-            while let Some(pair) = map.next_entry()? {
-                pairs.push(pair);
-            }
-            Ok(pairs)
-        }
-    }
-    deserializer.deserialize_map(Pairs)
 }
 
 /// The bearer token the sidecar presents, re-read from its file as the kubelet rotates it.
