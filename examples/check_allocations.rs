@@ -17,7 +17,8 @@ use axum::http::Request;
 use http_body_util::BodyExt;
 use sluice::clock::SystemClock;
 use sluice::engine::Engine;
-use sluice::policy::{Pairs, RequestView};
+use sluice::policy::RequestView;
+use sluice::request::names::Pairs;
 use sluice::server::http;
 use sluice::store::memory::MemoryStore;
 use sluice::telemetry::Metrics;
@@ -80,7 +81,7 @@ async fn main() {
                     client_ip: Some(std::net::IpAddr::from([10, 0, 0, 1])),
                     headers: &Pairs(&headers),
                     cost: 1,
-                    fields: &sluice::policy::NoEntries,
+                    fields: &sluice::request::names::NoEntries,
                     descriptor: None,
                 };
                 std::hint::black_box(engine.check(&view, sluice::engine::Holds::Returned).await);
