@@ -37,6 +37,11 @@ CACHE="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 MIRROR="${SLUICE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 BUILDKIT_VERSION="${SLUICE_BUILDKIT_VERSION:-v0.34.2}"
 
+# Every scratch directory lives under WORK, removed on exit however the script ends (a failed
+# debootstrap or build included).
+WORK="$(mktemp -d -t sluice-base-images.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+
 blog() { echo "base-images: $*" >&2; }
 die() { blog "$*"; exit 1; }
 
@@ -60,9 +65,8 @@ dockerfile_frontend() {
     mv "$dir/dockerfile-frontend.tmp" "$dir/dockerfile-frontend"
   fi
   blog "assembling $ref"
-  local context; context="$(mktemp -d -t sluice-frontend.XXXXXX)"
-  # shellcheck disable=SC2064 # the path is fixed now
-  trap "rm -rf '$context'" RETURN
+  local context="$WORK/frontend"
+  mkdir -p "$context"
   cp "$dir/dockerfile-frontend" "$context/"
   # The classic builder: BuildKit would first need this very image to read a Dockerfile with a
   # syntax line, and this one has none; either reads it the same.
@@ -80,9 +84,8 @@ debian_slim() {
   if [ ! -f "$tarball" ]; then
     command -v debootstrap >/dev/null || die "debootstrap is required (Debian package debootstrap)"
     blog "assembling $ref with debootstrap from $MIRROR (cold: a few minutes)"
-    local root; root="$(mktemp -d -t sluice-debian.XXXXXX)"
-    # shellcheck disable=SC2064 # the path is fixed now
-    trap "rm -rf '$root'" RETURN
+    local root="$WORK/debian"
+    mkdir -p "$root"
     debootstrap --variant=minbase bookworm "$root" "$MIRROR" >"$root.log" 2>&1 \
       || { tail -20 "$root.log" >&2; rm -f "$root.log"; die "debootstrap failed"; }
     rm -f "$root.log"
@@ -144,9 +147,8 @@ rust_image() {
   local rustup="${CARGO_HOME:-$HOME/.cargo}/bin/rustup"
   [ -x "$rustup" ] || die "no rustup at $rustup"
   blog "assembling $ref (Rust $full from $sysroot)"
-  local context; context="$(mktemp -d -t sluice-rust.XXXXXX)"
-  # shellcheck disable=SC2064 # the path is fixed now
-  trap "rm -rf '$context'" RETURN
+  local context="$WORK/rust"
+  mkdir -p "$context"
   # The toolchain without its documentation (the official image installs the minimal profile).
   mkdir "$context/toolchain"
   tar -C "$sysroot" --exclude=./share/doc -cf - . | tar -C "$context/toolchain" -xf -
