@@ -325,7 +325,7 @@ local function settle(KEYS, ARGV)
   return found
 end
 
--- Quota leases for one holder (src/algorithm/lease.rs; src/store/mod.rs `LeaseOp`), at ARGV[1]
+-- Quota leases for one holder (`sluice::algorithm::lease`; src/store/mod.rs `LeaseOp`), at ARGV[1]
 -- ("" for the server's clock). Per key i (KEYS[i], the state key of a leased rule) seven
 -- arguments from ARGV[7i - 5]: the rule's parameters as for `decide` (ending in ":L"), the hold
 -- id of the lease to settle ("" for none), the units spent from it, the hold id of the lease to

@@ -14,7 +14,7 @@
 --   consume(key, ktype, state, l, now, cost) -> writes the state after admitting `cost`, with a
 --                                       PEXPIRE equal to the time until it is pristine again
 --
--- They mirror src/algorithm/*.rs line by line. Lua numbers are doubles: every value here is an
+-- They mirror the Rust `algorithm` modules line by line. Lua numbers are doubles: every value here is an
 -- integer below 2^53 (Limit::new guarantees it for the limits; amounts are taken as at most
 -- MAX_COST, and what a debt adds to a stored count or instant saturates at MAX_EXACT, as in Rust),
 -- where + - * and comparisons are exact; division goes through idiv, which corrects the one
@@ -34,10 +34,10 @@ local function idiv(a, b)
   return q
 end
 
--- The largest integer a double holds exactly (MAX_EXACT in src/algorithm/mod.rs): every count
+-- The largest integer a double holds exactly (MAX_EXACT in `sluice::algorithm`): every count
 -- and instant written saturates here, as in Rust.
 local MAX_EXACT = 9007199254740991
--- The largest cost, estimate or settled amount taken (MAX_COST in src/algorithm/mod.rs): a larger
+-- The largest cost, estimate or settled amount taken (MAX_COST in `sluice::algorithm`): a larger
 -- argument is taken as this much.
 local MAX_COST = 4294967295
 

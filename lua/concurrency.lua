@@ -1,5 +1,5 @@
 -- Concurrency: at most `requests` requests in progress per key. Mirrors
--- src/algorithm/concurrency.rs.
+-- `sluice::algorithm::concurrency`.
 --
 -- State: sorted set, one member per request holding a slot: member = its hold id (decimal),
 -- score = when its lease runs out (µs). A lease counts while now < until. A request holds at most

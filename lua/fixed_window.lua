@@ -1,5 +1,5 @@
 -- Fixed window, windows aligned to multiples of `per` since the Unix epoch.
--- Mirrors src/algorithm/fixed_window.rs.
+-- Mirrors `sluice::algorithm::fixed_window`.
 --
 -- State: hash {a = "fw", start = the window's start in µs (a multiple of per), count = admitted
 -- cost in it, e = the instant (µs) the key's TTL was last set to end at}. The start, not an

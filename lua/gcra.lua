@@ -1,4 +1,4 @@
--- GCRA, and the leaky bucket (policer; shaper when max_delay >= 0). Mirrors src/algorithm/gcra.rs.
+-- GCRA, and the leaky bucket (policer; shaper when max_delay >= 0). Mirrors `sluice::algorithm::gcra`.
 --
 -- State: a string holding the theoretical arrival time (TAT) in µs since the epoch.
 -- Rule fields used (see check.lua): burst, interval (µs, per/requests rounded up),

@@ -1,6 +1,6 @@
 -- Holds against a rate algorithm: reservations of costs known only after the response (an LLM's
--- tokens; src/algorithm/reservation.rs) and quota leases held by enforcers
--- (src/algorithm/lease.rs). A rule that reserves (its parameters end in ":ttl_us") or is leased
+-- tokens; `sluice::algorithm::reservation`) and quota leases held by enforcers
+-- (`sluice::algorithm::lease`). A rule that reserves (its parameters end in ":ttl_us") or is leased
 -- (":L") is decided by its algorithm's module wrapped by `sluice.reserving(inner)`, with the
 -- same read/check/consume interface, plus `settle` and, for leases, `grant`.
 --
@@ -15,11 +15,11 @@
 -- past the limit (debt). TTL of the reservation key = the latest until − now.
 
 -- The most holds of nothing (askers waiting while the bound is out in others' slices) one key
--- keeps: MAX_WAITING_HOLDS in src/algorithm/lease.rs.
+-- keeps: MAX_WAITING_HOLDS in `sluice::algorithm::lease`.
 local MAX_WAITING_HOLDS = 32
 -- The most live lease holds (slices and holds of nothing) one key keeps: MAX_LEASE_HOLDS there.
 local MAX_LEASE_HOLDS = 256
--- The most live reservations one key keeps: MAX_RESERVATIONS in src/algorithm/reservation.rs.
+-- The most live reservations one key keeps: MAX_RESERVATIONS in `sluice::algorithm::reservation`.
 local MAX_RESERVATIONS = 1024
 
 local function reservation_key(key)
@@ -48,7 +48,7 @@ end
 
 -- Adds `amount` under `hold` to the holds `s` read at s.rkey, ending at `until_` (a hold already
 -- under that id keeps its end and adds the amount), drops the holds that ran out, and sets the
--- key's TTL to the latest end: `hold_units` in src/algorithm/reservation.rs. Returns the live
+-- key's TTL to the latest end: `hold_units` in `sluice::algorithm::reservation`. Returns the live
 -- holds after it, this one last.
 local function add_hold(s, now, hold, amount, until_)
   if s.rtype == 'other' then
@@ -191,7 +191,7 @@ function sluice.reserving(inner)
   end
 
   -- Grants a lease under `hold` at `key` (lua/check.lua `lease`; mirrors `grant` in
-  -- src/algorithm/lease.rs): what fits of `want`, within `cap` with the key's live holds and
+  -- `sluice::algorithm::lease`): what fits of `want`, within `cap` with the key's live holds and
   -- within what the algorithm admits beside them; a window lease ends with its window. Returns
   -- the amount granted (0: nothing written), how long the holder may spend it (µs from now, 0
   -- when none), the key's remaining and reset_after once granted, and its live holds.
@@ -229,7 +229,7 @@ function sluice.reserving(inner)
       until_ = idiv(now, l.per) * l.per + l.per
       stop = math.min(stop, until_)
     end
-    -- At most MAX_LEASE_HOLDS live holds per key (src/algorithm/lease.rs): a new holder past
+    -- At most MAX_LEASE_HOLDS live holds per key (`sluice::algorithm::lease`): a new holder past
     -- that is granted nothing and not recorded.
     if hold == '' or stop <= now or (live >= MAX_LEASE_HOLDS and not known) then
       amount = -1
@@ -237,7 +237,7 @@ function sluice.reserving(inner)
     if amount <= 0 then
       -- Nothing granted. When the key has room but the bound is out in others' slices, the asker
       -- is counted as a holder (a hold of nothing), as in Rust.
-      -- At most MAX_WAITING_HOLDS such holds per key (src/algorithm/lease.rs): past that the
+      -- At most MAX_WAITING_HOLDS such holds per key (`sluice::algorithm::lease`): past that the
       -- asker is not recorded, so fresh hold ids cannot grow the hash every operation reads.
       if amount == 0 and room == 0 and ok and remaining > 0 and (known or waiting < MAX_WAITING_HOLDS) then
         return 0, 0, remaining, reset_after, #add_hold(s, now, hold, 0, until_)

@@ -1,5 +1,5 @@
 -- Sliding window counter: estimate = previous × (per − elapsed) / per + current, admitted when
--- floor(estimate) + cost ≤ requests. Mirrors src/algorithm/sliding_counter.rs, including its
+-- floor(estimate) + cost ≤ requests. Mirrors `sluice::algorithm::sliding_counter`, including its
 -- whole-millisecond weights (previous × per_ms stays below 2^53, so the floor is exact here too).
 --
 -- State: hash {a = "swc", start = the current window's start in µs, previous, current, e = the

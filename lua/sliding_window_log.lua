@@ -1,4 +1,4 @@
--- Sliding window log, exact. Mirrors src/algorithm/sliding_log.rs.
+-- Sliding window log, exact. Mirrors `sluice::algorithm::sliding_log`.
 --
 -- State: sorted set, one member per admitted microsecond: score = µs, member = "<µs>:<cost>".
 -- Requests admitted in the same microsecond are merged into one member (as Rust merges them),

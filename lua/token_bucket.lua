@@ -1,4 +1,4 @@
--- Token bucket with continuous refill. Mirrors src/algorithm/token_bucket.rs.
+-- Token bucket with continuous refill. Mirrors `sluice::algorithm::token_bucket`.
 --
 -- State: hash {a = "tb", credit = µs of emission (one token = one interval), updated = µs}.
 -- Rule fields used: burst, interval. capacity = burst × interval; the level at `now` is

@@ -38,14 +38,14 @@ use super::{Algorithm, Decision, Hold, HoldId, Limit, Micros, State, check, rese
 /// and every later operation on the key reads them all: past this many, an asker is not
 /// recorded (it still gets its answer; the holders the others size their slices by stop
 /// growing, at a count where a share is small anyway). Redis keeps the same bound
-/// (lua/reservation.lua).
+/// in its reservation script.
 pub const MAX_WAITING_HOLDS: usize = 32;
 
 /// The most live quota-lease holds (slices and holds of nothing) one key keeps. Slices of one
 /// unit under fresh hold ids would otherwise add a field per ask up to the overshoot bound,
 /// which every operation on the key reads: past this many, a new holder is granted nothing and
 /// not recorded, and its requests are decided by the store, exactly. Holders already recorded
-/// renew as before. Redis keeps the same bound (lua/reservation.lua).
+/// renew as before. Redis keeps the same bound in its reservation script.
 pub const MAX_LEASE_HOLDS: usize = 256;
 
 /// What a holder asks of one key.

@@ -129,7 +129,7 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, estim
 /// reads the whole hash), so a tenant leaving many small reservations unsettled would slow the
 /// store for everyone: past this many, an admission is charged its estimate at once, as without
 /// a hold id, and its settle finds nothing to replace (the request costs its estimate). Redis
-/// keeps the same bound (lua/reservation.lua).
+/// keeps the same bound in its reservation script, which mirrors this one.
 pub const MAX_RESERVATIONS: usize = 1024;
 
 /// Whether the key has [`MAX_RESERVATIONS`] live holds, none of them `hold`'s (a second
