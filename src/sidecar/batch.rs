@@ -67,7 +67,7 @@ impl Exchange for Exchanges {
     type Request = Vec<u8>;
     type Answer = Outcome;
     /// Within what the endpoint accepts (`MAX_BATCH_CHECKS`, `MAX_BATCH_BODY_BYTES` in
-    /// src/server/http.rs), with room for the envelope.
+    /// src/server/http/check.rs), with room for the envelope.
     const MAX_REQUESTS: usize = crate::api::MAX_BATCH_CHECKS;
     const MAX_WEIGHT: usize = crate::api::MAX_BATCH_BODY_BYTES - 64;
 
