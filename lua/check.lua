@@ -1,5 +1,5 @@
 -- Sluice decision function: decides EVERY rule a request matched in one atomic call. Loaded
--- with the modules as a Redis Functions library and called by FCALL (src/store/redis.rs
+-- with the modules as a Redis Functions library and called by FCALL (src/store/redis/mod.rs
 -- registers `decide` under a name carrying the library's hash, and `decide_many`, below, which
 -- decides several requests in one call, under that name with `_many`); on a Redis without
 -- Functions (before 7.0) the same source runs as an EVALSHA script that calls `decide(KEYS, ARGV)`.

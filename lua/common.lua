@@ -1,7 +1,7 @@
 -- Shared prelude of the Sluice decision script (see check.lua for the script's contract).
 --
 -- The Rust side concatenates common.lua, one file per algorithm and check.lua into ONE Redis
--- Functions library (src/store/redis.rs, include_str!): loaded once per server, so a decision
+-- Functions library (src/store/redis/library.rs, include_str!): loaded once per server, so a decision
 -- (FCALL) runs only check.lua's function, not the definitions. Each algorithm file adds a table to
 -- `sluice` with the same three functions:
 --

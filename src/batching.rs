@@ -4,7 +4,7 @@
 //! An idle batcher sends each request at once, alone: batching adds no wait, it only fills the
 //! calls that load makes wait anyway.
 //!
-//! Used for the Redis store's calls (`store::redis_batches`) and the sidecar's exchanges with the
+//! Used for the Redis store's calls (`store::redis::batches`) and the sidecar's exchanges with the
 //! endpoint (`sidecar::batch`); what a call is, and how its answer is split, is theirs.
 
 use std::future::Future;

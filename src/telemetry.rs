@@ -122,7 +122,7 @@ pub struct Metrics {
     /// `evicted_keys` by the namespace that owned the keys; brought up to the store's totals by
     /// [`Metrics::record_store_status`].
     pub memory_evictions: Family<NamespaceLabels, Counter>,
-    /// Keys each namespace holds in Redis, as last counted (`store::redis_usage`).
+    /// Keys each namespace holds in Redis, as last counted (`store::redis::usage`).
     pub redis_keys: Family<NamespaceLabels, Gauge>,
     /// Rules that hold capacity (concurrency) matched where nothing can release it, so not
     /// decided there, by entry point.

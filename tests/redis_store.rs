@@ -404,7 +404,7 @@ async fn survives_function_flush() {
     assert!(second.allowed);
     assert_eq!(second.decisions[0].remaining, 1, "state kept across the reload");
     let libraries: Value = redis::cmd("FUNCTION").arg("LIST").query_async(&mut con).await.unwrap();
-    assert!(format!("{libraries:?}").contains(&*sluice::store::redis::FUNCTION_NAME), "{libraries:?}");
+    assert!(format!("{libraries:?}").contains(&*sluice::store::redis::library::FUNCTION_NAME), "{libraries:?}");
 }
 
 /// Many clients on one key at one instant admit exactly the bound, never more: 32 tasks over
@@ -551,7 +551,7 @@ async fn unreachable_redis_is_an_error_not_a_hang() {
 /// time passes between them.
 #[tokio::test]
 async fn ttl_rounds_up_to_whole_milliseconds() {
-    use sluice::store::redis::{SCRIPT_SOURCE, script_args};
+    use sluice::store::redis::{codec::script_args, library::SCRIPT_SOURCE};
     let server = RedisServer::shared();
     let mut con = raw(server).await;
     let gcra = limit(Algorithm::Gcra, 7, 10 * MS, Some(2), None); // interval 1429 µs
@@ -617,7 +617,7 @@ async fn v1_decide(
     now: Micros,
 ) -> bool {
     let l = check.limit;
-    let code = sluice::store::redis::algorithm_code(l.algorithm());
+    let code = sluice::store::redis::codec::algorithm_code(l.algorithm());
     let max_delay = l.max_delay().map_or(-1, |d| d as i64);
     let reply: Vec<i64> = redis::Script::new(V1_SCRIPT)
         .key(key)

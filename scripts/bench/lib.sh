@@ -50,13 +50,13 @@ skip_peer() {
     fail "$*"
 }
 
-# lua_library_files: the decision code's Lua files in the order src/store/redis_library.rs
+# lua_library_files: the decision code's Lua files in the order src/store/redis/library.rs
 # concatenates them (DECISION_CODE), so a script loading the library by hand loads what Sluice
 # loads; fails when that file no longer lists them.
 lua_library_files() {
     local files
-    files=$(sed -n 's|.*include_str!("\.\./\.\./\(lua/[a-z_]*\.lua\)").*|\1|p' "$ROOT/src/store/redis_library.rs")
-    [ -n "$files" ] || fail "no include_str!(\"../../lua/…\") in src/store/redis_library.rs: update lua_library_files"
+    files=$(sed -n 's|.*include_str!("\(\.\./\)*\(lua/[a-z_]*\.lua\)").*|\2|p' "$ROOT/src/store/redis/library.rs")
+    [ -n "$files" ] || fail "no include_str!(\"…/lua/…\") in src/store/redis/library.rs: update lua_library_files"
     printf '%s\n' "$files"
 }
 

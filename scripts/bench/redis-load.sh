@@ -51,7 +51,7 @@ store_failures() { # store errors + fallbacks so far, from sluice's /metrics
 }
 
 start_redis "$REDIS_PORT" "$REDIS_CPU"; PIDS+=("$REDIS_PID")
-# The library sluice loads itself (in src/store/redis_library.rs's order), under a name of its
+# The library sluice loads itself (in src/store/redis/library.rs's order), under a name of its
 # own for redis-benchmark.
 LIBRARY_FILE=$(mktemp)
 files=$(lua_library_files)

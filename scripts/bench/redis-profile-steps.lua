@@ -1,5 +1,5 @@
 -- Profiling steps for scripts/bench/redis-profile.sh: appended to Sluice's decision library
--- (lua/*.lua, in the order src/store/redis_library.rs concatenates them) so they reach its local
+-- (lua/*.lua, in the order src/store/redis/library.rs concatenates them) so they reach its local
 -- functions.
 -- Each step does what the one before did plus one more part of a fixedWindow decision, so the
 -- difference between two steps' µs per call is that part's cost inside Redis. Not part of the

@@ -31,7 +31,7 @@ port="$(free_port)"
 trap 'kill "${REDIS_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 start_redis "$port" "$REDIS_CPU"
 
-# The library exactly as src/store/redis_library.rs concatenates it (DECISION_CODE), then the
+# The library exactly as src/store/redis/library.rs concatenates it (DECISION_CODE), then the
 # steps.
 files=$(lua_library_files)
 {

@@ -10,7 +10,7 @@ shadow rules), then makes CALLS decisions and prints Redis's own `usec_per_call`
     redis-cli -p 6399 shutdown nosave
 
 Run from the checkout; redis-cli must be on PATH. The library is the revision's lua/ files in the
-order its src/store/redis_library.rs (src/store/redis.rs before that file existed) concatenates
+order its src/store/redis/library.rs (src/store/redis_library.rs, src/store/redis.rs in older revisions) concatenates
 them, called with the arguments its lua/check.lua takes. Every call is checked: a load that
 failed, an error reply, or fewer calls than sent ends the script with an error (exit 1) and no
 timing, so numbers are never printed for calls that failed.
@@ -35,11 +35,11 @@ def show(path):
     return out.stdout if out.returncode == 0 else None
 
 def library_files():
-    for rust in ['src/store/redis_library.rs', 'src/store/redis.rs']:
+    for rust in ['src/store/redis/library.rs', 'src/store/redis_library.rs', 'src/store/redis.rs']:
         text = show(rust)
-        files = re.findall(r'include_str!\("\.\./\.\./(lua/[a-z_]+\.lua)"\)', text or '')
+        files = re.findall(r'include_str!\("(?:\.\./)+(lua/[a-z_]+\.lua)"\)', text or '')
         if files: return files
-    fail('no include_str!("../../lua/…") in src/store/redis_library.rs or src/store/redis.rs')
+    fail('no include_str!("…/lua/…") in src/store/redis/library.rs (or where older revisions had it)')
 
 code = ''.join(show(f) or fail(f'{f} missing') for f in library_files())
 # Since hold ids (concurrency, reservations), `decide` takes the now and a hold id before the

@@ -9,8 +9,8 @@ use crate::clock::Clock;
 use crate::store::backend::Backend;
 use crate::store::breaker::BreakerConfig;
 use crate::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
+use crate::store::redis::url::{UrlParts, redact_url, with_credentials};
 use crate::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, SentinelEndpoint, TlsClient};
-use crate::store::redis_url::{UrlParts, redact_url, with_credentials};
 
 /// Store flags shared by `sluice serve` and `sluice operator`.
 #[derive(clap::Args, Clone, Debug)]

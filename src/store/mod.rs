@@ -10,12 +10,6 @@ pub mod denials;
 pub mod keys;
 pub mod memory;
 pub mod redis;
-mod redis_batches;
-pub mod redis_library;
-mod redis_primary;
-mod redis_setup;
-pub mod redis_url;
-pub mod redis_usage;
 pub mod tenants;
 
 use std::future::Future;
@@ -64,7 +58,7 @@ pub enum StoreError {
     /// load, not the store's failure ([`tenants`]).
     #[error("store busy for this namespace: {0}")]
     Busy(String),
-    /// The request's namespace holds more of the shared store than it may ([`redis_usage`]).
+    /// The request's namespace holds more of the shared store than it may ([`redis::usage`]).
     #[error("namespace over its share of the store: {0}")]
     OverBound(String),
 }
@@ -200,7 +194,7 @@ pub struct StoreStatus {
     /// Units of the memory cap (`--max-keys`) they hold: one per counter key, more for a sliding
     /// log of many entries (64 bytes a unit).
     pub live_units: u64,
-    /// Keys each namespace holds in Redis, as last counted ([`redis_usage`]); empty when not
+    /// Keys each namespace holds in Redis, as last counted ([`redis::usage`]); empty when not
     /// counted.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub redis_keys_by_namespace: std::collections::BTreeMap<String, u64>,

@@ -1,5 +1,8 @@
+use super::library::ARGS_PER_RULE;
 use super::*;
+use crate::algorithm::Decision;
 use crate::algorithm::Limit;
+use ::redis::{ErrorKind, ServerErrorKind};
 
 fn ints(v: &[i64]) -> Value {
     Value::Array(v.iter().map(|&i| Value::Int(i)).collect())

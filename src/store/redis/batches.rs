@@ -16,10 +16,8 @@ use std::time::Duration;
 
 use ::redis::{ErrorKind, RedisError, Value};
 
-use super::redis_library::{
-    LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported,
-};
-use super::redis_primary::Primary;
+use super::library::{LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported};
+use super::primary::Primary;
 use crate::batching::{Batcher, Exchange, Pending};
 
 /// One request's decision: its keys, and `decide`'s arguments (now, hold, then two per rule).

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use ::redis::{ErrorKind, IntoConnectionInfo, RedisConnectionInfo, RedisError, TlsCertificates};
 
-use super::redis_url::redact_url;
+use super::url::redact_url;
 
 /// What `--redis`, `--redis-cluster` and `--redis-sentinel` URLs may start with (the client's
 /// own list: valkey is Redis's fork, unix a local socket).

@@ -18,166 +18,50 @@
 //! caller's job, since only the caller has the local fallback store. The breaker runs on the
 //! injected [`Clock`]; the decisions themselves use Redis `TIME` (or the `now` passed in).
 
+mod batches;
+pub mod codec;
+mod config;
+pub mod library;
+mod primary;
+mod setup;
+pub mod url;
+pub mod usage;
+
+use self::codec::{
+    classify, lease_args, parse_lease_reply, parse_reply, refuses_us, rule_params, script_args, value_kind,
+};
+pub use self::config::{RedisConfig, RedisConfigError, RedisEndpoint, TlsClient, memory_concerns};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use ::redis::{RedisError, Script, Value};
 
-use super::breaker::{BreakerConfig, Transition};
+use self::batches::{Batches, Decide, Outcome};
+use self::library::{
+    FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE, LIBRARY_SOURCE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME,
+    SETTLE_SCRIPT_SOURCE,
+};
+use self::library::{function_missing, functions_unsupported};
+pub use self::primary::SentinelEndpoint;
+use self::primary::{Followed, Primary};
+use self::setup::{HandshakeRefusal, replay_handshake, scheme_problem};
+use self::url::redact_url;
+use self::usage::{Usage, count_cluster, count_single};
+use super::breaker::Transition;
 use super::denials::DenialCache;
 use super::keys::{self, DEFAULT_TAG};
-use super::redis_batches::{self, Batches, Decide, Outcome};
-pub use super::redis_library::{
-    ARGS_PER_RULE, DECISION_CODE, FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE, LIBRARY_SOURCE,
-    MANY_FUNCTION_NAME, REPLY_PER_RULE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
-};
-use super::redis_library::{function_missing, functions_unsupported};
-pub use super::redis_primary::SentinelEndpoint;
-use super::redis_primary::{Followed, Primary};
-use super::redis_setup::{HandshakeRefusal, replay_handshake, scheme_problem};
-use super::redis_url::redact_url;
-use super::redis_usage::{Usage, count_cluster, count_single};
 use super::tenants::{Tenants, overall_breaker};
 use super::{RuleCheck, Store, StoreError};
-use crate::algorithm::{Algorithm, Decision, Micros};
+use crate::algorithm::{Algorithm, Micros};
 use crate::clock::{Clock, SystemClock};
 use crate::rule::Verdict;
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
 static SETTLE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SETTLE_SCRIPT_SOURCE));
 static LEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&LEASE_SCRIPT_SOURCE));
-
-/// Where Redis is.
-#[derive(Clone, PartialEq, Eq)]
-pub enum RedisEndpoint {
-    /// `redis://[user:password@]host:port[/db]` or `rediss://…` (TLS).
-    Single(String),
-    /// Seed nodes of a Redis Cluster (`--redis-cluster URL[,URL…]`); the rest is discovered.
-    Cluster(Vec<String>),
-    /// The master a set of Redis Sentinels names (`--redis-sentinel URL[,URL…]
-    /// --redis-sentinel-master NAME`), followed across failovers.
-    Sentinel(SentinelEndpoint),
-}
-
-impl std::fmt::Debug for RedisEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.redacted())
-    }
-}
-
-impl RedisEndpoint {
-    /// The endpoint with passwords replaced, safe to log and show in status.
-    pub fn redacted(&self) -> String {
-        match self {
-            RedisEndpoint::Single(url) => redact_url(url),
-            RedisEndpoint::Cluster(urls) => {
-                format!("cluster[{}]", urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(","))
-            }
-            RedisEndpoint::Sentinel(endpoint) => format!(
-                "sentinel[{}]/{}",
-                endpoint.sentinels.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(","),
-                endpoint.master
-            ),
-        }
-    }
-}
-
-/// Why a Redis configuration cannot be used at all (as opposed to Redis being unreachable, which
-/// [`RedisStore::connect`] tolerates).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RedisConfigError {
-    #[error("invalid Redis endpoint {endpoint}: {reason}")]
-    Invalid { endpoint: String, reason: String },
-    #[error("--redis-cluster needs at least one node URL")]
-    NoClusterNodes,
-    #[error(
-        "Redis at {endpoint} refuses us: {reason} (give its password with --redis-password-file, SLUICE_REDIS_PASSWORD or the URL, and an ACL user allowed Sluice's commands: docs/redis.md)"
-    )]
-    Refused { endpoint: String, reason: String },
-    /// The connection's handshake failed on the credentials or the database of the URL.
-    #[error("Redis at {endpoint}: {reason}")]
-    Handshake { endpoint: String, reason: String },
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RedisConfig {
-    pub endpoint: RedisEndpoint,
-    /// Deadline of one decision, connection wait included. Past it the call fails with
-    /// [`StoreError::Timeout`] and the rules' failure modes apply.
-    pub timeout: Duration,
-    /// Deadline of one connection attempt (re-connections happen in the background).
-    pub connect_timeout: Duration,
-    pub breaker: BreakerConfig,
-    /// PEM root certificate(s) trusted for `rediss://` instead of the built-in web PKI roots
-    /// (in-cluster Redis usually has a private CA).
-    pub tls_root_ca: Option<Vec<u8>>,
-    /// PEM client certificate and key presented to Redis (mutual TLS: `tls-auth-clients yes`).
-    pub tls_client: Option<TlsClient>,
-    /// (rule, key) denials this replica keeps to answer repeats without Redis (0: none); see
-    /// [`super::denials`].
-    pub denial_cache: usize,
-    /// Calls in flight at once on a single Redis, each carrying every request that waited for
-    /// it (see [`super::redis_batches`]); 0: one call per request.
-    pub batches: usize,
-    /// Rule decisions of one namespace's requests on their way to Redis at once (see
-    /// [`super::tenants`]).
-    pub namespace_lane: u32,
-    /// How often keys are counted per namespace ([`super::redis_usage`]); `None`: never.
-    pub usage_interval: Option<Duration>,
-    /// Keys a namespace may hold in Redis before its rules' onStoreFailure decides for it; 0: no
-    /// bound (counted all the same).
-    pub namespace_max_keys: u64,
-}
-
-impl RedisConfig {
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
-    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-    pub const DEFAULT_DENIAL_CACHE: usize = 100_000;
-    /// One call per request: with Redis on a core of its own, calls share nothing worth the wait
-    /// (docs/benchmarks.md, "The batching default re-checked").
-    pub const DEFAULT_BATCHES: usize = 0;
-    pub const DEFAULT_USAGE_INTERVAL: Duration = Duration::from_secs(60);
-
-    pub fn single(url: impl Into<String>) -> RedisConfig {
-        RedisConfig::new(RedisEndpoint::Single(url.into()))
-    }
-
-    pub fn cluster<S: Into<String>>(urls: impl IntoIterator<Item = S>) -> RedisConfig {
-        RedisConfig::new(RedisEndpoint::Cluster(urls.into_iter().map(Into::into).collect()))
-    }
-
-    pub fn new(endpoint: RedisEndpoint) -> RedisConfig {
-        RedisConfig {
-            endpoint,
-            timeout: RedisConfig::DEFAULT_TIMEOUT,
-            connect_timeout: RedisConfig::DEFAULT_CONNECT_TIMEOUT,
-            breaker: BreakerConfig::default(),
-            tls_root_ca: None,
-            tls_client: None,
-            denial_cache: RedisConfig::DEFAULT_DENIAL_CACHE,
-            batches: RedisConfig::DEFAULT_BATCHES,
-            namespace_lane: Tenants::DEFAULT_LANE,
-            usage_interval: Some(RedisConfig::DEFAULT_USAGE_INTERVAL),
-            namespace_max_keys: 0,
-        }
-    }
-}
-
-/// A client certificate and its key, PEM.
-#[derive(Clone, PartialEq, Eq)]
-pub struct TlsClient {
-    pub certificate: Vec<u8>,
-    pub key: Vec<u8>,
-}
-
-impl std::fmt::Debug for TlsClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TlsClient { .. }")
-    }
-}
 
 #[derive(Clone)]
 enum Connection {
@@ -318,12 +202,9 @@ impl RedisStore {
         let tenants = Arc::new(Tenants::new(config.breaker, config.namespace_lane));
         let usage = Arc::new(Usage::new(config.namespace_max_keys));
         let batches = match &connection {
-            Connection::Single(primary) if config.batches > 0 => Some(Arc::new(redis_batches::batches(
-                primary.clone(),
-                functions.clone(),
-                config.batches,
-                config.timeout,
-            ))),
+            Connection::Single(primary) if config.batches > 0 => {
+                Some(Arc::new(batches::batches(primary.clone(), functions.clone(), config.batches, config.timeout)))
+            }
             _ => None,
         };
         if let Some(every) = config.usage_interval {
@@ -396,7 +277,7 @@ impl RedisStore {
             let batches = self.batches.as_ref().filter(|_| self.functions.load(std::sync::atomic::Ordering::Relaxed));
             let args = match batches {
                 // The keys stay here too: the denial cache records the verdict under them.
-                Some(batches) => match redis_batches::decide(batches, Decide { keys: keys.clone(), args }).await {
+                Some(batches) => match batches::decide(batches, Decide { keys: keys.clone(), args }).await {
                     Outcome::Reply(reply) => return Ok(reply),
                     Outcome::Failed(error) => return Err(error),
                     Outcome::Unbatched(request) => request.args,
@@ -800,7 +681,7 @@ impl Drop for RedisStore {
     }
 }
 
-/// Counts keys per namespace into `usage` now and every `every` ([`super::redis_usage`]).
+/// Counts keys per namespace into `usage` now and every `every` ([`self::usage`]).
 async fn count_usage(connection: Connection, tenants: Arc<Tenants>, usage: Arc<Usage>, every: Duration) {
     loop {
         let counted = match &connection {
@@ -886,224 +767,6 @@ impl Store for RedisStore {
             ..Default::default()
         }
     }
-}
-
-/// The concerns [`RedisStore::memory_settings`] reports for these settings: an eviction policy
-/// that picks counters without regard to their state resets spent limits; a bounded Redis that
-/// refuses writes when full fails every tenant's decisions unless namespaces are bounded; an
-/// unbounded one grows with the keys.
-pub fn memory_concerns(maxmemory: &str, policy: &str, namespace_max_keys: u64) -> Vec<String> {
-    let mut concerns = Vec::new();
-    let bounded = maxmemory.trim() != "0";
-    match policy {
-        "volatile-ttl" => {}
-        "noeviction" if bounded && namespace_max_keys == 0 => concerns.push(
-            "Redis has maxmemory and noeviction: once full, every decision of every namespace fails (OOM) and rules fall to onStoreFailure; bound each namespace with --redis-namespace-max-keys".to_string(),
-        ),
-        "noeviction" => {}
-        other => concerns.push(format!(
-            "Redis evicts with maxmemory-policy {other}: under memory pressure it drops counters whatever their state, and a spent limit whose key is dropped starts over; use volatile-ttl (every Sluice key's TTL is the time until its state is a full quota, so the least used go first) or noeviction"
-        )),
-    }
-    if !bounded && namespace_max_keys == 0 {
-        concerns.push(
-            "Redis has no maxmemory and --redis-namespace-max-keys is 0: nothing bounds the keys a namespace can add"
-                .to_string(),
-        );
-    }
-    concerns
-}
-
-/// The script's algorithm codes (lua/check.lua).
-pub fn algorithm_code(algorithm: Algorithm) -> u8 {
-    match algorithm {
-        Algorithm::TokenBucket => 1,
-        Algorithm::Gcra => 2,
-        Algorithm::LeakyBucket => 3,
-        Algorithm::FixedWindow => 4,
-        Algorithm::SlidingWindowLog => 5,
-        Algorithm::SlidingWindowCounter => 6,
-        Algorithm::Concurrency => 7,
-    }
-}
-
-/// ARGV of the decision call: `now` (or "" for Redis TIME), then per rule its parameters as one
-/// text (which the library parses once per rule and keeps) and the cost.
-pub fn script_args(now: Option<Micros>, checks: &[RuleCheck<'_>]) -> Vec<String> {
-    let mut args = Vec::with_capacity(2 + ARGS_PER_RULE * checks.len());
-    args.push(now.map_or_else(String::new, |n| n.to_string()));
-    // Every check of a request carries the request's hold id (or none).
-    let hold = checks.iter().map(|c| c.hold).find(|&h| h != 0);
-    args.push(hold.map_or_else(String::new, |h| h.to_string()));
-    for check in checks {
-        args.push(rule_params(check.limit, check.enforce));
-        args.push(check.cost.to_string());
-    }
-    args
-}
-
-/// A rule's parameters as the library takes them (lua/check.lua): "algorithm:requests:per_us:
-/// burst:interval_us:max_delay_us:enforce", then ":ttl_us" for a rule that reserves.
-pub fn rule_params(limit: &crate::algorithm::Limit, enforce: bool) -> String {
-    use std::fmt::Write as _;
-    let mut params = String::with_capacity(56);
-    let _ = write!(
-        params,
-        "{}:{}:{}:{}:{}:{}:{}",
-        algorithm_code(limit.algorithm()),
-        limit.requests(),
-        limit.per(),
-        limit.burst(),
-        limit.interval(),
-        limit.max_delay().map_or(-1, |d| d as i64),
-        u8::from(enforce)
-    );
-    if let Some(ttl) = limit.reservation_ttl() {
-        let _ = write!(params, ":{ttl}");
-    }
-    if limit.leased() {
-        params.push_str(":L");
-    }
-    params
-}
-
-/// ARGV of the lease call (lua/check.lua `lease`): `now`, then seven per key.
-pub fn lease_args(now: Option<Micros>, ops: &[super::LeaseOp<'_>]) -> Vec<String> {
-    let hold = |h: crate::algorithm::HoldId| if h == 0 { String::new() } else { h.to_string() };
-    let mut args = Vec::with_capacity(1 + 7 * ops.len());
-    args.push(now.map_or_else(String::new, |n| n.to_string()));
-    for op in ops {
-        args.push(rule_params(op.limit, true));
-        let (settled, used) = op.settle.unwrap_or((0, 0));
-        args.push(hold(settled));
-        args.push(used.to_string());
-        let ask = op.ask.unwrap_or(crate::algorithm::lease::LeaseAsk { hold: 0, want: 0, cap: 0, ttl: 0 });
-        args.push(hold(ask.hold));
-        args.push(ask.want.to_string());
-        args.push(ask.cap.to_string());
-        args.push(ask.ttl.to_string());
-    }
-    args
-}
-
-/// Interprets the lease call's reply: five integers per key (granted, lasts_us, remaining,
-/// reset_after_us, live holds).
-pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorithm::lease::LeaseGrant>, StoreError> {
-    let Value::Array(items) = reply else {
-        return Err(StoreError::Protocol(format!("expected an array reply to lease, got {}", value_kind(reply))));
-    };
-    if items.len() != 5 * ops {
-        return Err(StoreError::Protocol(format!("lease answered {} values for {ops} keys", items.len())));
-    }
-    let int = |v: &Value| match v {
-        Value::Int(n) if *n >= 0 => Ok(*n as u64),
-        other => Err(StoreError::Protocol(format!("lease answered {}", value_kind(other)))),
-    };
-    items
-        .chunks(5)
-        .map(|c| {
-            let remaining = int(&c[2])?;
-            Ok(crate::algorithm::lease::LeaseGrant {
-                amount: int(&c[0])?,
-                lasts: int(&c[1])?,
-                holders: int(&c[4])?,
-                after: Decision { allowed: true, remaining, reset_after: int(&c[3])?, retry_after: None, delay: 0 },
-            })
-        })
-        .collect()
-}
-
-/// Interprets the script's reply: `{allowed, then per rule: allowed, remaining, reset_after_us,
-/// retry_after_us (-1 = none), delay_us}`.
-pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
-    let Value::Array(items) = reply else {
-        return Err(StoreError::Protocol(format!("expected an array reply, got {}", value_kind(reply))));
-    };
-    let expected = 1 + REPLY_PER_RULE * rules;
-    if items.len() != expected {
-        return Err(StoreError::Protocol(format!("expected {expected} values for {rules} rules, got {}", items.len())));
-    }
-    let ints = items
-        .iter()
-        .map(|v| match v {
-            Value::Int(i) => Ok(*i),
-            other => Err(StoreError::Protocol(format!("expected integers, got {}", value_kind(other)))),
-        })
-        .collect::<Result<Vec<i64>, _>>()?;
-    let flag = |i: i64| match i {
-        0 => Ok(false),
-        1 => Ok(true),
-        other => Err(StoreError::Protocol(format!("expected 0 or 1, got {other}"))),
-    };
-    let count = |i: i64| u64::try_from(i).map_err(|_| StoreError::Protocol(format!("expected a count, got {i}")));
-    let decisions = ints[1..]
-        .chunks_exact(REPLY_PER_RULE)
-        .map(|d| {
-            Ok(Decision {
-                allowed: flag(d[0])?,
-                remaining: count(d[1])?,
-                reset_after: count(d[2])?,
-                retry_after: if d[3] == -1 { None } else { Some(count(d[3])?) },
-                delay: count(d[4])?,
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(Verdict { allowed: flag(ints[0])?, decisions, cached_denial: None })
-}
-
-fn value_kind(value: &Value) -> &'static str {
-    match value {
-        Value::Nil => "nil",
-        Value::Int(_) => "an integer",
-        Value::BulkString(_) | Value::SimpleString(_) | Value::VerbatimString { .. } => "a string",
-        Value::Array(_) | Value::Set(_) => "an array",
-        Value::Okay => "OK",
-        Value::Map(_) | Value::Attribute { .. } => "a map",
-        Value::Double(_) => "a double",
-        Value::Boolean(_) => "a boolean",
-        _ => "another type",
-    }
-}
-
-/// Maps a client error to a store error, and says whether it means Redis is down or unreachable
-/// (which counts towards opening the breaker) rather than a bad answer from a live server.
-pub fn classify(error: &RedisError) -> (StoreError, bool) {
-    let store_down = error.is_io_error()
-        || error.is_timeout()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || matches!(
-            error.kind(),
-            ErrorKind::ClusterConnectionNotFound
-                | ErrorKind::AuthenticationFailed
-                | ErrorKind::Server(
-                    ServerErrorKind::TryAgain
-                        | ServerErrorKind::ClusterDown
-                        | ServerErrorKind::MasterDown
-                        | ServerErrorKind::BusyLoading
-                        | ServerErrorKind::ReadOnly
-                )
-        )
-        // A script running too long blocks the server for everyone.
-        || error.code() == Some("BUSY")
-        // Misconfigured credentials or permissions fail every call alike: as good as down (the
-        // breaker opens and says so), never a string of one-off protocol errors.
-        || refuses_us(error);
-    // The error's Display never includes the URL, only the kind and server detail.
-    let message = error.to_string();
-    if store_down { (StoreError::Unavailable(message), true) } else { (StoreError::Protocol(message), false) }
-}
-
-/// Redis refuses our credentials, or a command or key the ACL user is not allowed: also inside
-/// the decision code, where Redis 7.0 says so without an error code.
-pub fn refuses_us(error: &RedisError) -> bool {
-    if matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM")) {
-        return true;
-    }
-    let text = error.to_string();
-    text.contains("user executing the script can't run this command")
-        || text.contains("No permissions to access a key")
-        || text.contains("no permissions to run the")
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use ::redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAd
 use ::redis::{RedisError, Value};
 use parking_lot::RwLock;
 
-use super::keys::{PREFIX, PROBE_TAG, cluster_slot, tag_of_key};
+use crate::store::keys::{PREFIX, PROBE_TAG, cluster_slot, tag_of_key};
 
 /// Namespaces counted at most (every namespace with policies is one; more means keys of
 /// another program under our prefix, not worth a label each).

@@ -8,15 +8,15 @@ use ::redis::RedisError;
 
 /// The decision code: the shared prelude, one file per algorithm, then `decide` (lua/check.lua).
 pub const DECISION_CODE: &str = concat!(
-    include_str!("../../lua/common.lua"),
-    include_str!("../../lua/token_bucket.lua"),
-    include_str!("../../lua/gcra.lua"),
-    include_str!("../../lua/fixed_window.lua"),
-    include_str!("../../lua/sliding_window_log.lua"),
-    include_str!("../../lua/sliding_window_counter.lua"),
-    include_str!("../../lua/concurrency.lua"),
-    include_str!("../../lua/reservation.lua"),
-    include_str!("../../lua/check.lua"),
+    include_str!("../../../lua/common.lua"),
+    include_str!("../../../lua/token_bucket.lua"),
+    include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/fixed_window.lua"),
+    include_str!("../../../lua/sliding_window_log.lua"),
+    include_str!("../../../lua/sliding_window_counter.lua"),
+    include_str!("../../../lua/concurrency.lua"),
+    include_str!("../../../lua/reservation.lua"),
+    include_str!("../../../lua/check.lua"),
 );
 
 /// `sluice_` and 16 hex digits of the code's SHA-256: the library's name and its function's.
