@@ -6,31 +6,29 @@
 
 // The pure core: time is an argument, nothing is read from outside.
 pub mod algorithm;
-pub mod batching;
 pub mod clock;
 pub mod duration;
 pub mod overload;
 pub mod rule;
-pub mod usage;
 
 // Keeping per-key state: memory, Redis (one server, Cluster, Sentinel), the backend that picks one.
 pub mod store;
 
 // Policies: the CRD, validation and compilation into the snapshot rules are matched against;
-// request heads as policies read them.
+// request heads and response costs as policies read them.
 pub mod policy;
 pub mod request;
+pub mod response;
 
 // The decision core: snapshot + store → decision, rate-limit headers, hold tokens, quota leases.
 pub mod engine;
 pub mod telemetry;
 
 // What the entry points share: the wire contract between the endpoint and its clients,
-// listeners, conversions of other limiters' configurations, the redirect init container.
+// listeners, conversions of other limiters' configurations.
 pub mod api;
 pub mod convert;
 pub mod listen;
-pub mod redirect;
 
 // The entry points, peers standing on the engine: the endpoint (HTTP API, Envoy's RLS), the
 // sidecar proxy, simulate/explain, the operator and its admission webhooks, and the roles that

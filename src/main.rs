@@ -43,7 +43,7 @@ enum Command {
     Convert(ConvertCommand),
     /// Init container of the sidecar's iptables mode: redirects inbound TCP to the application's
     /// ports to the sidecar (nat PREROUTING only; loopback and egress untouched). Needs NET_ADMIN.
-    Redirect(sluice::redirect::RedirectArgs),
+    Redirect(sluice::sidecar::redirect::RedirectArgs),
 }
 
 #[derive(Subcommand)]
@@ -175,15 +175,15 @@ fn run() -> anyhow::Result<()> {
 /// One shot, no runtime: the rules on stdout for `kubectl logs`; on failure what failed and why
 /// on stderr and in the termination message, exit code 1 (no `Error:` and no backtrace: the
 /// message is the whole story).
-fn run_redirect(args: &sluice::redirect::RedirectArgs) -> anyhow::Result<()> {
-    match sluice::redirect::run(args) {
+fn run_redirect(args: &sluice::sidecar::redirect::RedirectArgs) -> anyhow::Result<()> {
+    match sluice::sidecar::redirect::run(args) {
         Ok(report) => {
             print!("{report}");
             Ok(())
         }
         Err(error) => {
-            let message = format!("sluice redirect: {}", sluice::redirect::failure_message(&error));
-            sluice::redirect::write_termination_log(&message);
+            let message = format!("sluice redirect: {}", sluice::sidecar::redirect::failure_message(&error));
+            sluice::sidecar::redirect::write_termination_log(&message);
             eprintln!("{message}");
             std::process::exit(1)
         }

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 /// From the bottom up. Entry points are peers: they may use each other's wire items (the sidecar
 /// the endpoint's header names) but nothing under them uses any of them.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("the pure core", &["algorithm", "batching", "clock", "duration", "overload", "rule", "usage"]),
+    ("the pure core", &["algorithm", "clock", "duration", "overload", "rule"]),
     ("state", &["store"]),
-    ("policies", &["policy", "request"]),
+    ("policies", &["policy", "request", "response"]),
     ("the decision core", &["telemetry", "engine"]),
-    ("shared by entry points", &["api", "convert", "listen", "redirect"]),
+    ("shared by entry points", &["api", "convert", "listen"]),
     ("entry points", &["admission", "operator", "role", "server", "sidecar", "simulate", "main"]),
 ];
 

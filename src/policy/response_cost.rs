@@ -9,7 +9,7 @@ use super::errors::ValidationErrors;
 use crate::algorithm::{Limit, MAX_REQUESTS, Micros};
 use crate::duration::parse_duration;
 use crate::request::names::StrMap;
-use crate::usage::{JsonPath, UsageSpec};
+use crate::response::usage::{JsonPath, UsageSpec};
 
 /// How long a reservation lasts when `reservationTtl` is not given.
 pub const DEFAULT_RESERVATION_TTL: Micros = 10 * 60 * 1_000_000;

@@ -1,4 +1,4 @@
-//! Checks to the endpoint, batched under load ([`crate::batching`]): the requests that wait for a
+//! Checks to the endpoint, batched under load ([`crate::store::batching`]): the requests that wait for a
 //! decision while every exchange is busy go together in the next one (`POST /v1/checks`), so one
 //! HTTP exchange — one write and one read on each side — decides many requests. An idle sidecar
 //! sends each check at once, as a batch of one.
@@ -15,7 +15,7 @@ use super::endpoint::Endpoint;
 use super::metrics::{KindLabels, SidecarMetrics};
 use super::verdict::{Decision, EndpointError};
 use crate::api::checks::BatchAnswer;
-use crate::batching::{Batcher, Exchange, Pending};
+use crate::store::batching::{Batcher, Exchange, Pending};
 
 /// How long single checks are sent after an endpoint said it has no batch API.
 const SINGLE_CHECKS_FOR: Duration = Duration::from_secs(30);

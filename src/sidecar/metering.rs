@@ -15,7 +15,7 @@ use http::HeaderMap;
 
 use crate::engine::SettleCost;
 use crate::policy::response_cost::ResponseCost;
-use crate::usage::{UsageMeter, UsageSpec, cost_from_header};
+use crate::response::usage::{UsageMeter, UsageSpec, cost_from_header};
 
 /// One response's cost readers.
 pub struct Metering {
@@ -122,7 +122,7 @@ mod tests {
     use super::*;
     use crate::policy::crd::ResponseCostMode;
     use crate::policy::response_cost::Estimate;
-    use crate::usage::JsonPath;
+    use crate::response::usage::JsonPath;
 
     fn cost(fields: &[&str], header: Option<&str>) -> Arc<ResponseCost> {
         let usage = (!fields.is_empty())

@@ -3,7 +3,8 @@
 //! Each request is checked with the enforcement endpoint (`POST /v1/check`); a denial is answered
 //! here with 429, an admission is forwarded to the application, streamed both ways. The endpoint's
 //! snapshot is cached (`GET /v1/snapshot`) so that while the endpoint is away the same policies
-//! are enforced locally; see [`decide`].
+//! are enforced locally; see [`decide`]. In the "iptables" mode an init container runs
+//! [`redirect`] first, so nothing reaches the application past the sidecar.
 
 mod batch;
 mod config;
@@ -15,6 +16,7 @@ pub mod metrics;
 pub mod overload;
 pub mod probes;
 pub mod proxy;
+pub mod redirect;
 pub mod verdict;
 
 use std::sync::Arc;

@@ -5,6 +5,7 @@
 //! consume. A denial consumes nothing anywhere.
 
 pub mod backend;
+pub mod batching;
 pub mod breaker;
 pub mod denials;
 pub mod keys;

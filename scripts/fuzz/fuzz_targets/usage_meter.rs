@@ -1,4 +1,4 @@
-//! A response body read for its cost (src/usage.rs): any bytes, any content type, in any frame
+//! A response body read for its cost (src/response/usage.rs): any bytes, any content type, in any frame
 //! sizes. Never a panic; the meter holds no more than its bound; the answer does not depend on
 //! how the body was split into frames; a cost is never beyond 2^53.
 #![no_main]
@@ -6,7 +6,7 @@
 use std::sync::{Arc, LazyLock};
 
 use libfuzzer_sys::fuzz_target;
-use sluice::usage::{JsonPath, MAX_COST, MAX_EVENT_BYTES, MAX_HEADER_DIGITS, UsageMeter, UsageSpec, cost_from_header};
+use sluice::response::usage::{JsonPath, MAX_COST, MAX_EVENT_BYTES, MAX_HEADER_DIGITS, UsageMeter, UsageSpec, cost_from_header};
 
 /// Small, so that the fuzzer reaches the JSON bound.
 const MAX_JSON_BYTES: usize = 4096;

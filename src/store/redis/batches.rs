@@ -1,4 +1,4 @@
-//! Concurrent requests' decisions in one Redis call ([`crate::batching`]): while every call is
+//! Concurrent requests' decisions in one Redis call ([`crate::store::batching`]): while every call is
 //! under way, the requests that arrive wait, and the first call to finish takes them to Redis in
 //! one FCALL of `decide_many` (lua/check.lua). Redis runs them one after the other, exactly as that
 //! many calls in a row, so every decision and guarantee is a single call's; what is shared is the
@@ -18,7 +18,7 @@ use ::redis::{ErrorKind, RedisError, Value};
 
 use super::library::{LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported};
 use super::primary::Primary;
-use crate::batching::{Batcher, Exchange, Pending};
+use crate::store::batching::{Batcher, Exchange, Pending};
 
 /// One request's decision: its keys, and `decide`'s arguments (now, hold, then two per rule).
 pub(super) struct Decide {
