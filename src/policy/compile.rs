@@ -1,19 +1,30 @@
-//! From validated policies to an immutable [`Snapshot`]: rules ready to match, with their
-//! limits parsed, regexes compiled and identities hashed once.
+//! From policies to an immutable [`Snapshot`]: each policy checked and compiled in one pass
+//! (rules ready to match, limits parsed, regexes compiled and identities hashed once), the
+//! invalid ones left out with every problem named.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::crd::{KeyPart, Match, PolicyRule, RateLimitPolicy};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+use super::crd::{
+    KeyPart, MAX_DESCRIPTOR_ENTRIES, MAX_KEY_PARTS, MAX_MATCH_ITEMS, MAX_PRIORITIES, MAX_RULES, Match, PolicyRule,
+    RateLimitPolicy,
+};
 use super::errors::ValidationErrors;
+use super::pattern::PolicyRegex as Regex;
 use super::snapshot::{
     CompiledPolicy, CompiledRule, DeclaredRefusal, DescriptorEntryMatcher, HeaderMatcher, HeaderTest, HostMatcher,
     KeySource, NamespaceIndex, PathMatcher, RuleMatch, Selector, SelectorOp, Snapshot, header_names_of, rule_id,
     version_of,
 };
-use super::validate::{CompiledRegexes, build_limit, compile_regex, validate_keeping_regexes};
+use super::validate::{
+    RegexBudget, build_limit, check_descriptor_entry, check_descriptor_keys, check_header_match, check_host_pattern,
+    check_key_part, check_overload, check_path_match, check_refusal, check_rule_name,
+};
+use crate::algorithm::MAX_REQUESTS;
 use crate::duration::parse_duration;
-use crate::request::names::canonical_header_name;
+use crate::request::names::{canonical_header_name, is_token};
 
 /// The result of compiling a set of policies: the valid ones, and why the others were left out.
 #[derive(Debug)]
@@ -87,101 +98,225 @@ fn single_error(path: &str, message: String) -> ValidationErrors {
     e
 }
 
+/// Checks a policy and reports every problem with its field path: the walk [`compile`] makes,
+/// its result dropped. The admission webhook and `sluice validate` call this, so they accept
+/// exactly what compile accepts.
+pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
+    compile_policy(policy).map(drop)
+}
+
+/// The one pass over a policy: each field is checked (the checks live in `validate.rs`) and built
+/// into its compiled form in the same step, in the order the fields are written, so every problem
+/// is reported at once and nothing is checked twice.
 fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, ValidationErrors> {
-    let mut regexes = validate_keeping_regexes(policy)?;
+    let mut errs = ValidationErrors::default();
+    match policy.metadata.name.as_deref() {
+        None | Some("") => errs.push("metadata.name", "required"),
+        Some(_) => {}
+    }
     let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| super::DEFAULT_NAMESPACE.to_string());
     let name = policy.metadata.name.clone().unwrap_or_default();
     let qualified = format!("{namespace}/{name}");
-    let mut selector = Selector::default();
-    if let Some(s) = &policy.spec.selector {
-        selector.labels = s.match_labels.iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
-        for e in s.match_expressions.iter().flatten() {
-            let op = match e.operator.as_str() {
-                "In" => SelectorOp::In,
-                "NotIn" => SelectorOp::NotIn,
-                "Exists" => SelectorOp::Exists,
-                "DoesNotExist" => SelectorOp::DoesNotExist,
-                // validate() refuses every other operator; should the two ever disagree, refuse
-                // the policy rather than guess what the selector meant.
-                other => {
-                    return Err(single_error(
-                        "spec.selector.matchExpressions",
-                        format!("unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"),
-                    ));
-                }
-            };
-            selector.expressions.push((e.key.clone(), op, e.values.clone().unwrap_or_default()));
+    let spec = &policy.spec;
+    let selector = spec.selector.as_ref().map(|s| selector_of(s, &mut errs)).unwrap_or_default();
+    if spec.rules.is_empty() && spec.overload.is_none() {
+        errs.push("spec.rules", "at least one rule is required (or spec.overload)");
+    }
+    if spec.rules.len() > MAX_RULES {
+        errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
+    }
+    let mut budget = RegexBudget::default();
+    let mut rules = Vec::with_capacity(spec.rules.len());
+    for (i, rule) in spec.rules.iter().enumerate() {
+        let path = format!("spec.rules[{i}]");
+        rules.extend(compile_rule(rule, &namespace, &name, &path, &mut budget, &mut errs));
+        if let Some(first) = spec.rules[..i].iter().position(|r| r.name == rule.name) {
+            errs.push(
+                format!("{path}.name"),
+                format!("duplicate rule name {:?} (also spec.rules[{first}])", rule.name),
+            );
         }
     }
-    let mut rules = Vec::with_capacity(policy.spec.rules.len());
-    for (i, rule) in policy.spec.rules.iter().enumerate() {
-        rules.push(compile_rule(rule, &namespace, &name, &format!("spec.rules[{i}]"), &mut regexes)?);
+    if spec.priorities.len() > MAX_PRIORITIES {
+        errs.push("spec.priorities", format!("at most {MAX_PRIORITIES} entries, got {}", spec.priorities.len()));
     }
-    let mut priorities = Vec::with_capacity(policy.spec.priorities.len());
-    let mut errs = ValidationErrors::default();
-    for (i, entry) in policy.spec.priorities.iter().enumerate() {
-        let matcher = compile_match(&entry.matches, &format!("spec.priorities[{i}].match"), &mut regexes, &mut errs);
-        priorities.push((entry.class, matcher));
+    let mut priorities = Vec::with_capacity(spec.priorities.len());
+    for (i, entry) in spec.priorities.iter().enumerate() {
+        let path = format!("spec.priorities[{i}].match");
+        if !entry.matches.descriptor.is_empty() {
+            errs.push(format!("{path}.descriptor"), "a priority matches HTTP requests: descriptor has no place here");
+        }
+        priorities.push((entry.class, compile_match(&entry.matches, &path, &mut budget, &mut errs)));
     }
     let mut exempt = Vec::new();
-    for (i, m) in policy.spec.overload.iter().flat_map(|o| o.exempt.iter()).enumerate() {
-        exempt.push(compile_match(m, &format!("spec.overload.exempt[{i}]"), &mut regexes, &mut errs));
+    if let Some(overload) = &spec.overload {
+        if overload.exempt.len() > MAX_PRIORITIES {
+            errs.push(
+                "spec.overload.exempt",
+                format!("at most {MAX_PRIORITIES} entries, got {}", overload.exempt.len()),
+            );
+        }
+        for (i, m) in overload.exempt.iter().enumerate() {
+            let path = format!("spec.overload.exempt[{i}]");
+            if !m.descriptor.is_empty() {
+                errs.push(
+                    format!("{path}.descriptor"),
+                    "the overload protection sees HTTP requests: descriptor has no place here",
+                );
+            }
+            exempt.push(compile_match(m, &path, &mut budget, &mut errs));
+        }
+        check_overload(overload, &mut errs);
     }
+    budget.check(&mut errs);
     if !errs.is_empty() {
         return Err(errs);
     }
     // The hash covers what the policy says, not bookkeeping such as resourceVersion, so a re-list
     // of unchanged objects yields the same version.
     let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
-    debug_assert!(regexes.is_empty(), "validation and compile name regexes differently: {:?}", regexes.keys());
     let overload = policy.spec.overload.clone();
     Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, exempt, canonical })
 }
 
+/// The label selector, its expressions checked and their operators read.
+fn selector_of(selector: &LabelSelector, errs: &mut ValidationErrors) -> Selector {
+    let mut compiled = Selector {
+        labels: selector.match_labels.iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        ..Selector::default()
+    };
+    for (j, e) in selector.match_expressions.iter().flatten().enumerate() {
+        let path = format!("spec.selector.matchExpressions[{j}]");
+        let values = e.values.as_deref().unwrap_or_default();
+        let op = match e.operator.as_str() {
+            "In" => Some(SelectorOp::In),
+            "NotIn" => Some(SelectorOp::NotIn),
+            "Exists" => Some(SelectorOp::Exists),
+            "DoesNotExist" => Some(SelectorOp::DoesNotExist),
+            other => {
+                errs.push(
+                    format!("{path}.operator"),
+                    format!("unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"),
+                );
+                None
+            }
+        };
+        match op {
+            Some(SelectorOp::In | SelectorOp::NotIn) if values.is_empty() => {
+                errs.push(format!("{path}.values"), format!("operator {} needs at least one value", e.operator));
+            }
+            Some(SelectorOp::Exists | SelectorOp::DoesNotExist) if !values.is_empty() => {
+                errs.push(format!("{path}.values"), format!("operator {} takes no values", e.operator));
+            }
+            _ => {}
+        }
+        if e.key.is_empty() {
+            errs.push(format!("{path}.key"), "required");
+        }
+        if let Some(op) = op {
+            compiled.expressions.push((e.key.clone(), op, values.to_vec()));
+        }
+    }
+    if compiled.labels.iter().any(|(key, _)| key.is_empty()) {
+        errs.push("spec.selector.matchLabels", "label keys must not be empty");
+    }
+    compiled
+}
+
+/// A rule checked and compiled; `None` when its limit could not be built (the reasons are in
+/// `errs`, which also holds any other problem of the rule).
 fn compile_rule(
     rule: &PolicyRule,
     namespace: &str,
     policy: &str,
     path: &str,
-    validated: &mut CompiledRegexes,
-) -> Result<CompiledRule, ValidationErrors> {
-    let mut errs = ValidationErrors::default();
-    // Validation already passed, so these only fail if validate and compile disagree; report
-    // rather than panic.
-    let mut limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), &mut errs);
+    budget: &mut RegexBudget,
+    errs: &mut ValidationErrors,
+) -> Option<CompiledRule> {
+    if let Err(m) = check_rule_name(&rule.name) {
+        errs.push(format!("{path}.name"), m);
+    }
+    let matcher = match &rule.matches {
+        Some(m) => compile_match(m, &format!("{path}.match"), budget, errs),
+        None => RuleMatch::default(),
+    };
+    if rule.key.len() > MAX_KEY_PARTS {
+        errs.push(format!("{path}.key"), format!("at most {MAX_KEY_PARTS} parts, got {}", rule.key.len()));
+    }
+    for (j, part) in rule.key.iter().enumerate() {
+        check_key_part(part, &format!("{path}.key[{j}]"), errs);
+    }
+    check_descriptor_keys(rule, path, errs);
+    let mut limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs);
     let mut response_cost = None;
     if let Some(spec) = &rule.response_cost {
-        let compiled = super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), &mut errs);
-        if let Some((reserving, cost)) = compiled {
+        if let Some((reserving, cost)) =
+            super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), errs)
+        {
             limit = Some(reserving);
             response_cost = Some(std::sync::Arc::new(cost));
         }
+        if rule.cost != 1 {
+            errs.push(format!("{path}.cost"), "responseCost replaces cost: remove cost".to_string());
+        }
     }
+    // A request's cost is held to the limit's capacity as written, before any lease terms.
+    let capacity = limit.as_ref().map(|l| l.capacity());
     let mut leasing = None;
     if let Some(spec) = &rule.consistency
         && let Some((leased, terms)) =
-            super::consistency::compile(spec, limit.as_ref(), &format!("{path}.consistency"), &mut errs)
+            super::consistency::compile(spec, limit.as_ref(), &format!("{path}.consistency"), errs)
     {
         limit = Some(leased);
         leasing = Some(terms);
     }
-    let matcher = match &rule.matches {
-        Some(m) => compile_match(m, &format!("{path}.match"), validated, &mut errs),
-        None => RuleMatch::default(),
+    if let Some(capacity) = capacity
+        && rule.cost > capacity
+    {
+        let what = if rule.algorithm.uses_burst() { "burst" } else { "requests" };
+        errs.push(
+            format!("{path}.cost"),
+            format!("cost {} exceeds limit.{what} {capacity}: such a request could never be admitted", rule.cost),
+        );
+    }
+    if rule.cost > MAX_REQUESTS {
+        errs.push(format!("{path}.cost"), format!("must be at most {MAX_REQUESTS}"));
+    }
+    if let Some(refusal) = &rule.refusal {
+        check_refusal(refusal, &format!("{path}.refusal"), errs);
+    }
+    let retry_after_jitter = match rule.retry_after_jitter.as_deref().map(parse_duration) {
+        None => 0,
+        Some(Ok(jitter)) => jitter,
+        Some(Err(e)) => {
+            errs.push(format!("{path}.retryAfterJitter"), e.to_string());
+            0
+        }
     };
+    if rule.algorithm.holds() {
+        if rule.cost != 1 {
+            errs.push(
+                format!("{path}.cost"),
+                "a concurrency rule counts requests in progress, one slot each: cost does not apply".to_string(),
+            );
+        }
+        if rule.matches.as_ref().is_some_and(|m| !m.descriptor.is_empty()) {
+            errs.push(
+                format!("{path}.match.descriptor"),
+                "a concurrency rule needs to learn when each request ends, and descriptors reach Sluice only through the rate limit service, which never says: match on paths, methods and headers (the check API with POST /v1/release)".to_string(),
+            );
+        }
+    }
     let paths_ignore_case =
         rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
     let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
-    let (Some(limit), true) = (limit, errs.is_empty()) else {
-        return Err(errs);
-    };
     let identity = format!("{namespace}/{policy}/{}", rule.name);
-    Ok(CompiledRule {
+    Some(CompiledRule {
         id: rule_id(&identity),
         identity,
         policy: format!("{namespace}/{policy}").into(),
         name: rule.name.as_str().into(),
-        limit,
+        limit: limit?,
         per_text: rule.limit.per.clone(),
         max_delay_text: rule.limit.max_delay.clone(),
         mode: rule.mode,
@@ -190,86 +325,101 @@ fn compile_rule(
         matcher,
         key,
         refusal: rule.refusal.as_ref().map(|r| std::sync::Arc::new(DeclaredRefusal::from(r))),
-        retry_after_jitter: rule.retry_after_jitter.as_deref().and_then(|j| parse_duration(j).ok()).unwrap_or(0),
+        retry_after_jitter,
         response_cost,
         leasing,
     })
 }
 
-/// A `match` (of a rule at `path`, or of a priority entry), with the regexes validation compiled.
-fn compile_match(m: &Match, path: &str, validated: &mut CompiledRegexes, errs: &mut ValidationErrors) -> RuleMatch {
-    // Each regex was compiled once by validation; take it from there.
-    let mut regex = |pattern: &str, ignore_case: bool, field: String, errs: &mut ValidationErrors| {
-        let compiled = match validated.remove(&field) {
-            Some(re) => Ok(re),
-            None => compile_regex(pattern, ignore_case),
-        };
-        match compiled {
-            Ok(re) => Some(re),
-            Err(m) => {
-                errs.errors.push(super::errors::FieldError { path: field, message: m });
-                None
-            }
-        }
-    };
+/// A value test of a header or descriptor entry condition: exact, prefix, its regex, or
+/// `otherwise` when none is written; `None` when its regex did not compile.
+fn value_test(
+    exact: &Option<String>,
+    prefix: &Option<String>,
+    pattern: &Option<String>,
+    regex: Option<Regex>,
+    otherwise: HeaderTest,
+) -> Option<HeaderTest> {
+    match (exact, prefix, pattern) {
+        (Some(v), _, _) => Some(HeaderTest::Exact(v.clone())),
+        (_, Some(v), _) => Some(HeaderTest::Prefix(v.clone())),
+        (_, _, Some(_)) => regex.map(HeaderTest::Regex),
+        _ => Some(otherwise),
+    }
+}
+
+/// A `match` (of a rule at `path`, a priority entry or an overload exemption), checked and
+/// compiled, each regex compiled once.
+fn compile_match(m: &Match, path: &str, budget: &mut RegexBudget, errs: &mut ValidationErrors) -> RuleMatch {
     let mut matcher = RuleMatch::default();
+    for (field, len) in
+        [("methods", m.methods.len()), ("paths", m.paths.len()), ("hosts", m.hosts.len()), ("headers", m.headers.len())]
     {
-        matcher.methods = m.methods.iter().map(|s| s.to_ascii_uppercase()).collect();
-        for (j, p) in m.paths.iter().enumerate() {
-            let ignore_case = p.ignore_case.unwrap_or(false);
-            if let Some(exact) = &p.exact {
-                matcher.paths.push(PathMatcher::Exact { path: exact.clone(), ignore_case });
-            } else if let Some(prefix) = &p.prefix {
-                let trimmed = prefix.trim_end_matches('/');
-                let prefix = if trimmed.is_empty() { "/".into() } else { trimmed.into() };
-                matcher.paths.push(PathMatcher::Prefix { prefix, ignore_case });
-            } else if let Some(re) = &p.regex
-                && let Some(re) = regex(re, ignore_case, format!("{path}.paths[{j}].regex"), errs)
-            {
-                matcher.paths.push(PathMatcher::Regex(re));
-            }
+        if len > MAX_MATCH_ITEMS {
+            errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {len}"));
         }
-        for host in &m.hosts {
-            // Request hosts lose their trailing dot before matching; so do the patterns.
-            let host = host.trim_end_matches('.').to_ascii_lowercase();
-            matcher.hosts.push(match host.strip_prefix('*') {
-                Some(suffix) => HostMatcher::Suffix(suffix.to_string()),
-                None => HostMatcher::Exact(host),
-            });
+    }
+    if !m.descriptor.is_empty() {
+        if m.descriptor.len() > MAX_DESCRIPTOR_ENTRIES {
+            errs.push(
+                format!("{path}.descriptor"),
+                format!("at most {MAX_DESCRIPTOR_ENTRIES} entries, got {}", m.descriptor.len()),
+            );
         }
-        // A value test from a header or descriptor entry condition: exact, prefix, regex, or
-        // `otherwise` when none is written.
-        let mut value_test = |exact: &Option<String>,
-                              prefix: &Option<String>,
-                              pattern: &Option<String>,
-                              field: String,
-                              otherwise: HeaderTest,
-                              errs: &mut ValidationErrors| {
-            match (exact, prefix, pattern) {
-                (Some(v), _, _) => Some(HeaderTest::Exact(v.clone())),
-                (_, Some(v), _) => Some(HeaderTest::Prefix(v.clone())),
-                (_, _, Some(v)) => regex(v, false, field, errs).map(HeaderTest::Regex),
-                _ => Some(otherwise),
-            }
-        };
-        for (j, h) in m.headers.iter().enumerate() {
-            let field = format!("{path}.headers[{j}].regex");
-            let present = HeaderTest::Present(h.present.unwrap_or(true));
-            let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, field, present, errs) else { continue };
-            matcher.headers.push(HeaderMatcher { name: canonical_header_name(&h.name), test });
+        if !(m.methods.is_empty() && m.paths.is_empty() && m.hosts.is_empty() && m.headers.is_empty()) {
+            errs.push(
+                format!("{path}.descriptor"),
+                "cannot be combined with methods, paths, hosts or headers: a descriptor carries no HTTP request",
+            );
         }
         for (j, entry) in m.descriptor.iter().enumerate() {
-            let field = format!("{path}.descriptor[{j}].regex");
+            let regex = check_descriptor_entry(entry, &format!("{path}.descriptor[{j}]"), budget, errs);
             let any = HeaderTest::Present(true);
-            let Some(test) = value_test(&entry.exact, &entry.prefix, &entry.regex, field, any, errs) else {
-                continue;
-            };
-            matcher.descriptor.push(DescriptorEntryMatcher {
-                key: entry.key.clone(),
-                test,
-                not_in: entry.not_in.clone(),
-                not_prefix: entry.not_prefix.clone(),
-            });
+            if let Some(test) = value_test(&entry.exact, &entry.prefix, &entry.regex, regex, any) {
+                matcher.descriptor.push(DescriptorEntryMatcher {
+                    key: entry.key.clone(),
+                    test,
+                    not_in: entry.not_in.clone(),
+                    not_prefix: entry.not_prefix.clone(),
+                });
+            }
+        }
+    }
+    for (j, method) in m.methods.iter().enumerate() {
+        if !is_token(method) {
+            errs.push(format!("{path}.methods[{j}]"), format!("invalid HTTP method {method:?}"));
+        }
+        matcher.methods.push(method.to_ascii_uppercase());
+    }
+    for (j, p) in m.paths.iter().enumerate() {
+        let regex = check_path_match(p, &format!("{path}.paths[{j}]"), budget, errs);
+        let ignore_case = p.ignore_case.unwrap_or(false);
+        if let Some(exact) = &p.exact {
+            matcher.paths.push(PathMatcher::Exact { path: exact.clone(), ignore_case });
+        } else if let Some(prefix) = &p.prefix {
+            let trimmed = prefix.trim_end_matches('/');
+            let prefix = if trimmed.is_empty() { "/".into() } else { trimmed.into() };
+            matcher.paths.push(PathMatcher::Prefix { prefix, ignore_case });
+        } else if let Some(re) = regex {
+            matcher.paths.push(PathMatcher::Regex(re));
+        }
+    }
+    for (j, host) in m.hosts.iter().enumerate() {
+        if let Err(msg) = check_host_pattern(host) {
+            errs.push(format!("{path}.hosts[{j}]"), msg);
+        }
+        // Request hosts lose their trailing dot before matching; so do the patterns.
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        matcher.hosts.push(match host.strip_prefix('*') {
+            Some(suffix) => HostMatcher::Suffix(suffix.to_string()),
+            None => HostMatcher::Exact(host),
+        });
+    }
+    for (j, h) in m.headers.iter().enumerate() {
+        let regex = check_header_match(h, &format!("{path}.headers[{j}]"), budget, errs);
+        let present = HeaderTest::Present(h.present.unwrap_or(true));
+        if let Some(test) = value_test(&h.exact, &h.prefix, &h.regex, regex, present) {
+            matcher.headers.push(HeaderMatcher { name: canonical_header_name(&h.name), test });
         }
     }
     matcher

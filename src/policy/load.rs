@@ -13,9 +13,9 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use super::Snapshot;
+use super::compile::validate;
 use super::crd::RateLimitPolicy;
 use super::errors::ValidationErrors;
-use super::validate::validate;
 
 const API_VERSION: &str = "sluice.dev/v1alpha1";
 const KIND: &str = "RateLimitPolicy";

@@ -18,6 +18,7 @@ pub mod response_cost;
 pub mod snapshot;
 pub mod validate;
 
+pub use compile::validate;
 pub use compile::{Compiled, Rejected, compile};
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
@@ -32,7 +33,7 @@ pub use load::{
 };
 pub use matching::{Descriptor, Matched, RequestView, encode_key};
 pub use snapshot::{CompiledPolicy, CompiledRule, DeclaredRefusal, Snapshot, SnapshotPart, rule_id};
-pub use validate::{validate, warnings};
+pub use validate::warnings;
 
 #[cfg(test)]
 mod tests;

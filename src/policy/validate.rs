@@ -1,111 +1,87 @@
-//! The one validation of a policy, shared by compile and the admission webhook so that admission
-//! never accepts what compile rejects. It covers everything the CRD's CEL rules check (a policy
+//! The checks of a policy's fields. [`super::compile`] walks a policy once, checking each field
+//! with these and building its compiled form in the same step, and the admission webhook's
+//! [`super::compile::validate`] is that same walk: admission never accepts what compile rejects,
+//! and nothing is checked twice. The checks cover everything the CRD's CEL rules check (a policy
 //! loaded from a file never saw an API server) plus what CEL cannot: regexes, header names, the
 //! numeric limits of the algorithms.
 
 use super::pattern::PolicyRegex as Regex;
 
 use super::crd::{
-    DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY_LEN,
-    MAX_DURATION_LEN, MAX_HEADER_NAME_LEN, MAX_KEY_PARTS, MAX_LITERAL_LEN, MAX_MATCH_ITEMS, MAX_NAME_LEN,
-    MAX_PATTERN_LEN, MAX_PRIORITIES, MAX_REFUSAL_BODY_LEN, MAX_REFUSAL_HEADER_VALUE_LEN, MAX_REFUSAL_HEADERS,
-    MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY, MAX_REGEXES_PER_POLICY, MAX_RULES, Match, Missing, OverloadSpec,
-    PathMatch, PolicyRule, RateLimitPolicy, RefusalSpec, regex_count_message,
+    DescriptorEntryMatch, HeaderMatch, KeyPart, LimitSpec, MAX_DESCRIPTOR_KEY_LEN, MAX_DURATION_LEN,
+    MAX_HEADER_NAME_LEN, MAX_LITERAL_LEN, MAX_MATCH_ITEMS, MAX_NAME_LEN, MAX_PATTERN_LEN, MAX_REFUSAL_BODY_LEN,
+    MAX_REFUSAL_HEADER_VALUE_LEN, MAX_REFUSAL_HEADERS, MAX_REGEX_BYTES, MAX_REGEX_BYTES_PER_POLICY,
+    MAX_REGEXES_PER_POLICY, Missing, OverloadSpec, PathMatch, PolicyRule, RateLimitPolicy, RefusalSpec,
+    regex_count_message,
 };
 use super::errors::ValidationErrors;
 use super::path::normalize;
-use crate::algorithm::{Algorithm, Limit, LimitError, MAX_REQUESTS};
+use crate::algorithm::{Algorithm, Limit, LimitError};
 use crate::duration::{Micros, parse_duration};
 use crate::request::names::{HOP_BY_HOP, is_token, same_header_name};
 
 /// Above this many requests per window a slidingWindowLog rule is admitted with a warning.
 const LOG_WARN_REQUESTS: u64 = 100;
 
-/// The regexes of one policy in order: field path and compiled size (0 for one that does not
-/// compile, or that was not compiled because the policy already has too many).
-/// The policy's regexes by field path, with their compiled size (0 when not compiled: past the
-/// count budget, or invalid) and the compiled regex, which compile then uses instead of building
-/// it again.
-type RegexSizes = Vec<(String, usize, Option<Regex>)>;
-
-/// Compiled regexes of a validated policy, by field path (`spec.rules[0].match.paths[1].regex`).
-pub(super) type CompiledRegexes = std::collections::HashMap<String, Regex>;
-
-/// Checks a policy and reports every problem with its field path.
-pub fn validate(policy: &RateLimitPolicy) -> Result<(), ValidationErrors> {
-    validate_keeping_regexes(policy).map(drop)
+/// The regexes of one policy in walk order: field path and compiled size (0 for one that does
+/// not compile, or that was not compiled because the policy already has too many).
+#[derive(Default)]
+pub(super) struct RegexBudget {
+    sizes: Vec<(String, usize)>,
 }
 
-/// [`validate`], handing back the regexes it compiled to check them.
-pub(super) fn validate_keeping_regexes(policy: &RateLimitPolicy) -> Result<CompiledRegexes, ValidationErrors> {
-    let mut errs = ValidationErrors::default();
-    match policy.metadata.name.as_deref() {
-        None | Some("") => errs.push("metadata.name", "required"),
-        Some(_) => {}
+impl RegexBudget {
+    /// Compiles a policy regex, noting its size for the budget or reporting why it does not
+    /// compile. Past the count budget (reported once for the policy by [`RegexBudget::check`])
+    /// regexes are only counted: a policy file for `sluice serve`, which no CEL checked, may hold
+    /// thousands.
+    pub(super) fn regex(
+        &mut self,
+        pattern: &str,
+        ignore_case: bool,
+        path: String,
+        errs: &mut ValidationErrors,
+    ) -> Option<Regex> {
+        if self.sizes.len() >= MAX_REGEXES_PER_POLICY {
+            self.sizes.push((path, 0));
+            return None;
+        }
+        match compile_regex(pattern, ignore_case) {
+            Ok(re) => {
+                self.sizes.push((path, re.memory_usage()));
+                Some(re)
+            }
+            Err(m) => {
+                errs.push(path.clone(), m);
+                self.sizes.push((path, 0));
+                None
+            }
+        }
     }
-    let spec = &policy.spec;
-    if let Some(selector) = &spec.selector {
-        validate_selector(selector, &mut errs);
-    }
-    if spec.rules.is_empty() && spec.overload.is_none() {
-        errs.push("spec.rules", "at least one rule is required (or spec.overload)");
-    }
-    if spec.rules.len() > MAX_RULES {
-        errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
-    }
-    let mut regexes = RegexSizes::new();
-    for (i, rule) in spec.rules.iter().enumerate() {
-        let path = format!("spec.rules[{i}]");
-        validate_rule(rule, &path, &mut regexes, &mut errs);
-        if let Some(first) = spec.rules[..i].iter().position(|r| r.name == rule.name) {
+
+    /// The policy's regex budget: how many regexes (the CRD's CEL counts them too) and their
+    /// compiled size in total (which only this can measure).
+    pub(super) fn check(&self, errs: &mut ValidationErrors) {
+        let regexes = &self.sizes;
+        if regexes.len() > MAX_REGEXES_PER_POLICY {
             errs.push(
-                format!("{path}.name"),
-                format!("duplicate rule name {:?} (also spec.rules[{first}])", rule.name),
+                "spec.rules",
+                format!(
+                    "{}, got {} (the first over the budget: {})",
+                    regex_count_message(),
+                    regexes.len(),
+                    regexes[MAX_REGEXES_PER_POLICY].0
+                ),
             );
         }
-    }
-    if spec.priorities.len() > MAX_PRIORITIES {
-        errs.push("spec.priorities", format!("at most {MAX_PRIORITIES} entries, got {}", spec.priorities.len()));
-    }
-    for (i, entry) in spec.priorities.iter().enumerate() {
-        let path = format!("spec.priorities[{i}].match");
-        if !entry.matches.descriptor.is_empty() {
-            errs.push(format!("{path}.descriptor"), "a priority matches HTTP requests: descriptor has no place here");
-        }
-        validate_match(&entry.matches, &path, &mut regexes, &mut errs);
-    }
-    if let Some(overload) = &spec.overload {
-        validate_overload(overload, &mut regexes, &mut errs);
-    }
-    check_regex_budget(&regexes, &mut errs);
-    if !errs.is_empty() {
-        return Err(errs);
-    }
-    Ok(regexes.into_iter().filter_map(|(path, _, re)| Some((path, re?))).collect())
-}
-
-/// The policy's regex budget: how many regexes (the CRD's CEL counts them too) and their
-/// compiled size in total (which only this can measure).
-fn check_regex_budget(regexes: &RegexSizes, errs: &mut ValidationErrors) {
-    if regexes.len() > MAX_REGEXES_PER_POLICY {
-        errs.push(
-            "spec.rules",
-            format!(
-                "{}, got {} (the first over the budget: {})",
-                regex_count_message(),
-                regexes.len(),
-                regexes[MAX_REGEXES_PER_POLICY].0
-            ),
-        );
-    }
-    let total: usize = regexes.iter().map(|(_, size, _)| size).sum();
-    if total > MAX_REGEX_BYTES_PER_POLICY {
-        let mut sum = 0;
-        if let Some((path, size, _)) = regexes.iter().find(|(_, size, _)| {
-            sum += size;
-            sum > MAX_REGEX_BYTES_PER_POLICY
-        }) {
-            errs.push(
+        let total: usize = regexes.iter().map(|(_, size)| size).sum();
+        if total > MAX_REGEX_BYTES_PER_POLICY {
+            let mut sum = 0;
+            if let Some((path, size)) = regexes.iter().find(|(_, size)| {
+                sum += size;
+                sum > MAX_REGEX_BYTES_PER_POLICY
+            }) {
+                errs.push(
                 path.clone(),
                 format!(
                     "the policy's regexes take {total} bytes compiled, over the budget of {} per policy; this one \
@@ -114,74 +90,7 @@ fn check_regex_budget(regexes: &RegexSizes, errs: &mut ValidationErrors) {
                     human_bytes(MAX_REGEX_BYTES_PER_POLICY)
                 ),
             );
-        }
-    }
-}
-
-fn validate_rule(rule: &PolicyRule, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
-    if let Err(m) = check_rule_name(&rule.name) {
-        errs.push(format!("{path}.name"), m);
-    }
-    if let Some(m) = &rule.matches {
-        validate_match(m, &format!("{path}.match"), regexes, errs);
-    }
-    if rule.key.len() > MAX_KEY_PARTS {
-        errs.push(format!("{path}.key"), format!("at most {MAX_KEY_PARTS} parts, got {}", rule.key.len()));
-    }
-    for (j, part) in rule.key.iter().enumerate() {
-        validate_key_part(part, &format!("{path}.key[{j}]"), errs);
-    }
-    validate_descriptor_keys(rule, path, errs);
-    let mut limit = build_limit(rule.algorithm, &rule.limit, &format!("{path}.limit"), errs);
-    if let Some(spec) = &rule.response_cost {
-        if let Some((reserving, _)) =
-            super::response_cost::compile(spec, limit.as_ref(), &format!("{path}.responseCost"), errs)
-        {
-            limit = Some(reserving);
-        }
-        if rule.cost != 1 {
-            errs.push(format!("{path}.cost"), "responseCost replaces cost: remove cost".to_string());
-        }
-    }
-    if let Some(spec) = &rule.consistency {
-        super::consistency::compile(spec, limit.as_ref(), &format!("{path}.consistency"), errs);
-    }
-    if let Some(limit) = limit
-        && rule.cost > limit.capacity()
-    {
-        let what = if rule.algorithm.uses_burst() { "burst" } else { "requests" };
-        errs.push(
-            format!("{path}.cost"),
-            format!(
-                "cost {} exceeds limit.{what} {}: such a request could never be admitted",
-                rule.cost,
-                limit.capacity()
-            ),
-        );
-    }
-    if rule.cost > MAX_REQUESTS {
-        errs.push(format!("{path}.cost"), format!("must be at most {MAX_REQUESTS}"));
-    }
-    if let Some(refusal) = &rule.refusal {
-        validate_refusal(refusal, &format!("{path}.refusal"), errs);
-    }
-    if let Some(jitter) = &rule.retry_after_jitter
-        && let Err(e) = parse_duration(jitter)
-    {
-        errs.push(format!("{path}.retryAfterJitter"), e.to_string());
-    }
-    if rule.algorithm.holds() {
-        if rule.cost != 1 {
-            errs.push(
-                format!("{path}.cost"),
-                "a concurrency rule counts requests in progress, one slot each: cost does not apply".to_string(),
-            );
-        }
-        if rule.matches.as_ref().is_some_and(|m| !m.descriptor.is_empty()) {
-            errs.push(
-                format!("{path}.match.descriptor"),
-                "a concurrency rule needs to learn when each request ends, and descriptors reach Sluice only through the rate limit service, which never says: match on paths, methods and headers (the check API with POST /v1/release)".to_string(),
-            );
+            }
         }
     }
 }
@@ -266,7 +175,7 @@ const RESERVED_REFUSAL_HEADERS: [&str; 7] = [
     "retry-after",
 ];
 
-fn validate_refusal(r: &RefusalSpec, path: &str, errs: &mut ValidationErrors) {
+pub(super) fn check_refusal(r: &RefusalSpec, path: &str, errs: &mut ValidationErrors) {
     if !(200..=599).contains(&r.status) {
         errs.push(format!("{path}.status"), format!("{} is not a status between 200 and 599", r.status));
     }
@@ -292,23 +201,11 @@ fn validate_refusal(r: &RefusalSpec, path: &str, errs: &mut ValidationErrors) {
     }
 }
 
-fn validate_overload(o: &OverloadSpec, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
+/// Checks `spec.overload` but its `exempt` conditions, which compile walks as matches.
+pub(super) fn check_overload(o: &OverloadSpec, errs: &mut ValidationErrors) {
     let path = "spec.overload";
-    if o.exempt.len() > MAX_PRIORITIES {
-        errs.push(format!("{path}.exempt"), format!("at most {MAX_PRIORITIES} entries, got {}", o.exempt.len()));
-    }
-    for (i, m) in o.exempt.iter().enumerate() {
-        let at = format!("{path}.exempt[{i}]");
-        if !m.descriptor.is_empty() {
-            errs.push(
-                format!("{at}.descriptor"),
-                "the overload protection sees HTTP requests: descriptor has no place here",
-            );
-        }
-        validate_match(m, &at, regexes, errs);
-    }
     if let Some(refusal) = &o.refusal {
-        validate_refusal(refusal, &format!("{path}.refusal"), errs);
+        check_refusal(refusal, &format!("{path}.refusal"), errs);
     }
     if o.min_limit > o.max_limit {
         errs.push(format!("{path}.minLimit"), format!("{} exceeds maxLimit {}", o.min_limit, o.max_limit));
@@ -349,50 +246,13 @@ fn validate_overload(o: &OverloadSpec, regexes: &mut RegexSizes, errs: &mut Vali
     }
 }
 
-fn validate_match(m: &Match, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
-    for (field, len) in
-        [("methods", m.methods.len()), ("paths", m.paths.len()), ("hosts", m.hosts.len()), ("headers", m.headers.len())]
-    {
-        if len > MAX_MATCH_ITEMS {
-            errs.push(format!("{path}.{field}"), format!("at most {MAX_MATCH_ITEMS} entries, got {len}"));
-        }
-    }
-    if !m.descriptor.is_empty() {
-        if m.descriptor.len() > MAX_DESCRIPTOR_ENTRIES {
-            errs.push(
-                format!("{path}.descriptor"),
-                format!("at most {MAX_DESCRIPTOR_ENTRIES} entries, got {}", m.descriptor.len()),
-            );
-        }
-        if !(m.methods.is_empty() && m.paths.is_empty() && m.hosts.is_empty() && m.headers.is_empty()) {
-            errs.push(
-                format!("{path}.descriptor"),
-                "cannot be combined with methods, paths, hosts or headers: a descriptor carries no HTTP request",
-            );
-        }
-        for (j, entry) in m.descriptor.iter().enumerate() {
-            validate_descriptor_entry(entry, &format!("{path}.descriptor[{j}]"), regexes, errs);
-        }
-    }
-    for (j, method) in m.methods.iter().enumerate() {
-        if !is_token(method) {
-            errs.push(format!("{path}.methods[{j}]"), format!("invalid HTTP method {method:?}"));
-        }
-    }
-    for (j, p) in m.paths.iter().enumerate() {
-        validate_path_match(p, &format!("{path}.paths[{j}]"), regexes, errs);
-    }
-    for (j, host) in m.hosts.iter().enumerate() {
-        if let Err(msg) = check_host_pattern(host) {
-            errs.push(format!("{path}.hosts[{j}]"), msg);
-        }
-    }
-    for (j, h) in m.headers.iter().enumerate() {
-        validate_header_match(h, &format!("{path}.headers[{j}]"), regexes, errs);
-    }
-}
-
-fn validate_path_match(p: &PathMatch, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
+/// Checks a path condition; its regex, compiled, when it has one that compiles.
+pub(super) fn check_path_match(
+    p: &PathMatch,
+    path: &str,
+    budget: &mut RegexBudget,
+    errs: &mut ValidationErrors,
+) -> Option<Regex> {
     let set = [p.exact.is_some(), p.prefix.is_some(), p.regex.is_some()].iter().filter(|b| **b).count();
     if set != 1 {
         errs.push(path, format!("needs exactly one of exact, prefix or regex, got {set}"));
@@ -409,29 +269,17 @@ fn validate_path_match(p: &PathMatch, path: &str, regexes: &mut RegexSizes, errs
             }
         }
     }
-    if let Some(re) = &p.regex {
-        check_regex(re, p.ignore_case.unwrap_or(false), format!("{path}.regex"), regexes, errs);
-    }
+    let re = p.regex.as_ref()?;
+    budget.regex(re, p.ignore_case.unwrap_or(false), format!("{path}.regex"), errs)
 }
 
-/// Compiles a policy regex, noting its size for the budget or reporting why it does not compile.
-/// Past the count budget (reported once for the policy) regexes are only counted: a policy file
-/// for `sluice serve`, which no CEL checked, may hold thousands.
-fn check_regex(pattern: &str, ignore_case: bool, path: String, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
-    if regexes.len() >= MAX_REGEXES_PER_POLICY {
-        regexes.push((path, 0, None));
-        return;
-    }
-    match compile_regex(pattern, ignore_case) {
-        Ok(re) => regexes.push((path, re.memory_usage(), Some(re))),
-        Err(m) => {
-            errs.push(path.clone(), m);
-            regexes.push((path, 0, None));
-        }
-    }
-}
-
-fn validate_header_match(h: &HeaderMatch, path: &str, regexes: &mut RegexSizes, errs: &mut ValidationErrors) {
+/// Checks a header condition; its regex, compiled, when it has one that compiles.
+pub(super) fn check_header_match(
+    h: &HeaderMatch,
+    path: &str,
+    budget: &mut RegexBudget,
+    errs: &mut ValidationErrors,
+) -> Option<Regex> {
     if !is_token(&h.name) || h.name.len() > MAX_HEADER_NAME_LEN {
         errs.push(format!("{path}.name"), format!("invalid header name {:?}", h.name));
     }
@@ -445,17 +293,17 @@ fn validate_header_match(h: &HeaderMatch, path: &str, regexes: &mut RegexSizes, 
     if set != 1 {
         errs.push(path, format!("needs exactly one of exact, prefix, regex or present, got {set}"));
     }
-    if let Some(re) = &h.regex {
-        check_regex(re, false, format!("{path}.regex"), regexes, errs);
-    }
+    let re = h.regex.as_ref()?;
+    budget.regex(re, false, format!("{path}.regex"), errs)
 }
 
-fn validate_descriptor_entry(
+/// Checks a descriptor entry condition; its regex, compiled, when it has one that compiles.
+pub(super) fn check_descriptor_entry(
     entry: &DescriptorEntryMatch,
     path: &str,
-    regexes: &mut RegexSizes,
+    budget: &mut RegexBudget,
     errs: &mut ValidationErrors,
-) {
+) -> Option<Regex> {
     if entry.key.is_empty() || entry.key.len() > MAX_DESCRIPTOR_KEY_LEN {
         errs.push(format!("{path}.key"), format!("must be 1 to {MAX_DESCRIPTOR_KEY_LEN} characters"));
     }
@@ -476,14 +324,13 @@ fn validate_descriptor_entry(
             errs.push(format!("{path}.{field}[{j}]"), format!("at most {MAX_PATTERN_LEN} characters"));
         }
     }
-    if let Some(re) = &entry.regex {
-        check_regex(re, false, format!("{path}.regex"), regexes, errs);
-    }
+    let re = entry.regex.as_ref()?;
+    budget.regex(re, false, format!("{path}.regex"), errs)
 }
 
 /// Descriptor key parts belong to rules that match descriptors, and name one of their entries;
 /// such rules key on nothing an HTTP request carries.
-fn validate_descriptor_keys(rule: &PolicyRule, path: &str, errs: &mut ValidationErrors) {
+pub(super) fn check_descriptor_keys(rule: &PolicyRule, path: &str, errs: &mut ValidationErrors) {
     let entries = rule.matches.as_ref().map_or(&[][..], |m| m.descriptor.as_slice());
     for (j, part) in rule.key.iter().enumerate() {
         if let Some(key) = &part.descriptor
@@ -508,7 +355,7 @@ fn validate_descriptor_keys(rule: &PolicyRule, path: &str, errs: &mut Validation
     }
 }
 
-fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
+pub(super) fn check_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
     let flags = [
         ("clientIP", k.client_ip),
         ("namespace", k.namespace),
@@ -549,40 +396,6 @@ fn validate_key_part(k: &KeyPart, path: &str, errs: &mut ValidationErrors) {
     }
 }
 
-fn validate_selector(
-    selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
-    errs: &mut ValidationErrors,
-) {
-    for (j, e) in selector.match_expressions.iter().flatten().enumerate() {
-        let path = format!("spec.selector.matchExpressions[{j}]");
-        let values = e.values.as_deref().unwrap_or_default();
-        match e.operator.as_str() {
-            "In" | "NotIn" => {
-                if values.is_empty() {
-                    errs.push(format!("{path}.values"), format!("operator {} needs at least one value", e.operator));
-                }
-            }
-            "Exists" | "DoesNotExist" => {
-                if !values.is_empty() {
-                    errs.push(format!("{path}.values"), format!("operator {} takes no values", e.operator));
-                }
-            }
-            other => errs.push(
-                format!("{path}.operator"),
-                format!("unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"),
-            ),
-        }
-        if e.key.is_empty() {
-            errs.push(format!("{path}.key"), "required");
-        }
-    }
-    for key in selector.match_labels.iter().flatten().map(|(k, _)| k) {
-        if key.is_empty() {
-            errs.push("spec.selector.matchLabels", "label keys must not be empty");
-        }
-    }
-}
-
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters: rule names appear in metrics, headers
 /// and keys.
 pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
@@ -607,7 +420,7 @@ pub(crate) fn is_dns_label(name: &str) -> bool {
     check_rule_name(name).is_ok()
 }
 
-fn check_host_pattern(host: &str) -> Result<(), String> {
+pub(super) fn check_host_pattern(host: &str) -> Result<(), String> {
     let name = host.strip_prefix("*.").unwrap_or(host);
     if name.is_empty() {
         return Err(format!("invalid host {host:?}"));
