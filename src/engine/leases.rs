@@ -15,6 +15,14 @@
 //!   measured from when it was asked for, less a margin, so the holder's clock can only end it
 //!   early. A lease spent out, or at its end, is settled with what it spent, in the renewal
 //!   that asks for the next slice or by the keeper ([`QuotaLeases::due`]).
+//! - **Renewed ahead.** Once a slice is down to its last quarter (of its units or of its life),
+//!   the request that finds it so renews it: one call settles what it spent so far and asks for
+//!   the next slice, at least as large as what is left. The slice goes on serving the requests
+//!   that arrive meanwhile (a batch of checks, other connections), so nothing waits for a
+//!   renewal and nothing goes to the store for want of a slice; what they spend is charged to
+//!   the new slice when it comes. The call frees the old slice's rest before granting, so the
+//!   store can always grant that much again: the units spent meanwhile are covered, and the
+//!   bound is unchanged (one slice per holder and key, as before).
 //! - **Dry keys.** When the store grants nothing because the key has nothing left, the holder
 //!   refuses that key's requests itself for a while (the window's rest, at most the staleness;
 //!   a quarter of it for the bucket algorithms, which refill all the time) instead of asking
@@ -61,6 +69,24 @@ pub struct Held {
     pub stop_at: Micros,
     /// When the key is back to a full quota, as the store said at the grant (its clock).
     pub reset_at: Micros,
+    /// When it was asked for (its clock): with `stop_at`, the slice's life here.
+    pub from: Micros,
+    /// A renewal ahead is out that settled this many of `spent`: what is spent past it is
+    /// charged to the next slice.
+    pub settled: Option<u64>,
+}
+
+impl Held {
+    fn has_room(&self, now: Micros, cost: u64) -> bool {
+        self.stop_at > now && self.amount - self.spent >= cost
+    }
+
+    /// Down to its last quarter, of units or of life, once `cost` is spent now: time to renew,
+    /// while this slice still serves the requests that arrive meanwhile.
+    fn running_low(&self, now: Micros, cost: u64) -> bool {
+        let left = self.amount - self.spent - cost;
+        left < self.amount.div_ceil(4) || self.stop_at.saturating_sub(now) < (self.stop_at - self.from) / 4
+    }
 }
 
 #[derive(Debug)]
@@ -128,8 +154,12 @@ pub struct Due {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Local {
     /// Decided here: admitted from slices (one decision per check), or refused by a dry key
-    /// (its index; the other checks were not decided).
-    Admitted(Vec<Decision>),
+    /// (its index; the other checks were not decided). `ahead`: slices running low, to renew
+    /// now (the request is admitted whatever the renewal brings).
+    Admitted {
+        decisions: Vec<Decision>,
+        ahead: Vec<Renewal>,
+    },
     Refused {
         by: usize,
         decision: Decision,
@@ -236,6 +266,8 @@ impl QuotaLeases {
         // A rule not spendable that cannot be renewed either: the store decides the request.
         let mut store_decides = false;
         let mut renewals = Vec::new();
+        // Checks whose slice serves them but runs low: renewed ahead if the request is admitted.
+        let mut ahead = Vec::new();
         for (index, check) in checks.iter().enumerate() {
             let full = entries.len() >= self.max_keys;
             let slot = self.digest(check.rule, check.key);
@@ -265,9 +297,16 @@ impl QuotaLeases {
                 entry.limit = check.limit.clone();
             }
             if let Some(held) = entry.held
-                && held.stop_at > now
-                && held.amount - held.spent >= check.cost
+                && held.has_room(now, check.cost)
             {
+                if may_renew
+                    && !entry.renewing
+                    && entry.exact_until <= now
+                    && entry.demand() >= HOT_UNITS
+                    && held.running_low(now, check.cost)
+                {
+                    ahead.push(index);
+                }
                 continue;
             }
             if entry.dry_until > now {
@@ -288,16 +327,7 @@ impl QuotaLeases {
                 store_decides = true;
                 continue;
             }
-            // What the key's demand here spends in a quarter of the staleness, and no more than
-            // this holder's share of the bound among the holders the store last counted.
-            let share = check.leasing.max_overshoot / entry.holders.max(1);
-            let want =
-                (entry.demand().saturating_mul(check.leasing.staleness) / (4 * SECOND)).min(share).max(check.cost);
-            renewals.push(Renewal {
-                index,
-                settle: None,
-                ask: LeaseAsk { hold: 0, want, cap: check.leasing.max_overshoot, ttl: check.leasing.staleness },
-            });
+            renewals.push(ask(index, check, entry));
         }
         if spendable {
             let mut decisions = Vec::with_capacity(checks.len());
@@ -315,7 +345,27 @@ impl QuotaLeases {
             }
             self.counters.units_spent.fetch_add(checks.iter().map(|c| c.cost).sum(), Ordering::Relaxed);
             self.counters.admitted_locally.fetch_add(1, Ordering::Relaxed);
-            return Local::Admitted(decisions);
+            let mut renewals = Vec::with_capacity(ahead.len());
+            for index in ahead {
+                let check = &checks[index];
+                let Some(entry) = entries.get_mut(&self.digest(check.rule, check.key)) else { continue };
+                let mut renewal = ask(index, check, entry);
+                let entry_holders = entry.holders.max(1);
+                let Some(held) = entry.held.as_mut() else { continue };
+                // What is left on top of a slice's worth, within the share: the call frees the
+                // rest first, so the store can always grant at least that much again, which
+                // covers what this slice serves while the renewal is out, and each call still
+                // brings a slice's worth of new units.
+                let left = held.amount - held.spent;
+                let share = check.leasing.max_overshoot / entry_holders;
+                renewal.ask.want = renewal.ask.want.saturating_add(left).min(share.max(left));
+                renewal.settle = Some((held.hold, held.spent));
+                held.settled = Some(held.spent);
+                renewal.ask.hold = new_hold();
+                entry.renewing = true;
+                renewals.push(renewal);
+            }
+            return Local::Admitted { decisions, ahead: renewals };
         }
         // Renew only when every rule not spendable can be renewed: a rule the store must decide
         // anyway sends the request there, and a slice would sit unused.
@@ -335,7 +385,7 @@ impl QuotaLeases {
                 }
                 (None, waiting) => waiting.map(|hold| (hold, 0)),
             };
-            renewal.ask.hold = rand::random::<u64>() >> 11 | 1;
+            renewal.ask.hold = new_hold();
         }
         Local::Renew(renewals)
     }
@@ -364,6 +414,25 @@ impl QuotaLeases {
             let slot = self.digest(check.rule, check.key);
             let Some(entry) = entries.get_mut(&slot) else { continue };
             entry.renewing = false;
+            // Renewed ahead: the old slice stops here; what it served since the renewal left is
+            // charged to the new one (on a failure, settled by the keeper with all it spent).
+            let grant = match grants {
+                Ok(grants) => grants.get(i).copied(),
+                Err(()) => None,
+            };
+            let mut spent_meanwhile = 0;
+            let mut settle = renewal.settle;
+            if let Some(old) = entry.held.take_if(|held| held.settled.is_some()) {
+                self.counters.units_returned.fetch_add(old.amount - old.spent, Ordering::Relaxed);
+                if grant.is_some() {
+                    // The store settled what the slice had spent when the call left, and freed
+                    // its rest before granting: what it served since is the new slice's.
+                    spent_meanwhile = old.spent - old.settled.unwrap_or(old.spent);
+                } else {
+                    // Not known to have reached the store: the keeper settles all it spent.
+                    settle = Some((old.hold, old.spent));
+                }
+            }
             // A key the store had nothing left of is refused here until its window ends, for at
             // most the staleness (a bucket, which refills all the time: a quarter of it); a key
             // whose bound others hold asks again sooner (slices of a hot key turn over quickly).
@@ -375,14 +444,10 @@ impl QuotaLeases {
                 _ => pause,
             };
             let busy_pause = (check.leasing.staleness / 50).max(1_000);
-            let grant = match grants {
-                Ok(grants) => grants.get(i).copied(),
-                Err(()) => None,
-            };
             let Some(grant) = grant else {
                 self.counters.store_failures.fetch_add(1, Ordering::Relaxed);
                 entry.exact_until = now + pause;
-                if let Some((hold, spent)) = renewal.settle {
+                if let Some((hold, spent)) = settle {
                     // Not known to be settled: try again from the keeper.
                     returned.push(due(entry, hold, spent));
                 }
@@ -392,9 +457,9 @@ impl QuotaLeases {
             if grant.amount == 0 || stop_at <= now {
                 self.counters.empty_grants.fetch_add(1, Ordering::Relaxed);
                 if grant.amount > 0 {
-                    // Too short to use: give it back.
+                    // Too short to use: give it back, with what was spent meanwhile.
                     self.counters.units_returned.fetch_add(grant.amount, Ordering::Relaxed);
-                    returned.push(due(entry, renewal.ask.hold, 0));
+                    returned.push(due(entry, renewal.ask.hold, spent_meanwhile.min(grant.amount)));
                 } else if grant.after.remaining < check.cost {
                     entry.dry_until = now + dry_pause.min(grant.after.reset_after.max(1_000));
                 } else {
@@ -413,9 +478,11 @@ impl QuotaLeases {
             entry.held = Some(Held {
                 hold: renewal.ask.hold,
                 amount: grant.amount,
-                spent: 0,
+                spent: spent_meanwhile.min(grant.amount),
                 stop_at,
                 reset_at: sent_at + grant.after.reset_after,
+                from: sent_at,
+                settled: None,
             });
         }
         drop(entries);
@@ -453,6 +520,24 @@ impl QuotaLeases {
         }
         out
     }
+}
+
+/// The renewal of `check`'s key (its hold id and settle filled in by the caller): what the key's
+/// demand here spends in a quarter of the staleness, and no more than this holder's share of the
+/// bound among the holders the store last counted.
+fn ask(index: usize, check: &LeasedCheck<'_>, entry: &Entry) -> Renewal {
+    let share = check.leasing.max_overshoot / entry.holders.max(1);
+    let want = (entry.demand().saturating_mul(check.leasing.staleness) / (4 * SECOND)).min(share).max(check.cost);
+    Renewal {
+        index,
+        settle: None,
+        ask: LeaseAsk { hold: 0, want, cap: check.leasing.max_overshoot, ttl: check.leasing.staleness },
+    }
+}
+
+/// A fresh hold id: random, never 0 (no hold), within a double's exact integers (Lua).
+fn new_hold() -> HoldId {
+    rand::random::<u64>() >> 11 | 1
 }
 
 fn due(entry: &Entry, hold: HoldId, spent: u64) -> Due {
@@ -520,13 +605,66 @@ mod tests {
         table.renewed(&checks, &renewals, Ok(&[grant(5, 900)]), now, now);
         for i in 0..5 {
             match table.decide("default", &checks, now + MS, false) {
-                Local::Admitted(d) => assert_eq!(d[0].remaining, 4 - i),
+                Local::Admitted { decisions: d, .. } => assert_eq!(d[0].remaining, 4 - i),
                 other => panic!("{other:?}"),
             }
         }
         assert_eq!(table.decide("default", &checks, now + MS, false), Local::Store, "spent out, no renewal asked");
         let (renewals, _) = until_renewal(&table, &checks, now + 2 * MS);
         assert_eq!(renewals[0].settle.map(|(_, spent)| spent), Some(5), "the spent slice is settled with the next ask");
+    }
+
+    /// Spends one unit of `checks` at `now`; the renewals asked for ahead.
+    fn spend(table: &QuotaLeases, checks: &[LeasedCheck<'_>], now: Micros) -> Vec<Renewal> {
+        match table.decide("default", checks, now, true) {
+            Local::Admitted { ahead, .. } => ahead,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_slice_running_low_is_renewed_ahead_while_it_keeps_serving() {
+        let table = QuotaLeases::new(100);
+        let l = limit();
+        let checks = [check(&l, b"k")];
+        let (renewals, now) = until_renewal(&table, &checks, T0);
+        table.renewed(&checks, &renewals, Ok(&[grant(8, 900)]), now, now);
+        let first = renewals[0].ask.hold;
+        // Six units leave two: not low yet. The seventh leaves one, under a quarter: renew ahead,
+        // settling the seven spent and asking for at least the one left.
+        for _ in 0..6 {
+            assert!(spend(&table, &checks, now + MS).is_empty());
+        }
+        let ahead = spend(&table, &checks, now + MS);
+        assert_eq!(ahead.len(), 1, "asked ahead by the request that found the slice low");
+        assert_eq!(ahead[0].settle, Some((first, 7)));
+        assert!(ahead[0].ask.want >= 1 && ahead[0].ask.hold != first);
+        // While the renewal is out the slice serves its last unit, and nobody asks again.
+        assert!(spend(&table, &checks, now + MS).is_empty());
+        assert_eq!(table.decide("default", &checks, now + MS, true), Local::Store, "spent out, the renewal out");
+        // The grant arrives: the unit served meanwhile is the new slice's.
+        table.renewed(&checks, &ahead, Ok(&[grant(8, 800)]), now + MS, now + 2 * MS);
+        match table.decide("default", &checks, now + 2 * MS, false) {
+            Local::Admitted { decisions, .. } => assert_eq!(decisions[0].remaining, 6, "8 granted, 1 + 1 spent"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(table.status().held, 1, "one slice per key, as before");
+        assert_eq!(table.counters.units_spent.load(Ordering::Relaxed), 9);
+        // A renewal ahead that fails: the keeper settles all the slice spent, the key goes to
+        // the store for a while.
+        let mut ahead = Vec::new();
+        for _ in 0..6 {
+            ahead = spend(&table, &checks, now + 3 * MS);
+            if !ahead.is_empty() {
+                break;
+            }
+        }
+        let (hold, settled) = ahead[0].settle.expect("settles what it spent");
+        assert!(spend(&table, &checks, now + 3 * MS).is_empty());
+        table.renewed(&checks, &ahead, Err(()), now + 3 * MS, now + 4 * MS);
+        assert_eq!(table.decide("default", &checks, now + 4 * MS, true), Local::Store);
+        let due = table.due(now + 4 * MS, false);
+        assert_eq!(due.iter().map(|d| (d.hold, d.spent)).collect::<Vec<_>>(), vec![(hold, settled + 1)]);
     }
 
     #[test]
@@ -562,7 +700,7 @@ mod tests {
         let checks = [check(&l, b"k")];
         let (renewals, now) = until_renewal(&table, &checks, T0);
         table.renewed(&checks, &renewals, Ok(&[grant(50, 900)]), now, now);
-        assert!(matches!(table.decide("default", &checks, now + 10 * MS, false), Local::Admitted(_)));
+        assert!(matches!(table.decide("default", &checks, now + 10 * MS, false), Local::Admitted { .. }));
         assert!(table.due(now + 800 * MS, false).is_empty());
         // Stops a tenth and 2 ms ahead of the second the store gave it.
         let stop = now + SECOND - SECOND / 10 - 2 * MS;
@@ -575,7 +713,7 @@ mod tests {
         // settled by the keeper.
         let (renewals, now) = until_renewal(&table, &checks, stop + MS);
         table.renewed(&checks, &renewals, Ok(&[grant(20, 900)]), now, now);
-        assert!(matches!(table.decide("default", &checks, now, false), Local::Admitted(_)));
+        assert!(matches!(table.decide("default", &checks, now, false), Local::Admitted { .. }));
         let (renewals, now) = (
             match table.decide("default", &checks, now + 950 * MS, true) {
                 Local::Renew(r) => r,

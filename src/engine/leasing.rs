@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::leases::{Due, LeasedCheck, Local, QuotaLeases};
+use super::leases::{Due, LeasedCheck, Local, QuotaLeases, Renewal};
 use crate::clock::Clock;
 use crate::policy::Matched;
 use crate::rule::Verdict;
@@ -34,36 +34,56 @@ pub async fn decide<L: LeaseStore>(
     }
     let mut local = leases.decide(namespace, &checks, clock.now(), true);
     if let Local::Renew(renewals) = &local {
-        let ops: Vec<LeaseOp<'_>> = renewals
-            .iter()
-            .map(|r| {
-                let c = &checks[r.index];
-                LeaseOp { rule: c.rule, limit: c.limit, key: c.key, settle: r.settle, ask: Some(r.ask) }
-            })
-            .collect();
-        let sent_at = clock.now();
-        let asking = store.lease(namespace, &ops);
-        let outcome = match store_budget {
-            None => asking.await,
-            Some(budget) => tokio::time::timeout(budget, asking)
-                .await
-                .unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64))),
-        };
-        if let Err(error) = &outcome {
-            tracing::debug!(namespace, %error, "quota lease renewal failed; the store decides");
-        }
-        let grants = match &outcome {
-            Ok(grants) if grants.len() == ops.len() => Ok(grants.as_slice()),
-            _ => Err(()),
-        };
-        leases.renewed(&checks, renewals, grants, sent_at, clock.now());
+        renew(leases, store, clock, namespace, &checks, renewals, store_budget).await;
         local = leases.decide(namespace, &checks, clock.now(), false);
     }
     match local {
-        Local::Admitted(decisions) => Some(Verdict { allowed: true, decisions, cached_denial: None }),
+        Local::Admitted { decisions, ahead } => {
+            // Admitted from slices running low: the next ones are asked for now, before the
+            // answer, so this request's concurrent neighbours keep spending the current ones.
+            if !ahead.is_empty() {
+                renew(leases, store, clock, namespace, &checks, &ahead, store_budget).await;
+            }
+            Some(Verdict { allowed: true, decisions, cached_denial: None })
+        }
         Local::Refused { by, decision } => Some(Verdict::refused_by(by, decision, checks.iter().map(|c| c.limit))),
         Local::Renew(_) | Local::Store => None,
     }
+}
+
+/// Runs `renewals` against the store (within `store_budget`) and hands the grants to the table.
+async fn renew<L: LeaseStore>(
+    leases: &QuotaLeases,
+    store: &L,
+    clock: &dyn Clock,
+    namespace: &str,
+    checks: &[LeasedCheck<'_>],
+    renewals: &[Renewal],
+    store_budget: Option<Duration>,
+) {
+    let ops: Vec<LeaseOp<'_>> = renewals
+        .iter()
+        .map(|r| {
+            let c = &checks[r.index];
+            LeaseOp { rule: c.rule, limit: c.limit, key: c.key, settle: r.settle, ask: Some(r.ask) }
+        })
+        .collect();
+    let sent_at = clock.now();
+    let asking = store.lease(namespace, &ops);
+    let outcome = match store_budget {
+        None => asking.await,
+        Some(budget) => {
+            tokio::time::timeout(budget, asking).await.unwrap_or(Err(StoreError::Timeout(budget.as_millis() as u64)))
+        }
+    };
+    if let Err(error) = &outcome {
+        tracing::debug!(namespace, %error, "quota lease renewal failed; the store decides");
+    }
+    let grants = match &outcome {
+        Ok(grants) if grants.len() == ops.len() => Ok(grants.as_slice()),
+        _ => Err(()),
+    };
+    leases.renewed(checks, renewals, grants, sent_at, clock.now());
 }
 
 /// Settles the slices at their end (or all of them: `all`, when the holder stops).
