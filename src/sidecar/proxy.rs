@@ -396,7 +396,7 @@ impl Proxy {
                     client_ip,
                     headers,
                 };
-                if let Some(class) = self.decider.classify(&input) {
+                if let Some(class) = self.decider.snapshots.classify(&input) {
                     if self.decider.protection.is_on()
                         && let Err(refusal) = self.buffer_small_body(request.headers(), &mut body).await
                     {
@@ -547,7 +547,7 @@ impl Proxy {
         if !is_json {
             return Ok(BTreeMap::new());
         }
-        let fields = self.decider.estimate_fields();
+        let fields = self.decider.snapshots.estimate_fields();
         let Some(body) = (!fields.is_empty()).then(|| request_body.rest.take()).flatten() else {
             return Ok(BTreeMap::new());
         };
