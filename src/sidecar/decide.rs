@@ -6,7 +6,8 @@
 //!
 //! The `Decider` composes those parts; what it holds of its own is what only deciding needs (the
 //! leased slices, the decision metrics). What admitted requests hold is settled by
-//! [`super::settling`].
+//! [`super::settling`]; overload protection is the proxy's, configured by each snapshot the cache
+//! installs.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use super::endpoint::Endpoint;
 use super::exchange::{Asked, EndpointExchange};
 use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
 use super::settling::{Settling, response_costs};
-use super::snapshot::{HeaderFilter, SNAPSHOT_WAIT, SnapshotCache};
+use super::snapshot::{HeaderFilter, OnInstall, SNAPSHOT_WAIT, SnapshotCache};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
 use super::verdict::{Held, decision_of};
 use crate::api::check::CheckInput;
@@ -77,13 +78,17 @@ pub struct Decider {
     /// The leases' time.
     clock: Arc<dyn Clock>,
     metrics: Arc<SidecarMetrics>,
-    /// The application's protection from overload, configured by each snapshot installed.
-    pub protection: Arc<super::overload::Protection>,
 }
 
 impl Decider {
-    pub fn new(config: &Config, metrics: Arc<SidecarMetrics>) -> Result<Decider, super::SidecarError> {
-        Decider::with_clock(config, metrics, Arc::new(SystemClock))
+    /// `on_install` is told of each snapshot as it goes in (the proxy's overload protection
+    /// follows it).
+    pub fn new(
+        config: &Config,
+        metrics: Arc<SidecarMetrics>,
+        on_install: OnInstall,
+    ) -> Result<Decider, super::SidecarError> {
+        Decider::with_clock(config, metrics, Arc::new(SystemClock), on_install)
     }
 
     /// [`Decider::new`] on `clock` (the process's clock, or a test's).
@@ -91,10 +96,9 @@ impl Decider {
         config: &Config,
         metrics: Arc<SidecarMetrics>,
         clock: Arc<dyn Clock>,
+        on_install: OnInstall,
     ) -> Result<Decider, super::SidecarError> {
         let endpoint = Arc::new(Endpoint::new(config, SNAPSHOT_WAIT)?);
-        let protection = super::overload::Protection::new(metrics.clone(), config.cgroup_root.clone());
-        let on_install = protection.follow_snapshots(config.namespace.clone(), config.labels.clone());
         Ok(Decider {
             namespace: config.namespace.clone(),
             labels: config.labels.clone(),
@@ -110,7 +114,6 @@ impl Decider {
             leases: crate::engine::leases::QuotaLeases::new(LOCAL_LEASE_KEYS),
             clock,
             metrics,
-            protection,
         })
     }
 

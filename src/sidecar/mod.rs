@@ -3,7 +3,9 @@
 //! Each request is checked with the enforcement endpoint (`POST /v1/check`); a denial is answered
 //! here with 429, an admission is forwarded to the application, streamed both ways. The endpoint's
 //! snapshot is cached (`GET /v1/snapshot`) so that while the endpoint is away the same policies
-//! are enforced locally; see [`decide`] and [`snapshot`]. In the "iptables" mode an init container runs [`redirect`] first, so nothing reaches the application past the sidecar.
+//! are enforced locally; see [`decide`] and [`snapshot`]. Overload protection is the proxy's
+//! ([`overload`]), configured by each snapshot as it is cached. In the "iptables" mode an init
+//! container runs [`redirect`] first, so nothing reaches the application past the sidecar.
 
 mod batch;
 mod config;
@@ -92,9 +94,12 @@ pub fn admin_router(
 pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let config = Config::from_args(args)?;
     let metrics = Arc::new(SidecarMetrics::new());
-    let decider = Arc::new(Decider::new(&config, metrics.clone())?);
+    // The proxy's, following the snapshots the decider caches (the first one included).
+    let protection = overload::Protection::new(metrics.clone(), config.cgroup_root.clone());
+    let follow = protection.follow_snapshots(config.namespace.clone(), config.labels.clone());
+    let decider = Arc::new(Decider::new(&config, metrics.clone(), follow)?);
     let proxy = Arc::new(
-        Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone())
+        Proxy::new(config.upstream.clone(), decider.clone(), protection.clone(), config.trusted_hops, metrics.clone())
             .with_inbound_ports(&config.inbound_ports),
     );
     let app_health = Arc::new(probes::AppHealth::new(config.app_probes.clone()));
@@ -119,11 +124,11 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let (stop, stopped) = watch::channel(false);
     let poller = tokio::spawn(decider.snapshots.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.snapshots.local_store(), stopped.clone()));
-    let pressure = tokio::spawn(decider.protection.clone().watch_pressure(stopped.clone()));
+    let pressure = tokio::spawn(protection.clone().watch_pressure(stopped.clone()));
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
     let admin_server = tokio::spawn(crate::listen::serve(
         admin,
-        admin_router(metrics, app_health, decider.protection.clone(), decider.snapshots.readiness.clone()),
+        admin_router(metrics, app_health, protection, decider.snapshots.readiness.clone()),
         None,
         config.listen_limits,
         stopped.clone(),
