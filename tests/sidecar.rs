@@ -511,7 +511,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
     };
     let clock = FakeClock::new(1_700_000_000_000_000);
     let metrics = Arc::new(SidecarMetrics::new());
-    let decider = Decider::with_clock(&config, metrics.clone(), Arc::new(clock.clone())).unwrap();
+    let decider = Decider::with_clock(&config, metrics.clone(), Arc::new(clock.clone()), Box::new(|_| {})).unwrap();
 
     let mut waited = 0;
     for _ in 0..8 {

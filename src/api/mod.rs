@@ -3,7 +3,8 @@
 //! `/v1/leases` and `/v1/snapshot`, their limits and header names. Both ends take them from here,
 //! so a field renamed on one side is renamed on the other, and each module's round-trip test
 //! sends what one end writes through what the other end reads. The handlers are in
-//! `server/http/`; the sidecar's client in `sidecar/endpoint.rs` and `sidecar/decide.rs`.
+//! `server/http/`; the sidecar's client in `sidecar/endpoint.rs`, `sidecar/settling.rs` and
+//! `sidecar/snapshot.rs`.
 
 pub mod check;
 pub mod checks;

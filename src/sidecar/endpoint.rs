@@ -38,6 +38,23 @@ pub(super) struct Endpoint {
 }
 
 impl Endpoint {
+    /// The endpoint `config` names; `snapshot_wait` is how long it may hold a snapshot request
+    /// while nothing changes.
+    pub fn new(config: &Config, snapshot_wait: Duration) -> Result<Endpoint, super::SidecarError> {
+        Ok(Endpoint {
+            client: endpoint_client(config)?,
+            check_uri: config.check_uri.clone(),
+            checks_uri: config.checks_uri.clone(),
+            settle_uri: config.settle_uri.clone(),
+            leases_uri: config.leases_uri.clone(),
+            snapshot_uri: config.snapshot_uri.clone(),
+            snapshot_wait_uri: format!("{}?wait={}s", config.snapshot_uri, snapshot_wait.as_secs())
+                .parse()
+                .map_err(|_| super::SidecarError::Config(format!("cannot append ?wait= to {}", config.snapshot_uri)))?,
+            credential: config.token_file.clone().map(Credential::new),
+        })
+    }
+
     pub fn authorize(&self, request: http::request::Builder) -> http::request::Builder {
         match self.credential.as_ref().and_then(|c| c.value.load_full()) {
             Some(value) => request.header(crate::request::headers::CREDENTIAL_HEADER, (*value).clone()),
@@ -80,7 +97,7 @@ impl Endpoint {
 /// failing is what the failure modes are for; one that answers in a way that shows this sidecar
 /// is set up wrong for it (plain HTTP to an HTTPS endpoint or the reverse, a certificate its CA
 /// did not sign, a credential refused) fails every request alike and never heals by itself, so
-/// it is named and the sidecar is not ready ([`super::decide::Readiness`]).
+/// it is named and the sidecar is not ready ([`super::snapshot::Readiness`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExchangeFailure {
     #[error("{0}")]
@@ -245,7 +262,7 @@ impl Credential {
 /// The client to the endpoint: plain HTTP, or HTTPS verified against the given CA only (never
 /// the system roots: in a cluster the endpoint's certificate comes from the operator's CA, and
 /// anything else answering at that name is an impostor).
-pub(super) fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarError> {
+fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let mut http = HttpConnector::new();

@@ -3,20 +3,24 @@
 //! Each request is checked with the enforcement endpoint (`POST /v1/check`); a denial is answered
 //! here with 429, an admission is forwarded to the application, streamed both ways. The endpoint's
 //! snapshot is cached (`GET /v1/snapshot`) so that while the endpoint is away the same policies
-//! are enforced locally; see [`decide`]. In the "iptables" mode an init container runs
-//! [`redirect`] first, so nothing reaches the application past the sidecar.
+//! are enforced locally; see [`decide`] and [`snapshot`]. Overload protection is the proxy's
+//! ([`overload`]), configured by each snapshot as it is cached. In the "iptables" mode an init
+//! container runs [`redirect`] first, so nothing reaches the application past the sidecar.
 
 mod batch;
 mod config;
 pub mod connect;
 pub mod decide;
 mod endpoint;
+mod exchange;
 pub mod metering;
 pub mod metrics;
 pub mod overload;
 pub mod probes;
 pub mod proxy;
 pub mod redirect;
+mod settling;
+pub mod snapshot;
 pub mod verdict;
 
 use std::sync::Arc;
@@ -47,14 +51,14 @@ pub enum SidecarError {
 /// does not wait for the endpoint either: failing them because the endpoint is down would
 /// restart or unroute the application, which the failure modes exist to prevent. Readiness fails
 /// (503, naming the cause) only while the endpoint's answers show this sidecar is configured
-/// wrong for it ([`decide::Readiness`]). The admin server starts after the proxy's listener is
+/// wrong for it ([`snapshot::Readiness`]). The admin server starts after the proxy's listener is
 /// bound, so answering `/readyz` means the proxy accepts connections. The application's own probes, when
 /// the webhook moved them here, are under `/app-health/` ([`probes`]).
 pub fn admin_router(
     metrics: Arc<SidecarMetrics>,
     app_health: Arc<probes::AppHealth>,
     protection: Arc<overload::Protection>,
-    readiness: Arc<decide::Readiness>,
+    readiness: Arc<snapshot::Readiness>,
 ) -> Router {
     let app_probes = Router::new().route("/app-health/{container}/{kind}", get(probes::handler)).with_state(app_health);
     Router::new()
@@ -90,9 +94,12 @@ pub fn admin_router(
 pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let config = Config::from_args(args)?;
     let metrics = Arc::new(SidecarMetrics::new());
-    let decider = Arc::new(Decider::new(&config, metrics.clone())?);
+    // The proxy's, following the snapshots the decider caches (the first one included).
+    let protection = overload::Protection::new(metrics.clone(), config.cgroup_root.clone());
+    let follow = protection.follow_snapshots(config.namespace.clone(), config.labels.clone());
+    let decider = Arc::new(Decider::new(&config, metrics.clone(), follow)?);
     let proxy = Arc::new(
-        Proxy::new(config.upstream.clone(), decider.clone(), config.trusted_hops, metrics.clone())
+        Proxy::new(config.upstream.clone(), decider.clone(), protection.clone(), config.trusted_hops, metrics.clone())
             .with_inbound_ports(&config.inbound_ports),
     );
     let app_health = Arc::new(probes::AppHealth::new(config.app_probes.clone()));
@@ -115,13 +122,13 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     }
 
     let (stop, stopped) = watch::channel(false);
-    let poller = tokio::spawn(decider.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
-    let sweeper = tokio::spawn(crate::role::sweep_memory(decider.local_store(), stopped.clone()));
-    let pressure = tokio::spawn(decider.protection.clone().watch_pressure(stopped.clone()));
+    let poller = tokio::spawn(decider.snapshots.clone().poll_snapshots(config.snapshot_interval, stopped.clone()));
+    let sweeper = tokio::spawn(crate::role::sweep_memory(decider.snapshots.local_store(), stopped.clone()));
+    let pressure = tokio::spawn(protection.clone().watch_pressure(stopped.clone()));
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
     let admin_server = tokio::spawn(crate::listen::serve(
         admin,
-        admin_router(metrics, app_health, decider.protection.clone(), decider.readiness.clone()),
+        admin_router(metrics, app_health, protection, decider.snapshots.readiness.clone()),
         None,
         config.listen_limits,
         stopped.clone(),

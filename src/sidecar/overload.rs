@@ -102,6 +102,18 @@ impl Protection {
         }
     }
 
+    /// What the snapshot cache calls as it installs each snapshot: applies its `overload` for
+    /// the workload `namespace` and `labels` name, so protection changes with the policies, at the
+    /// moment they go in and before any request is decided on them.
+    pub fn follow_snapshots(
+        self: &Arc<Self>,
+        namespace: String,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> super::snapshot::OnInstall {
+        let protection = self.clone();
+        Box::new(move |snapshot| protection.configure(snapshot.overload_for(&namespace, &labels)))
+    }
+
     /// Whether a policy protects the application now.
     pub fn is_on(&self) -> bool {
         self.active.load().is_some()

@@ -25,7 +25,7 @@ use super::connect::{Acknowledger, UpstreamConnector};
 use super::decide::Decider;
 use super::metering::Metering;
 use super::metrics::SidecarMetrics;
-use super::overload::{Shed, Slot};
+use super::overload::{Protection, Shed, Slot};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
 use crate::api::check::CheckInput;
 use crate::api::check::{MAX_PATH_LEN, check_path};
@@ -304,6 +304,10 @@ pub struct Proxy {
     inbound: Vec<(u16, Authority)>,
     client: Client<UpstreamConnector, RequestBody>,
     decider: Arc<Decider>,
+    /// The application's protection from overload: taken before the rate-limit decision (a shed
+    /// request spends no quota), configured by each snapshot the decider's cache installs
+    /// ([`Protection::follow_snapshots`]).
+    protection: Arc<Protection>,
     trusted_hops: usize,
     metrics: Arc<SidecarMetrics>,
     /// [`READ_AHEAD_BUDGET`] in KiB.
@@ -311,7 +315,13 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    pub fn new(upstream: Authority, decider: Arc<Decider>, trusted_hops: usize, metrics: Arc<SidecarMetrics>) -> Proxy {
+    pub fn new(
+        upstream: Authority,
+        decider: Arc<Decider>,
+        protection: Arc<Protection>,
+        trusted_hops: usize,
+        metrics: Arc<SidecarMetrics>,
+    ) -> Proxy {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
@@ -321,7 +331,7 @@ impl Proxy {
             .set_host(false)
             .build(UpstreamConnector(connector));
         let read_ahead = Arc::new(tokio::sync::Semaphore::new(READ_AHEAD_BUDGET / BUDGET_UNIT));
-        Proxy { upstream, inbound: Vec::new(), client, decider, trusted_hops, metrics, read_ahead }
+        Proxy { upstream, inbound: Vec::new(), client, decider, protection, trusted_hops, metrics, read_ahead }
     }
 
     /// Connections redirected to the sidecar from one of `ports` are forwarded to that port of
@@ -396,13 +406,13 @@ impl Proxy {
                     client_ip,
                     headers,
                 };
-                if let Some(class) = self.decider.classify(&input) {
-                    if self.decider.protection.is_on()
+                if let Some(class) = self.decider.snapshots.classify(&input) {
+                    if self.protection.is_on()
                         && let Err(refusal) = self.buffer_small_body(request.headers(), &mut body).await
                     {
                         return self.refuse(refusal);
                     }
-                    match self.decider.protection.admit(class).await {
+                    match self.protection.admit(class).await {
                         Ok(taken) => slot = taken,
                         Err(shed) => return self.shed(shed),
                     }
@@ -547,7 +557,7 @@ impl Proxy {
         if !is_json {
             return Ok(BTreeMap::new());
         }
-        let fields = self.decider.estimate_fields();
+        let fields = self.decider.snapshots.estimate_fields();
         let Some(body) = (!fields.is_empty()).then(|| request_body.rest.take()).flatten() else {
             return Ok(BTreeMap::new());
         };
