@@ -202,6 +202,25 @@ pub struct CheckInput<'a> {
     pub request_fields: BTreeMap<String, String>,
 }
 
+impl CheckInput<'_> {
+    /// The request as policies read it, costing one: what a holder of the snapshot (the
+    /// sidecar's local engine) matches, exactly as the endpoint would match the check.
+    pub fn view(&self) -> crate::policy::RequestView<'_> {
+        crate::policy::RequestView {
+            namespace: self.namespace,
+            labels: self.labels,
+            method: self.method,
+            path: self.path,
+            host: self.host,
+            client_ip: Some(self.client_ip),
+            headers: &self.headers,
+            cost: 1,
+            fields: &self.request_fields,
+            descriptor: None,
+        }
+    }
+}
+
 /// `requestFields` as the check API takes them: JSON integers (they are digits: see
 /// `sidecar::proxy`).
 fn as_integers<S: serde::Serializer>(fields: &BTreeMap<String, String>, serializer: S) -> Result<S::Ok, S::Error> {

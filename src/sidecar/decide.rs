@@ -27,7 +27,6 @@ use super::verdict::{Held, decision_of};
 use crate::api::check::CheckInput;
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{CheckResponse, Holds, SettleCost, WithoutStore};
-use crate::policy::RequestView;
 use crate::policy::response_cost::ResponseCost;
 use crate::request::headers::UsedHeaderProblem;
 
@@ -203,7 +202,7 @@ impl Decider {
         if !self.snapshots.is_exact() || crate::api::check::check_path(input.path).is_err() {
             return None;
         }
-        let view = view_of(input);
+        let view = input.view();
         let endpoint = &*self.exchange.endpoint;
         match self
             .snapshots
@@ -236,25 +235,9 @@ impl Decider {
     async fn fallback(&self, input: &CheckInput<'_>) -> (Source, Decision) {
         let local = self.snapshots.local();
         if local.is_loaded() {
-            return (Source::Local, from_engine(local.check(&view_of(input), Holds::Returned).await));
+            return (Source::Local, from_engine(local.check(&input.view(), Holds::Returned).await));
         }
         (Source::FailureMode, self.exchange.failure_mode())
-    }
-}
-
-/// The request as the local engine sees it: what the endpoint gets in the check.
-pub fn view_of<'a>(input: &'a CheckInput<'_>) -> RequestView<'a> {
-    RequestView {
-        namespace: input.namespace,
-        labels: input.labels,
-        method: input.method,
-        path: input.path,
-        host: input.host,
-        client_ip: Some(input.client_ip),
-        headers: &input.headers,
-        cost: 1,
-        fields: &input.request_fields,
-        descriptor: None,
     }
 }
 

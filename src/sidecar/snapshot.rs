@@ -19,7 +19,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use tokio::sync::watch;
 
 use super::config::{Config, OnFailure};
-use super::decide::view_of;
 use super::endpoint::{Endpoint, ExchangeFailure, MAX_ENDPOINT_BODY};
 use super::exchange::EndpointExchange;
 use super::metrics::SidecarMetrics;
@@ -179,7 +178,7 @@ impl SnapshotCache {
     /// `None` for a request `overload.exempt` leaves alone.
     pub fn classify(&self, input: &CheckInput<'_>) -> Option<crate::overload::Class> {
         let live = self.local.live();
-        let view = view_of(input);
+        let view = input.view();
         (!live.snapshot.exempt_from_overload(&view)).then(|| live.snapshot.classify(&view).0)
     }
 

@@ -33,7 +33,7 @@ use sluice::request::host::request_host;
 use sluice::rule::MAX_INLINE_KEY;
 use sluice::server::auth::Caller;
 use sluice::api::check::{CheckInput, CheckRequest, check_path};
-use sluice::sidecar::decide::{MAX_CHECK_HEADER_BYTES, view_of};
+use sluice::sidecar::decide::MAX_CHECK_HEADER_BYTES;
 use sluice::sidecar::proxy::is_websocket_upgrade;
 
 const NAMESPACE: &str = "tenant-acme";
@@ -235,7 +235,7 @@ fuzz_target!(|head: Head| {
     };
 
     // The local fallback's view.
-    let local = view_of(&input);
+    let local = input.view();
     let matched = resolved(&local);
     for (_, key, _) in &matched {
         assert!(key.len() <= MAX_INLINE_KEY, "a key of {} bytes", key.len());
