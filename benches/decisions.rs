@@ -30,7 +30,7 @@ use common::{LIVE_KEYS, Pick, SECOND, T0, keys, variants};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::{Clock, SystemClock};
-use sluice::store::RuleCheck;
+use sluice::rule::RuleCheck;
 use sluice::store::memory::MemoryStore;
 
 /// Room for every live key of the 1M workloads (plus the multi-rule tenants and routes), so

@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use common::{LIVE_KEYS, SECOND, T0, keys, mix, variants};
 use sluice::algorithm::{Algorithm, Decision, Limit};
-use sluice::store::RuleCheck;
+use sluice::rule::RuleCheck;
 use sluice::store::memory::{DEFAULT_MAX_KEYS, MemoryStore};
 
 /// Bytes currently allocated through the global allocator.

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use sluice::algorithm::{Algorithm, Limit};
-use sluice::store::RuleCheck;
+use sluice::rule::RuleCheck;
 use sluice::store::redis::{RedisConfig, RedisStore};
 
 const ALGORITHMS: [Algorithm; 6] = [

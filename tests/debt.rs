@@ -16,10 +16,11 @@ use redis::AsyncCommands;
 use sluice::algorithm::lease::{LeaseAsk, MAX_LEASE_HOLDS, MAX_WAITING_HOLDS};
 use sluice::algorithm::reservation::MAX_RESERVATIONS;
 use sluice::algorithm::{Algorithm, HoldId, Limit, MAX_EXACT, Micros};
+use sluice::rule::RuleCheck;
 use sluice::store::keys::{reservation_key, state_key};
 use sluice::store::memory::MemoryStore;
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{LeaseOp, RuleCheck, Settle, Store};
+use sluice::store::{LeaseOp, Settle, Store};
 use support::redis_server::RedisServer;
 
 const T0: Micros = 1_699_920_000_000_000; // a whole day

@@ -10,9 +10,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice::algorithm::lease::{LeaseAsk, LeaseGrant};
 use sluice::algorithm::{Algorithm, Limit, Micros};
+use sluice::rule::RuleCheck;
 use sluice::store::memory::MemoryStore;
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{LeaseOp, RuleCheck, Store};
+use sluice::store::{LeaseOp, Store};
 use support::redis_server::{RedisCluster, RedisServer};
 
 const T0: Micros = 1_700_000_040_000_000; // a whole minute

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice::algorithm::{Algorithm, Limit, Micros};
-use sluice::store::RuleCheck;
+use sluice::rule::RuleCheck;
 use sluice::store::keys::{cluster_slot, state_key};
 use sluice::store::redis::{RedisConfig, RedisStore};
 use support::redis_server::{RedisCluster, cli};

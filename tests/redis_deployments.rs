@@ -8,10 +8,11 @@ mod support;
 use std::time::{Duration, Instant};
 
 use sluice::algorithm::{Algorithm, Limit, Micros};
+use sluice::rule::RuleCheck;
+use sluice::store::StoreError;
 use sluice::store::breaker::BreakerConfig;
 use sluice::store::keys::state_key;
 use sluice::store::redis::{RedisConfig, RedisConfigError, RedisEndpoint, RedisStore, SentinelEndpoint, TlsClient};
-use sluice::store::{RuleCheck, StoreError};
 use support::redis_server::{RedisSentinels, TlsRedis};
 
 const SEC: Micros = 1_000_000;

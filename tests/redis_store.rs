@@ -14,10 +14,11 @@ use redis::{AsyncCommands, Value};
 use sluice::algorithm::{self, Algorithm, Decision, Limit, Micros, State};
 use sluice::clock::FakeClock;
 use sluice::rule::Verdict;
+use sluice::rule::{RuleCheck, RuleId};
 use sluice::store::breaker::BreakerConfig;
 use sluice::store::keys::state_key;
 use sluice::store::redis::{RedisConfig, RedisStore};
-use sluice::store::{RuleCheck, RuleId, Settle, Store, StoreError};
+use sluice::store::{Settle, Store, StoreError};
 use support::redis_server::RedisServer;
 
 const T0: Micros = 1_700_000_000_000_000;

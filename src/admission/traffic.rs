@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::{Container, HTTPGetAction, Pod, Probe};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::{Deserialize, Serialize};
 
-pub use crate::sidecar::probes::{APP_HEALTH_PREFIX, AppProbe, HttpProbe};
+use crate::sidecar::probes::{APP_HEALTH_PREFIX, AppProbe, HttpProbe};
 
 /// `service` or `iptables`: how this pod's inbound traffic reaches the sidecar.
 pub const REDIRECT_ANNOTATION: &str = "sluice.dev/redirect";

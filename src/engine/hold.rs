@@ -27,7 +27,7 @@ use ring::hmac;
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::HoldId;
-use crate::store::RuleId;
+use crate::rule::RuleId;
 
 /// The longest token accepted (a request matches at most a few dozen rules, each key at most
 /// 128 bytes).
@@ -201,7 +201,7 @@ mod decimal {
 mod held {
     use serde::{Deserialize, Deserializer, Serializer};
 
-    use crate::store::RuleId;
+    use crate::rule::RuleId;
 
     pub fn serialize<S: Serializer>(value: &[(RuleId, String)], serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_seq(value.iter().map(|(rule, key)| (format!("{rule:016x}"), key)))

@@ -26,8 +26,9 @@ use crate::duration::MICROS_PER_MS;
 use crate::policy::FailureMode;
 use crate::policy::{Descriptor, Matched, RequestView, Snapshot};
 use crate::rule::Verdict;
+use crate::rule::{RuleCheck, RuleId};
 use crate::store::memory::MemoryStore;
-use crate::store::{LeaseOp, LeaseStore, RuleCheck, RuleId, Settle, Store, StoreError};
+use crate::store::{LeaseOp, LeaseStore, Settle, Store, StoreError};
 use crate::telemetry::{Metrics, ModeLabels, RuleCounters};
 
 /// Headers to add to the response, in order: Sluice's own (static names) and declared ones.

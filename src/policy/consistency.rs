@@ -11,7 +11,7 @@ pub const DEFAULT_STALENESS: Micros = MICROS_PER_SECOND;
 const MIN_STALENESS: Micros = 50 * MICROS_PER_MS;
 const MAX_STALENESS: Micros = 60 * MICROS_PER_SECOND;
 
-pub use crate::rule::Leasing;
+use crate::rule::Leasing;
 
 /// Compiles `spec` (at `path`) for a rule of `limit`: the limit made leased and its terms for
 /// `leased`, `None` for `exact`; what is wrong goes to `errs`.

@@ -80,7 +80,7 @@ pub struct CompiledRule {
     /// `responseCost`: the cost is read from the response; admission reserves an estimate.
     pub(super) response_cost: Option<std::sync::Arc<super::response_cost::ResponseCost>>,
     /// `consistency: leased`: enforcers may decide hot keys from slices of their quota.
-    pub(super) leasing: Option<super::consistency::Leasing>,
+    pub(super) leasing: Option<crate::rule::Leasing>,
 }
 
 #[derive(Debug, Default)]
@@ -239,7 +239,7 @@ impl CompiledRule {
         self.response_cost.as_ref()
     }
     /// The rule's lease terms, when it is `consistency: leased`.
-    pub fn leasing(&self) -> Option<super::consistency::Leasing> {
+    pub fn leasing(&self) -> Option<crate::rule::Leasing> {
         self.leasing
     }
     pub fn retry_after_jitter(&self) -> Micros {

@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 
 use super::endpoint::Endpoint;
-use super::metrics::{KindLabels, SidecarMetrics};
+use super::metrics::SidecarMetrics;
 use super::verdict::{Decision, EndpointError};
 use crate::api::checks::BatchAnswer;
 use crate::store::batching::{Batcher, Exchange, Pending};
+use crate::telemetry::KindLabels;
 
 /// How long single checks are sent after an endpoint said it has no batch API.
 const SINGLE_CHECKS_FOR: Duration = Duration::from_secs(30);

@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use super::config::Config;
 use super::endpoint::Endpoint;
 use super::exchange::{Asked, EndpointExchange};
-use super::metrics::{DecisionLabels, KindLabels, SidecarMetrics};
+use super::metrics::{DecisionLabels, SidecarMetrics};
 use super::settling::{Settling, response_costs};
 use super::snapshot::{HeaderFilter, OnInstall, SNAPSHOT_WAIT, SnapshotCache};
 pub use super::verdict::{Decision, EndpointError, HeaderList, Refusal};
@@ -29,6 +29,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::engine::{CheckResponse, Holds, SettleCost, WithoutStore};
 use crate::policy::response_cost::ResponseCost;
 use crate::request::headers::UsedHeaderProblem;
+use crate::telemetry::KindLabels;
 
 /// Keys of leased rules a sidecar follows for slices (its pod's hot keys are few).
 const LOCAL_LEASE_KEYS: usize = 16_384;

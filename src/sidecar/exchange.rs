@@ -16,11 +16,12 @@ use http::StatusCode;
 use super::batch::Checks;
 use super::config::{Config, OnFailure};
 use super::endpoint::{Endpoint, ExchangeFailure};
-use super::metrics::{KindLabels, SidecarMetrics};
+use super::metrics::SidecarMetrics;
 use super::verdict::{Decision, EndpointError, Refusal};
 use crate::api::check::CheckInput;
 use crate::clock::Clock;
 use crate::store::breaker::{Breaker, BreakerConfig, BreakerState};
+use crate::telemetry::KindLabels;
 
 /// Retry-After when refusing because the limiter is unreachable.
 const FAILURE_RETRY_AFTER_SECS: u64 = 1;

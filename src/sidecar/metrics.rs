@@ -31,7 +31,7 @@ pub struct ResultLabels {
 }
 
 /// `kind` is an [`super::verdict::EndpointError::kind`], `breaker_open` or `no_snapshot`.
-pub use crate::telemetry::KindLabels;
+use crate::telemetry::KindLabels;
 
 pub struct SidecarMetrics {
     pub registry: Registry,

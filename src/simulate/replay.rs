@@ -18,8 +18,9 @@ use crate::duration::MICROS_PER_MS;
 use crate::engine::leases::QuotaLeases;
 use crate::policy::{CompiledRule, DEFAULT_NAMESPACE, Matched, RequestView, Snapshot};
 use crate::request::names::StrMap;
+use crate::rule::RuleCheck;
 use crate::store::memory::MemoryStore;
-use crate::store::{LeaseOp, LeaseStore, RuleCheck, Settle, Store};
+use crate::store::{LeaseOp, LeaseStore, Settle, Store};
 
 /// Where the simulated trace starts: the first multiple of every rule's `per` after this, so
 /// that trace time 0 is a window boundary of every rule and timestamps look like real ones.

@@ -5,10 +5,11 @@
 use std::sync::Arc;
 
 use crate::algorithm::{HoldId, Micros};
+use crate::rule::RuleCheck;
 use crate::rule::Verdict;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
-use crate::store::{RuleCheck, Store, StoreError, StoreStatus};
+use crate::store::{Store, StoreError, StoreStatus};
 
 /// The store a process decides with.
 pub enum Backend {

@@ -27,7 +27,7 @@ use super::RuleId;
 
 /// Version prefix of every key Sluice writes.
 pub const PREFIX: &str = "sl1:";
-pub use crate::rule::MAX_INLINE_KEY;
+use crate::rule::MAX_INLINE_KEY;
 /// The tag of the keys Redis's start-up probe writes (no namespace can have a `:`); they live a
 /// second and are not counted as anyone's.
 pub const PROBE_TAG: &str = "sluice:probe";

@@ -19,7 +19,7 @@ use crate::algorithm::lease::{LeaseAsk, LeaseGrant};
 use crate::algorithm::{HoldId, Limit, Micros};
 
 use crate::rule::Verdict;
-pub use crate::rule::{RuleCheck, RuleId};
+use crate::rule::{RuleCheck, RuleId};
 
 /// One (rule, key) under which a request holds capacity, and what it settles to.
 #[derive(Clone, Copy, Debug)]

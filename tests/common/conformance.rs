@@ -9,9 +9,10 @@ use sluice::algorithm::{Algorithm, Decision, Limit, Micros};
 use sluice::clock::FakeClock;
 use sluice::duration::{HumanDuration, parse_duration};
 use sluice::engine::Engine;
+use sluice::rule::{RuleCheck, RuleId};
 use sluice::store::keys::DEFAULT_TAG;
 use sluice::store::memory::MemoryStore;
-use sluice::store::{RuleCheck, RuleId, Settle, Store};
+use sluice::store::{Settle, Store};
 use sluice::telemetry::Metrics;
 
 /// A Unix time aligned to a whole day, so every window up to a day starts here.

@@ -5,8 +5,9 @@ use ::redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::library::{ARGS_PER_RULE, REPLY_PER_RULE};
 use crate::algorithm::{Algorithm, Decision, Micros};
+use crate::rule::RuleCheck;
 use crate::rule::Verdict;
-use crate::store::{LeaseOp, RuleCheck, StoreError};
+use crate::store::{LeaseOp, StoreError};
 
 /// The script's algorithm codes (lua/check.lua).
 pub fn algorithm_code(algorithm: Algorithm) -> u8 {
