@@ -33,6 +33,7 @@ RUNS=(
   "scripts/bench/checks-memory.sh|scripts/bench/checks-memory.sh"
   "scripts/bench/envoy-ratelimit.sh|peer envoy-ratelimit"
   "scripts/bench/leases.sh|scripts/bench/leases.sh exact leased limitador kill"
+  "scripts/bench/leases-batched.sh|scripts/bench/leases-batched.sh"
   "scripts/bench/limitador.sh|peer limitador"
   "scripts/bench/llm-tokens.sh|scripts/bench/llm-tokens.sh"
   "scripts/bench/nagle.sh|scripts/bench/nagle.sh"

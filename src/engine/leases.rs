@@ -48,6 +48,9 @@ pub const DEFAULT_MAX_KEYS: usize = 65_536;
 const SECOND: Micros = 1_000_000;
 /// A key untouched this long, holding nothing, is forgotten.
 const IDLE: Micros = 5 * SECOND;
+/// So close to its window's end a key is decided by the store: a slice asked for now could be
+/// spent for a moment at most (it stops a margin before the window does), for two calls.
+const WINDOW_END: Micros = 3_000;
 
 /// One leased rule of a request, as the table needs it.
 #[derive(Clone, Copy, Debug)]
@@ -71,6 +74,9 @@ pub struct Held {
     pub reset_at: Micros,
     /// When it was asked for (its clock): with `stop_at`, the slice's life here.
     pub from: Micros,
+    /// When the store lets it go (its clock, measured as `stop_at`): a fixed window's slice
+    /// ending with its window needs no settle, the window's count going with it.
+    pub ends: Micros,
     /// A renewal ahead is out that settled this many of `spent`: what is spent past it is
     /// charged to the next slice.
     pub settled: Option<u64>,
@@ -82,10 +88,15 @@ impl Held {
     }
 
     /// Down to its last quarter, of units or of life, once `cost` is spent now: time to renew,
-    /// while this slice still serves the requests that arrive meanwhile.
+    /// while this slice still serves the requests that arrive meanwhile. Life counts only where
+    /// a new slice could outlive this one: a slice that ends with its window (the key resets
+    /// then) is renewed by units, or after the window, never again and again as the window's
+    /// end nears.
     fn running_low(&self, now: Micros, cost: u64) -> bool {
         let left = self.amount - self.spent - cost;
-        left < self.amount.div_ceil(4) || self.stop_at.saturating_sub(now) < (self.stop_at - self.from) / 4
+        let life = self.stop_at - self.from;
+        let outlivable = self.reset_at > self.stop_at + life / 2;
+        left < self.amount.div_ceil(4) || (outlivable && self.stop_at.saturating_sub(now) < life / 4)
     }
 }
 
@@ -107,6 +118,8 @@ struct Entry {
     exact_until: Micros,
     /// Holders sharing the key's bound, as the last grant said.
     holders: u64,
+    /// When the key's window ends, as the last grant said (window algorithms; 0: unknown).
+    window_ends: Micros,
     /// The hold of nothing the store keeps for this holder while the bound is out in others'
     /// slices (it counts this holder in), given back with the next renewal.
     waiting: Option<HoldId>,
@@ -124,7 +137,8 @@ impl Entry {
         self.seen_at = now;
     }
 
-    /// Units per second seen here lately.
+    /// Units per second seen here lately: this second's so far or the last one's, whichever is
+    /// more.
     fn demand(&self) -> u64 {
         self.this_second.max(self.last_second)
     }
@@ -287,6 +301,7 @@ impl QuotaLeases {
                     dry_until: 0,
                     exact_until: 0,
                     holders: 4,
+                    window_ends: 0,
                     waiting: None,
                     seen_at: now,
                 }),
@@ -296,10 +311,12 @@ impl QuotaLeases {
                 // The rule was edited: slices of the old limit are settled as they end.
                 entry.limit = check.limit.clone();
             }
+            let window_ending = entry.window_ends > now && entry.window_ends - now < WINDOW_END;
             if let Some(held) = entry.held
                 && held.has_room(now, check.cost)
             {
                 if may_renew
+                    && !window_ending
                     && !entry.renewing
                     && entry.exact_until <= now
                     && entry.demand() >= HOT_UNITS
@@ -322,7 +339,7 @@ impl QuotaLeases {
             }
             spendable = false;
             let hot = entry.demand() >= HOT_UNITS;
-            if store_decides || !may_renew || entry.renewing || entry.exact_until > now || !hot {
+            if store_decides || !may_renew || entry.renewing || entry.exact_until > now || !hot || window_ending {
                 // Decided by the store: keep looking for a dry key that refuses it here.
                 store_decides = true;
                 continue;
@@ -437,12 +454,7 @@ impl QuotaLeases {
             // most the staleness (a bucket, which refills all the time: a quarter of it); a key
             // whose bound others hold asks again sooner (slices of a hot key turn over quickly).
             let pause = (check.leasing.staleness / 4).max(1_000);
-            let dry_pause = match check.limit.algorithm() {
-                crate::algorithm::Algorithm::FixedWindow | crate::algorithm::Algorithm::SlidingWindowCounter => {
-                    check.leasing.staleness
-                }
-                _ => pause,
-            };
+            let dry_pause = if windowed(check.limit) { check.leasing.staleness } else { pause };
             let busy_pause = (check.leasing.staleness / 50).max(1_000);
             let Some(grant) = grant else {
                 self.counters.store_failures.fetch_add(1, Ordering::Relaxed);
@@ -454,10 +466,15 @@ impl QuotaLeases {
                 continue;
             };
             let stop_at = (sent_at + grant.lasts).saturating_sub(margin(grant.lasts));
+            if windowed(check.limit) {
+                entry.window_ends = sent_at + grant.after.reset_after;
+            }
             if grant.amount == 0 || stop_at <= now {
                 self.counters.empty_grants.fetch_add(1, Ordering::Relaxed);
                 if grant.amount > 0 {
-                    // Too short to use: give it back, with what was spent meanwhile.
+                    // Too short to use (the window ends first): give it back, with what was
+                    // spent meanwhile; no slice can be had before the window turns.
+                    entry.exact_until = (sent_at + grant.lasts).max(now + 1_000);
                     self.counters.units_returned.fetch_add(grant.amount, Ordering::Relaxed);
                     returned.push(due(entry, renewal.ask.hold, spent_meanwhile.min(grant.amount)));
                 } else if grant.after.remaining < check.cost {
@@ -471,7 +488,10 @@ impl QuotaLeases {
                 }
                 continue;
             }
-            entry.holders = grant.holders.max(1);
+            // More holders count at once; fewer only one at a time: holders falling away at a
+            // window's end (dry, or their slices lapsing) would otherwise have the next window's
+            // first askers take the whole bound and leave the others nothing.
+            entry.holders = grant.holders.max(entry.holders.saturating_sub(1)).max(1);
             self.counters.grants.fetch_add(1, Ordering::Relaxed);
             self.counters.units_granted.fetch_add(grant.amount, Ordering::Relaxed);
             self.holding.lock().insert(slot);
@@ -482,6 +502,7 @@ impl QuotaLeases {
                 stop_at,
                 reset_at: sent_at + grant.after.reset_after,
                 from: sent_at,
+                ends: sent_at + grant.lasts,
                 settled: None,
             });
         }
@@ -503,9 +524,21 @@ impl QuotaLeases {
             let Some(entry) = entries.get_mut(slot) else { return false };
             match entry.held {
                 Some(held) if all || held.stop_at <= now => {
+                    // A fixed window's slice that ends with its window: the window's count goes
+                    // with it, so what it spent cannot escape and settling it now frees nothing
+                    // worth a call. It is left for the key's next renewal to settle (in the same
+                    // call, freeing its hold before the store grants the next window's slices),
+                    // and forgotten once its window is long over.
+                    let with_its_window = entry.limit.algorithm() == crate::algorithm::Algorithm::FixedWindow
+                        && held.ends >= held.reset_at;
+                    if !all && with_its_window && now < held.ends + SECOND {
+                        return true;
+                    }
                     entry.held = None;
                     self.counters.units_returned.fetch_add(held.amount - held.spent, Ordering::Relaxed);
-                    out.push(due(entry, held.hold, held.spent));
+                    if all || !with_its_window {
+                        out.push(due(entry, held.hold, held.spent));
+                    }
                     false
                 }
                 Some(_) => true,
@@ -538,6 +571,14 @@ fn ask(index: usize, check: &LeasedCheck<'_>, entry: &Entry) -> Renewal {
 /// A fresh hold id: random, never 0 (no hold), within a double's exact integers (Lua).
 fn new_hold() -> HoldId {
     rand::random::<u64>() >> 11 | 1
+}
+
+/// The window algorithms: a key's slices end with its window.
+fn windowed(limit: &Limit) -> bool {
+    matches!(
+        limit.algorithm(),
+        crate::algorithm::Algorithm::FixedWindow | crate::algorithm::Algorithm::SlidingWindowCounter
+    )
 }
 
 fn due(entry: &Entry, hold: HoldId, spent: u64) -> Due {
