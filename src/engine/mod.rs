@@ -621,8 +621,10 @@ impl<S: Store> Engine<S> {
         let hold = if leased && matched.iter().any(|m| m.rule.limit().holds()) { rand::random::<u64>() | 1 } else { 0 };
         let checks: Vec<RuleCheck<'_>> =
             matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
+        // Only a request whose every rule is leased can be decided from slices: the others skip
+        // the table altogether (no lookup, no allocation).
         let from_leases = match &self.leases {
-            Some(leases) if hold == 0 => {
+            Some(leases) if hold == 0 && matched.iter().all(|m| m.rule.leasing().is_some()) => {
                 self::leasing::decide(leases, &self.store, &*self.clock, namespace, matched, store_budget).await
             }
             _ => None,
