@@ -137,4 +137,39 @@ spec:
         let again = crate::policy::compile(read.sources).snapshot;
         assert_eq!(SnapshotView::of(&again.part(None)), body.view, "the sources compile into the same snapshot");
     }
+
+    #[test]
+    fn snapshot_view_shows_each_rule_as_written() {
+        let policy: crate::policy::RateLimitPolicy = serde_yaml::from_str(
+            r#"
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: p, namespace: ns}
+spec:
+  rules:
+    - name: r
+      match: {headers: [{name: X-Tenant, present: true}]}
+      key: [{header: X-API-Key}, {clientIP: true}]
+      algorithm: tokenBucket
+      limit: {requests: 10, per: 1s, burst: 5}
+      mode: shadow
+      onStoreFailure: deny
+"#,
+        )
+        .unwrap();
+        let snapshot = crate::policy::compile(vec![policy]).snapshot;
+        let v = serde_json::to_value(SnapshotView::of(&snapshot.part(None))).unwrap();
+        assert_eq!(v["policies"][0], "ns/p");
+        assert_eq!(v["headerNames"], serde_json::json!(["x-api-key", "x-tenant"]));
+        let r = &v["rules"][0];
+        assert_eq!(r["policy"], "ns/p");
+        assert_eq!(r["rule"], "r");
+        assert_eq!(r["algorithm"], "tokenBucket");
+        assert_eq!(r["requests"], 10);
+        assert_eq!(r["per"], "1s");
+        assert_eq!(r["burst"], 5);
+        assert_eq!(r["mode"], "shadow");
+        assert_eq!(r["onStoreFailure"], "deny");
+        assert_eq!(r["key"], "header x-api-key, clientIP");
+    }
 }
