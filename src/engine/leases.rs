@@ -94,8 +94,9 @@ impl Held {
     /// end nears.
     fn running_low(&self, now: Micros, cost: u64) -> bool {
         let left = self.amount - self.spent - cost;
-        let life = self.stop_at - self.from;
-        let outlivable = self.reset_at > self.stop_at + life / 2;
+        // Saturating: a wall clock stepped back between the ask and the grant must not panic.
+        let life = self.stop_at.saturating_sub(self.from);
+        let outlivable = self.reset_at > self.stop_at.saturating_add(life / 2);
         left < self.amount.div_ceil(4) || (outlivable && self.stop_at.saturating_sub(now) < life / 4)
     }
 }
