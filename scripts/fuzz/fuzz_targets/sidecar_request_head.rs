@@ -188,9 +188,15 @@ fuzz_target!(|head: Head| {
     let mut seen: Vec<String> = NAMES.iter().map(|n| canonical_header_name(n)).collect();
     seen.extend(sent.keys().map(|n| canonical_header_name(n.as_str())));
     for name in &seen {
-        assert_eq!(used_header_value(&sent, name), used_header_value(headers, name), "header {name} once stripped");
         let one = std::slice::from_ref(name);
-        assert_eq!(check_used_headers(&sent, one), check_used_headers(headers, one), "header {name} once stripped");
+        let checked = check_used_headers(&sent, one);
+        assert_eq!(checked, check_used_headers(headers, one), "header {name} once stripped");
+        // The value rules see is defined for a request that passed the check: one with several
+        // copies is refused first, and which copy comes first in a HeaderMap changes as other
+        // headers are removed.
+        if checked.is_ok() {
+            assert_eq!(used_header_value(&sent, name), used_header_value(headers, name), "header {name} once stripped");
+        }
     }
     let mut twice = headers.clone();
     strip_hop_by_hop(&mut twice, upgrade);
