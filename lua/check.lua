@@ -107,6 +107,10 @@ local function rule_params(text)
   return l
 end
 
+-- Per-rule arrays of `decide_request`, reused by every request instead of allocated for each
+-- (Redis runs one call at a time, and a request is decided to its end before the next).
+local scratch_rules, scratch_costs, scratch_ktypes, scratch_states = {}, {}, {}, {}
+
 -- Decides one request's n rules: rule i's key is KEYS[k0 + i], its parameters ARGV[a0 + 2i] and
 -- its cost ARGV[a0 + 2i + 1]; `hold` is the request's hold id ('' for none). Appends its reply
 -- (allowed, then five integers per rule) to `out`. Returns an error text instead when an
@@ -130,7 +134,8 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
     return nil
   end
 
-  local rules, costs = {}, {}
+  -- Entries past n are an earlier request's, never read.
+  local rules, costs, ktypes, states = scratch_rules, scratch_costs, scratch_ktypes, scratch_states
   for i = 1, n do
     local l = rule_params(ARGV[a0 + 2 * i])
     local cost = amount(ARGV[a0 + 2 * i + 1])
@@ -143,7 +148,6 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   -- Phase 1: decide, read-only. The reply is filled as we go: { allowed, then per rule five
   -- integers } (see the contract above).
   out[base + 1] = 1
-  local ktypes, states = {}, {}
   local allowed = true
   for i = 1, n do
     local l, key = rules[i], KEYS[k0 + i]
@@ -173,19 +177,30 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   end
 
   -- Phase 2: consume, the whole request being admitted, in each rule whose own decision allowed.
-  local written = nil
+  -- The same key twice in one request consumes on top of the first write, as the memory store
+  -- does: found by scanning the keys before it, or, past a few rules, in a set of those written
+  -- (the scan allocates nothing; the set bounds the work of a request with many rules).
+  local written = n > 8 and {} or nil
   for i = 1, n do
     if out[base + 5 * i - 3] == 1 then
       local l, key = rules[i], KEYS[k0 + i]
       local ktype, state = ktypes[i], states[i]
-      if written ~= nil and written[key] then
-        -- The same key twice in one request: consume on top of the first write, as the memory
-        -- store does.
+      local again = false
+      if written ~= nil then
+        again = written[key] == true
+        written[key] = true
+      else
+        for j = 1, i - 1 do
+          if KEYS[k0 + j] == key and out[base + 5 * j - 3] == 1 then
+            again = true
+            break
+          end
+        end
+      end
+      if again then
         state, ktype = l.module.read(key)
       end
       l.module.consume(key, ktype, state, l, now, costs[i], hold)
-      written = written or {}
-      written[key] = true
     end
   end
   return nil

@@ -12,15 +12,23 @@
 sluice.fixed_window = {}
 
 function sluice.fixed_window.read(key)
-  local v, ktype = read_hash(key, 'a', 'start', 'count', 'e')
-  if v == nil then
-    return nil, ktype
+  -- read_hash and int, inlined: this runs for every fixed-window rule of every decision, and
+  -- the calls cost more than the checks (scripts/bench/redis-profile.sh).
+  local v = redis.pcall('HMGET', key, 'a', 'start', 'count', 'e')
+  if v.err then
+    return nil, 'other'
   end
-  local start, count = int(v[2]), int(v[3])
-  if v[1] ~= 'fw' or start == nil or count == nil then
-    return nil, ktype
+  if v[1] == 'fw' then
+    local start, count = tonumber(v[2]), tonumber(v[3])
+    if start == nil or count == nil or start < 0 or count < 0 or start % 1 ~= 0 or count % 1 ~= 0 then
+      return nil, 'hash'
+    end
+    return { start = start, count = count, e = tonumber(v[4]) }, 'hash'
   end
-  return { start = start, count = count, e = int(v[4]) }, ktype
+  if v[1] or v[2] or v[3] or v[4] then
+    return nil, 'hash'
+  end
+  return nil, 'none'
 end
 
 local function fw_current(l, w, now)
@@ -49,6 +57,11 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   -- The count saturates at MAX_EXACT (debt far past any limit), as in Rust.
   local total = math.min(count + cost, MAX_EXACT)
   local pristine_at = start + l.per
+  if w ~= nil and w.start == start and w.e == pristine_at then
+    -- The common case first: the stored window goes on and its TTL is already its end.
+    redis.call('HSET', key, 'count', fmt(total))
+    return
+  end
   if not worth_writing(ktype, pristine_at, now) then
     return
   end
@@ -56,11 +69,7 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
     redis.call('DEL', key)
   end
   if w ~= nil and w.start == start then
-    -- The stored window goes on: only its count changes, and its TTL when not yet set to its end.
-    if w.e == pristine_at then
-      redis.call('HSET', key, 'count', fmt(total))
-      return
-    end
+    -- The stored window goes on, its TTL not yet set to its end.
     redis.call('HSET', key, 'count', fmt(total), 'e', fmt(pristine_at))
   else
     redis.call('HSET', key, 'a', 'fw', 'start', fmt(start), 'count', fmt(total), 'e', fmt(pristine_at))
