@@ -38,6 +38,7 @@ RUNS=(
   "scripts/bench/llm-tokens.sh|scripts/bench/llm-tokens.sh"
   "scripts/bench/nagle.sh|scripts/bench/nagle.sh"
   "scripts/bench/overload.sh|scripts/bench/overload.sh"
+  "scripts/bench/ratios.sh|scripts/bench/ratios.sh"
   "scripts/bench/read-ahead.sh|scripts/bench/read-ahead.sh"
   "scripts/bench/redis-cost.sh|scripts/bench/redis-cost.sh"
   "scripts/bench/redis-load.sh|scripts/bench/redis-load.sh"
