@@ -4,10 +4,13 @@
 //!
 //! Shadow rules are left out: they must not change what clients do.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use crate::algorithm::{Decision, Micros};
 use crate::duration::MICROS_PER_SECOND;
+
+use super::ResponseHeaders;
 
 /// One matched rule's decision, as the headers need it.
 #[derive(Debug, Clone, Copy)]
@@ -50,30 +53,35 @@ fn push_sf_string(out: &mut String, text: &str) {
 
 /// The rule whose figures the `X-RateLimit-*` headers show: on a denial the denying rule that
 /// makes the client wait longest; otherwise the one with the least remaining.
-fn most_restrictive<'a>(rules: &[&'a RuleHeaderInput<'a>], allowed: bool) -> Option<&'a RuleHeaderInput<'a>> {
+fn most_restrictive<'a, 'r>(
+    rules: impl Iterator<Item = &'r RuleHeaderInput<'a>>,
+    allowed: bool,
+) -> Option<&'r RuleHeaderInput<'a>> {
     if !allowed {
         let wait = |r: &RuleHeaderInput<'_>| r.decision.retry_after.unwrap_or(Micros::MAX);
-        return rules.iter().filter(|r| !r.decision.allowed).max_by_key(|r| wait(r)).copied();
+        return rules.filter(|r| !r.decision.allowed).max_by_key(|r| wait(r));
     }
-    rules
-        .iter()
-        .min_by(|a, b| {
-            a.decision.remaining.cmp(&b.decision.remaining).then(b.decision.reset_after.cmp(&a.decision.reset_after))
-        })
-        .copied()
+    // The least remaining, then the longest reset; the first of equals, as `min_by` would.
+    let key = |r: &RuleHeaderInput<'_>| (r.decision.remaining, std::cmp::Reverse(r.decision.reset_after));
+    rules.fold(None, |best, r| match best {
+        Some(b) if key(b) <= key(r) => Some(b),
+        _ => Some(r),
+    })
 }
 
 /// The headers for a decided request, in a stable order. `now` is the decision time.
-pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Micros) -> Vec<(&'static str, String)> {
-    let enforcing: Vec<&RuleHeaderInput<'_>> = rules.iter().filter(|r| !r.shadow).collect();
-    let mut headers = Vec::with_capacity(6);
-    if enforcing.is_empty() {
+pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Micros) -> ResponseHeaders {
+    // Walked twice rather than collected: this runs on every check.
+    let enforcing = || rules.iter().filter(|r| !r.shadow);
+    let count = enforcing().count();
+    let mut headers = ResponseHeaders::with_capacity(6);
+    if count == 0 {
         return headers;
     }
-    // Written straight into one string per header (this runs on every check).
-    let mut policy = String::with_capacity(48 * enforcing.len());
-    let mut state = String::with_capacity(48 * enforcing.len());
-    for (i, r) in enforcing.iter().enumerate() {
+    // Written straight into one string per header.
+    let mut policy = String::with_capacity(48 * count);
+    let mut state = String::with_capacity(48 * count);
+    for (i, r) in enforcing().enumerate() {
         if i > 0 {
             policy.push_str(", ");
             state.push_str(", ");
@@ -83,15 +91,15 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
         push_sf_string(&mut state, r.name);
         let _ = write!(state, ";r={};t={}", r.decision.remaining, ceil_seconds(r.decision.reset_after));
     }
-    headers.push(("RateLimit-Policy", policy));
-    headers.push(("RateLimit", state));
-    if let Some(top) = most_restrictive(&enforcing, allowed) {
-        headers.push(("X-RateLimit-Limit", top.requests.to_string()));
-        headers.push(("X-RateLimit-Remaining", top.decision.remaining.to_string()));
-        headers.push(("X-RateLimit-Reset", ceil_seconds(now + top.decision.reset_after).to_string()));
+    headers.push((Cow::Borrowed("RateLimit-Policy"), policy));
+    headers.push((Cow::Borrowed("RateLimit"), state));
+    if let Some(top) = most_restrictive(enforcing(), allowed) {
+        headers.push((Cow::Borrowed("X-RateLimit-Limit"), top.requests.to_string()));
+        headers.push((Cow::Borrowed("X-RateLimit-Remaining"), top.decision.remaining.to_string()));
+        headers.push((Cow::Borrowed("X-RateLimit-Reset"), ceil_seconds(now + top.decision.reset_after).to_string()));
     }
     if !allowed && let Some(wait) = retry_after(rules) {
-        headers.push(("Retry-After", ceil_seconds(wait).max(1).to_string()));
+        headers.push((Cow::Borrowed("Retry-After"), ceil_seconds(wait).max(1).to_string()));
     }
     headers
 }
@@ -112,6 +120,17 @@ mod tests {
     use super::*;
 
     const NOW: Micros = 1_700_000_000_000_000;
+
+    /// The headers with plain names, to compare.
+    fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Micros) -> Vec<(&'static str, String)> {
+        super::rate_limit_headers(rules, allowed, now)
+            .into_iter()
+            .map(|(name, value)| match name {
+                Cow::Borrowed(name) => (name, value),
+                Cow::Owned(name) => panic!("an owned name {name}"),
+            })
+            .collect()
+    }
 
     fn decision(allowed: bool, remaining: u64, reset_ms: u64, retry_ms: Option<u64>) -> Decision {
         Decision { allowed, remaining, reset_after: reset_ms * 1000, retry_after: retry_ms.map(|m| m * 1000), delay: 0 }

@@ -765,10 +765,7 @@ impl<S: Store> Engine<S> {
                     .token(&self.token_keys.load())
             })
         });
-        let mut headers: ResponseHeaders = rate_limit_headers(&header_inputs, allowed, now)
-            .into_iter()
-            .map(|(name, value)| (std::borrow::Cow::Borrowed(name), value))
-            .collect();
+        let mut headers = rate_limit_headers(&header_inputs, allowed, now);
         // The first enforcing rule that refused says what the refused request gets.
         let refusing = (!allowed)
             .then(|| matched.iter().zip(checks).zip(&verdict.decisions).find(|((_, c), d)| c.enforce && !d.allowed))

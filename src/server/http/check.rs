@@ -1,7 +1,7 @@
 //! `POST /v1/check`, its batch form `POST /v1/checks`, and `POST /v1/explain`.
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
@@ -28,8 +28,10 @@ async fn caller_and_request<S: Store>(
     Ok((caller, CheckRequest::from_json(&body)?))
 }
 
-pub(super) async fn check<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
-    answer(state.engine.metrics(), decide(&state, &headers, body).await)
+pub(super) async fn check<S: Store>(State(state): Shared<S>, request: Request) -> Response {
+    // The whole request rather than a `HeaderMap` extractor, which clones the headers.
+    let (parts, body) = request.into_parts();
+    answer(state.engine.metrics(), decide(&state, &parts.headers, body).await)
 }
 
 async fn decide<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
@@ -45,8 +47,9 @@ async fn decide<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) 
 /// decided exactly as `POST /v1/check` would, concurrently, and answered in order; one bad check
 /// is refused on its own (`{"status": 400, "error": …}`) without failing the others. The
 /// caller's credential covers the whole batch.
-pub(super) async fn checks<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
-    answer(state.engine.metrics(), decide_batch(&state, &headers, body).await)
+pub(super) async fn checks<S: Store>(State(state): Shared<S>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    answer(state.engine.metrics(), decide_batch(&state, &parts.headers, body).await)
 }
 
 async fn decide_batch<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
