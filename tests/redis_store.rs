@@ -248,7 +248,7 @@ async fn lua_decisions_equal_rust_algorithms() {
                 let pttl: i64 = con.pttl(key).await.unwrap();
                 // The test's clock is not Redis's: keep the key until the test's time says it is
                 // pristine (the model never expires anything either).
-                let persisted: bool = con.persist(&key).await.unwrap();
+                let persisted: bool = con.persist(key).await.unwrap();
                 match ttl {
                     Ttl::Gone => assert_eq!(pttl, -2, "key must not exist: {}", context()),
                     Ttl::Kept => {
