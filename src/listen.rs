@@ -452,19 +452,38 @@ pub struct TrackedService<S> {
 impl<S, RequestBody, ResponseBody> hyper::service::Service<Request<RequestBody>> for TrackedService<S>
 where
     S: hyper::service::Service<Request<RequestBody>, Response = Response<ResponseBody>>,
-    S::Future: Send + 'static,
 {
     type Response = Response<TrackedBody<ResponseBody>>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+    type Future = TrackedFuture<S::Future>;
 
     fn call(&self, request: Request<RequestBody>) -> Self::Future {
-        let in_flight = InFlight::start(&self.activity);
-        let response = self.inner.call(request);
-        Box::pin(async move {
-            let response = response.await?;
-            Ok(response.map(|body| TrackedBody { inner: body, _in_flight: in_flight }))
-        })
+        TrackedFuture { in_flight: InFlight::start(&self.activity), inner: self.inner.call(request) }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The service's response future, then the response with its body tracked. A struct rather
+    /// than a boxed async block: no allocation per request, and the inner future (the sidecar's
+    /// is kilobytes) is not copied into a box.
+    pub struct TrackedFuture<F> {
+        #[pin]
+        inner: F,
+        in_flight: Option<InFlight>,
+    }
+}
+
+impl<F, ResponseBody, E> Future for TrackedFuture<F>
+where
+    F: Future<Output = Result<Response<ResponseBody>, E>>,
+{
+    type Output = Result<Response<TrackedBody<ResponseBody>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = std::task::ready!(this.inner.poll(cx))?;
+        let in_flight = this.in_flight.take();
+        Poll::Ready(Ok(response.map(|body| TrackedBody { inner: body, _in_flight: in_flight })))
     }
 }
 
