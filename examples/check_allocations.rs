@@ -50,7 +50,7 @@ static GLOBAL: Counting = Counting;
 const ROUNDS: u64 = 10_000;
 
 fn engine(policies: &str) -> Arc<Engine<Arc<MemoryStore>>> {
-    let snapshot = sluice::policy::load_snapshot(&[std::path::PathBuf::from(policies)]).expect("policies");
+    let snapshot = sluice::policy::load_snapshot(&[std::path::PathBuf::from(policies)], 1).expect("policies");
     let clock = Arc::new(SystemClock);
     let store = Arc::new(MemoryStore::with_clock(1_000_000, clock.clone()));
     let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));

@@ -91,7 +91,7 @@ fn main() {
             println!("round {round}");
             run("minimal", minimal_router.clone(), &bodies, iterations, None).await;
             for dir in &dirs {
-                let snapshot = sluice::policy::load_snapshot(&[dir.into()]).expect("policies");
+                let snapshot = sluice::policy::load_snapshot(&[dir.into()], 1).expect("policies");
                 let clock = Arc::new(SystemClock);
                 let store = Arc::new(MemoryStore::with_clock(1_000_000, clock.clone()));
                 let engine = Arc::new(Engine::new(store, clock, Arc::new(Metrics::new())));

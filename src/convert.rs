@@ -127,7 +127,13 @@ pub fn envoy_ratelimit(yaml: &str, namespace: Option<&str>, algorithm: Algorithm
             let name = if several { format!("{base}-{}", i + 1) } else { base.clone() };
             let mut policy = RateLimitPolicy::new(
                 &name,
-                RateLimitPolicySpec { selector: None, rules: chunk, priorities: Vec::new(), overload: None },
+                RateLimitPolicySpec {
+                    selector: None,
+                    rules: chunk,
+                    priorities: Vec::new(),
+                    overload: None,
+                    layering: None,
+                },
             );
             policy.metadata.namespace = Some(namespace.to_string());
             if let Err(errors) = crate::policy::validate(&policy) {

@@ -77,6 +77,10 @@ struct ExplainArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Replicas sharing each `onStoreFailure: localFallback` limit, as the endpoint's
+    /// `--fallback-replicas`: the layering report checks their shares against the limit.
+    #[arg(long, default_value_t = 1)]
+    fallback_replicas: u32,
 }
 
 fn init_logging(format: &str) {
@@ -191,7 +195,7 @@ fn run_redirect(args: &sluice::sidecar::redirect::RedirectArgs) -> anyhow::Resul
 }
 
 fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
-    let snapshot = match sluice::policy::load_snapshot_with_warnings(&args.policies) {
+    let snapshot = match sluice::policy::load_snapshot_with_warnings(&args.policies, args.fallback_replicas) {
         Ok((snapshot, warnings)) => {
             for warning in warnings {
                 eprintln!("warning: {warning}");
@@ -204,7 +208,7 @@ fn run_explain(args: ExplainArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--request: {e}"))?;
     let caller = sluice::server::auth::Caller::Open;
     let view = request.view(&caller).map_err(|e| anyhow::anyhow!("--request: {e}"))?;
-    let explanation = snapshot.explain(&view);
+    let explanation = snapshot.explain(&view, args.fallback_replicas);
     // Offline there are no counters yet: a fresh store shows what a first check would decide.
     let store = sluice::store::memory::MemoryStore::new(1024);
     let verdict = store.peek_at(sluice::clock::Clock::now(&SystemClock), &explanation.checks());

@@ -407,6 +407,62 @@ async fn webhooks_refuse_invalid_policies_and_inject_labelled_pods() {
     let out = cp.kubectl(&["apply", "-f", "-"], Some(&policy(ns, "warned", "per-key", 5).to_string()));
     assert!(out.contains("Warning:") && out.contains("keyed on header X-API-Key"), "{out}");
 
+    // Layers: a namespace-wide limit per tenant, and a per-route rule behind it that can never
+    // refuse. Admitted with the layering report as a warning, the condition set to False with
+    // an Event; refused when the policy asks for strict mode.
+    let edge = json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "RateLimitPolicy",
+        "metadata": {"name": "edge", "namespace": ns},
+        "spec": {"rules": [{"name": "per-tenant", "key": [{"header": "X-Tenant"}], "algorithm": "fixedWindow",
+                            "limit": {"requests": 10, "per": "1m"}}]}
+    });
+    apply(&client, ns, &edge).await.expect("edge applies");
+    let routes = |name: &str, strict: bool| {
+        let mut body = json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "RateLimitPolicy",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"selector": {"matchLabels": {"app": name}}, "rules": [{
+                "name": "per-tenant-route", "match": {"paths": [{"prefix": "/orders"}]},
+                "key": [{"header": "X-Tenant"}, {"path": true}], "algorithm": "fixedWindow",
+                "limit": {"requests": 100, "per": "1m"}}]}
+        });
+        if strict {
+            body["spec"]["layering"] = json!("strict");
+        }
+        body
+    };
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&routes("routes", false).to_string()));
+    assert!(
+        out.contains("Warning: layering: e2e-webhook/routes spec.rules[0] (per-tenant-route): unreachable"),
+        "{out}"
+    );
+    assert!(out.contains("e2e-webhook/edge rule per-tenant"), "{out}");
+    let api: Api<RateLimitPolicy> = Api::namespaced(client.clone(), ns);
+    let layered = eventually("LayeringConsistent False", Duration::from_secs(30), || async {
+        let p = api.get("routes").await.map_err(|e| e.to_string())?;
+        match condition(&p, "LayeringConsistent") {
+            Some(c) if c.status == "False" => Ok(c.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(layered.reason, "Unreachable");
+    assert!(layered.message.starts_with("spec.rules[0] (per-tenant-route): unreachable"), "{}", layered.message);
+    let edge_status = settled(&client, ns, "edge", "True").await;
+    assert_eq!(condition(&edge_status, "LayeringConsistent").map(|c| c.status.as_str()), Some("True"));
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    eventually("an Unreachable event", Duration::from_secs(10), || async {
+        let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let found = list.items.iter().any(|e| {
+            e.reason.as_deref() == Some("Unreachable")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("routes")
+        });
+        if found { Ok(()) } else { Err("no event yet".to_string()) }
+    })
+    .await;
+    let err = apply(&client, ns, &routes("strict-routes", true)).await.expect_err("strict refuses").to_string();
+    assert!(err.contains("layering: unreachable") && err.contains("spec.layering: strict"), "{err}");
+
     // Every replica serves the keypair kept in this Secret (the CA the caBundle holds).
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), "sluice-system");
     let secret = secrets.get("sluice-webhook-tls").await.expect("webhook Secret");

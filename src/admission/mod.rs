@@ -173,6 +173,8 @@ struct AppState {
     /// With the check API on TLS: the pair served now, whose CA injected sidecars get.
     endpoint_ca: Option<watch::Receiver<certs::Keypair>>,
     metrics: Arc<Metrics>,
+    /// Replicas sharing each `localFallback` limit, for the layering report.
+    fallback_replicas: u32,
 }
 
 /// How long `--sidecar-kind auto` waits for the API server's /version.
@@ -212,6 +214,7 @@ pub async fn start(
     policies: Vec<Store<RateLimitPolicy>>,
     metrics: Arc<Metrics>,
     limits: crate::listen::ConnectionLimits,
+    fallback_replicas: u32,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, Error> {
     let resources = args.sidecar_resources();
@@ -247,6 +250,7 @@ pub async fn start(
         },
         endpoint_ca: sidecar.verify_endpoint.then(|| certificates.current.clone()),
         metrics,
+        fallback_replicas,
     });
     let app = Router::new()
         .route("/validate-policy", post(validate_policy))
@@ -343,7 +347,7 @@ async fn validate_policy(
     };
     let namespace = request.namespace.clone().or_else(|| policy.metadata.namespace.clone()).unwrap_or_default();
     let others = state.namespace_policies(&namespace).await;
-    let verdict = validate::review(policy, &namespace, &others);
+    let verdict = validate::review(policy, &namespace, &others, state.fallback_replicas);
     let mut response = match verdict.denial {
         Some(message) => response.deny(message),
         None => response,

@@ -1,7 +1,8 @@
 //! The admission decision for a RateLimitPolicy: the one shared validation, then the checks that
 //! need the other policies of the namespace, which neither CEL nor compile of one object can see.
 
-use crate::policy::{RateLimitPolicy, validate, warnings};
+use crate::policy::layering::{Finding, report};
+use crate::policy::{LayeringMode, RateLimitPolicy, validate, warnings};
 
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Verdict {
@@ -11,8 +12,9 @@ pub struct Verdict {
     pub warnings: Vec<String>,
 }
 
-/// Judges `policy` (being created or updated in `namespace`) against the namespace's `others`.
-pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPolicy]) -> Verdict {
+/// Judges `policy` (being created or updated in `namespace`) against the namespace's `others`,
+/// with `replicas` enforcers sharing each `localFallback` limit (the layering report).
+pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPolicy], replicas: u32) -> Verdict {
     let mut problems: Vec<String> = Vec::new();
     // The API server fills in metadata.namespace from the request; validate the object as stored.
     let mut stored = policy.clone();
@@ -23,7 +25,38 @@ pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPoli
         problems.extend(errors.iter().map(ToString::to_string));
     }
     problems.extend(conflicts(&stored, others));
-    Verdict { denial: (!problems.is_empty()).then(|| problems.join("; ")), warnings: warnings(&stored) }
+    let mut warned = warnings(&stored);
+    let findings = layering(&stored, others, replicas);
+    if stored.spec.layering == Some(LayeringMode::Strict) {
+        let qualified = stored.qualified_name();
+        problems.extend(findings.iter().filter(|f| f.policy == qualified).map(|f| {
+            format!(
+                "spec.rules[{}] ({}): layering: {}: {} (spec.layering: strict)",
+                f.index,
+                f.rule,
+                f.kind.name(),
+                f.message
+            )
+        }));
+    }
+    warned.extend(findings.iter().map(|f| format!("layering: {f}")));
+    Verdict { denial: (!problems.is_empty()).then(|| problems.join("; ")), warnings: warned }
+}
+
+/// The layering report of the namespace with `policy` in place of its stored version: the
+/// findings about `policy`'s rules, and about other policies' rules that `policy` puts behind
+/// (or in front of) its own.
+fn layering(policy: &RateLimitPolicy, others: &[RateLimitPolicy], replicas: u32) -> Vec<Finding> {
+    let qualified = policy.qualified_name();
+    let mut namespace: Vec<RateLimitPolicy> = others
+        .iter()
+        .filter(|o| o.metadata.namespace == policy.metadata.namespace && o.qualified_name() != qualified)
+        .cloned()
+        .collect();
+    namespace.push(policy.clone());
+    // Only policies that compile take part: an invalid one is refused on its own merits.
+    namespace.retain(|p| validate(p).is_ok());
+    report(&namespace, replicas).into_iter().filter(|f| f.involves(&qualified)).collect()
 }
 
 /// Two policies of one namespace that select the same workloads (equal selectors; an absent
@@ -66,13 +99,13 @@ mod tests {
 
     #[test]
     fn valid_policy_is_admitted() {
-        let verdict = review(&policy("a", "x", "r", "1s"), "ns", &[]);
+        let verdict = review(&policy("a", "x", "r", "1s"), "ns", &[], 1);
         assert_eq!(verdict.denial, None);
     }
 
     #[test]
     fn invalid_policy_names_the_field() {
-        let verdict = review(&policy("a", "x", "r", "0s"), "ns", &[]);
+        let verdict = review(&policy("a", "x", "r", "0s"), "ns", &[], 1);
         let denial = verdict.denial.expect("denied");
         assert!(denial.contains("spec.rules[0].limit"), "{denial}");
     }
@@ -82,7 +115,7 @@ mod tests {
         let mut log = policy("a", "x", "r", "1m");
         log.spec.rules[0].algorithm = crate::algorithm::Algorithm::SlidingWindowLog;
         log.spec.rules[0].limit.requests = 1001;
-        let denial = review(&log, "ns", &[]).denial.expect("denied");
+        let denial = review(&log, "ns", &[], 1).denial.expect("denied");
         assert_eq!(
             denial,
             "spec.rules[0].limit.requests: slidingWindowLog allows at most 1000 requests per window; use slidingWindowCounter for larger limits"
@@ -94,18 +127,56 @@ mod tests {
         second.name = "s".into();
         regexes.spec.rules.extend([second.clone(), second]);
         regexes.spec.rules[2].name = "t".into();
-        let denial = review(&regexes, "ns", &[]).denial.expect("denied");
+        let denial = review(&regexes, "ns", &[], 1).denial.expect("denied");
         assert!(denial.starts_with("spec.rules: at most 64 regexes per policy"), "{denial}");
     }
 
     #[test]
     fn same_selector_and_rule_name_conflict() {
         let others = [policy("b", "x", "r", "1s")];
-        let denial = review(&policy("a", "x", "r", "1s"), "ns", &others).denial.expect("denied");
+        let denial = review(&policy("a", "x", "r", "1s"), "ns", &others, 1).denial.expect("denied");
         assert!(denial.contains("spec.rules[0].name") && denial.contains("policy b"), "{denial}");
         // Another selector, another rule name, or the policy's own older version: no conflict.
-        assert_eq!(review(&policy("a", "y", "r", "1s"), "ns", &others).denial, None);
-        assert_eq!(review(&policy("a", "x", "s", "1s"), "ns", &others).denial, None);
-        assert_eq!(review(&policy("b", "x", "r", "1s"), "ns", &others).denial, None);
+        assert_eq!(review(&policy("a", "y", "r", "1s"), "ns", &others, 1).denial, None);
+        assert_eq!(review(&policy("a", "x", "s", "1s"), "ns", &others, 1).denial, None);
+        assert_eq!(review(&policy("b", "x", "r", "1s"), "ns", &others, 1).denial, None);
+    }
+
+    #[test]
+    fn layering_findings_warn_and_refuse_only_in_strict_mode() {
+        let edge: RateLimitPolicy = serde_yaml::from_str(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: edge, namespace: ns}\nspec:\n  rules:\n    - {name: per-ip, key: [{clientIP: true}], algorithm: fixedWindow, limit: {requests: 10, per: 1s}}\n",
+        )
+        .expect("policy parses");
+        let inner = |mode: &str| -> RateLimitPolicy {
+            serde_yaml::from_str(&format!(
+                "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: routes, namespace: ns}}\nspec:\n  {mode}selector: {{matchLabels: {{app: x}}}}\n  rules:\n    - {{name: per-ip-route, key: [{{clientIP: true}}, {{path: true}}], match: {{paths: [{{prefix: /a}}]}}, algorithm: fixedWindow, limit: {{requests: 50, per: 1s}}}}\n"
+            ))
+            .expect("policy parses")
+        };
+        let others = [edge.clone()];
+        let warned = review(&inner(""), "ns", &others, 1);
+        assert_eq!(warned.denial, None);
+        assert!(
+            warned
+                .warnings
+                .iter()
+                .any(|w| w.starts_with("layering: ns/routes spec.rules[0] (per-ip-route): unreachable:")
+                    && w.contains("ns/edge rule per-ip")),
+            "{:?}",
+            warned.warnings
+        );
+        let denial = review(&inner("layering: strict\n  "), "ns", &others, 1).denial.expect("strict refuses");
+        assert!(denial.starts_with("spec.rules[0] (per-ip-route): layering: unreachable:"), "{denial}");
+        // The outer policy is told which of the namespace's rules it makes unreachable, and
+        // is admitted even in strict mode: the finding is about another policy's rule.
+        let mut strict_edge = edge.clone();
+        strict_edge.spec.layering = Some(LayeringMode::Strict);
+        let outer = review(&strict_edge, "ns", &[inner("")], 1);
+        assert_eq!(outer.denial, None);
+        assert!(outer.warnings.iter().any(|w| w.contains("per-ip-route): unreachable")), "{:?}", outer.warnings);
+        // A fallback share above the limit is reported with the replicas given.
+        assert!(review(&edge, "ns", &[], 20).warnings.iter().any(|w| w.contains("fallbackExceedsLimit")));
+        assert!(!review(&edge, "ns", &[], 10).warnings.iter().any(|w| w.contains("fallbackExceedsLimit")));
     }
 }

@@ -12,6 +12,7 @@
 //! clock from a busy key: they stay conservative (they may deny a little longer, never admit more).
 
 pub mod concurrency;
+pub mod dominance;
 mod fixed_window;
 mod gcra;
 pub mod lease;

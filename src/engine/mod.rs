@@ -288,6 +288,11 @@ impl<S: Store> Engine<S> {
         self
     }
 
+    /// How many replicas share each `localFallback` limit (1 without a fallback).
+    pub fn fallback_replicas(&self) -> u32 {
+        self.fallback.as_ref().map_or(1, |f| f.replicas)
+    }
+
     /// Rules with `onStoreFailure: localFallback` are decided in `store` while the shared store
     /// fails, each at 1/`replicas` of its limit. Without this they fail open.
     pub fn with_local_fallback(mut self, store: Arc<MemoryStore>, replicas: u32) -> Engine<S> {

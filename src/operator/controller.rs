@@ -18,6 +18,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::engine::Engine;
+use crate::policy::layering::{self, Finding};
 use crate::policy::{
     FieldError, LastAccepted, RateLimitPolicy, RateLimitPolicySpec, Snapshot, ValidationErrors, compile, validate,
 };
@@ -92,6 +93,8 @@ pub struct PolicyOutcome {
     pub rejected: Option<ValidationErrors>,
     /// Which generation's rules the snapshot holds.
     pub enforced: Enforced,
+    /// The layering report's findings about the rules of this policy the snapshot holds.
+    pub layering: Vec<Finding>,
     /// What `status.lastAccepted` should hold: the current generation when it was accepted, else
     /// the newest accepted one known (persisted, or compiled by this replica before).
     pub last_accepted: Option<LastAccepted>,
@@ -196,6 +199,8 @@ pub struct Compiler {
     /// keeps every replica enforcing the same.
     accepted: HashMap<String, Arc<RateLimitPolicy>>,
     last: Option<Key>,
+    /// Replicas sharing each `localFallback` limit, for the layering report (0 is taken as 1).
+    pub replicas: u32,
 }
 
 impl Compiler {
@@ -229,6 +234,7 @@ impl Compiler {
         self.last = Some(key);
 
         let compiled = compile(choices.iter().filter_map(|c| c.input.clone()).collect());
+        let findings = layering::report(compiled.snapshot.sources(), self.replicas.max(1));
         let mut failed: HashMap<String, ValidationErrors> =
             compiled.rejected.into_iter().map(|r| (r.policy, r.errors)).collect();
         let mut outcomes = Vec::with_capacity(choices.len());
@@ -251,7 +257,9 @@ impl Compiler {
                 Enforced::Current => last_accepted_of(&choice.policy),
                 _ => self.newest_accepted(&uid, &choice.policy),
             };
-            outcomes.push(PolicyOutcome { policy: choice.policy, rejected, enforced, last_accepted });
+            let qualified = choice.policy.qualified_name();
+            let layering = findings.iter().filter(|f| f.policy == qualified).cloned().collect();
+            outcomes.push(PolicyOutcome { policy: choice.policy, rejected, enforced, layering, last_accepted });
         }
         let live: HashSet<String> = outcomes.iter().map(|o| o.policy.uid().unwrap_or_default()).collect();
         self.accepted.retain(|uid, _| live.contains(uid));
@@ -294,7 +302,7 @@ pub async fn compile_loop<S: RateStore>(
             _ = stop.wait_for(|s| *s) => return,
         }
     }
-    let mut compiler = Compiler::default();
+    let mut compiler = Compiler { replicas: engine.fallback_replicas(), ..Compiler::default() };
     loop {
         let policies: Vec<Arc<RateLimitPolicy>> = readers.iter().flat_map(|r| r.state()).collect();
         let mut state = std::mem::take(&mut compiler);

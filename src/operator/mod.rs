@@ -335,6 +335,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
                 reflectors.readers.clone(),
                 metrics.clone(),
                 args.listen_limits.limits(),
+                args.store.fallback_replicas,
                 stopped.clone(),
             )
             .await?,

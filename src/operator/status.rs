@@ -17,6 +17,9 @@ use crate::policy::{RateLimitPolicy, RateLimitPolicyStatus};
 
 pub const ACCEPTED: &str = "Accepted";
 pub const ENFORCED: &str = "Enforced";
+/// Whether the layering report finds nothing wrong with the policy's rules
+/// ([`crate::policy::layering`]).
+pub const LAYERING: &str = "LayeringConsistent";
 
 /// The status the policy of `outcome` should have once `version` is live, keeping each
 /// condition's lastTransitionTime when its status did not change.
@@ -91,13 +94,43 @@ pub fn desired(outcome: &PolicyOutcome, version: &str, now: Time) -> RateLimitPo
             None,
         ),
     };
+    let layering = match outcome.layering.first() {
+        None => condition(
+            LAYERING,
+            true,
+            "Consistent",
+            "no rule is unreachable, looser than a rule in front of it, a shadow rule that would change nothing, or a localFallback above its limit".to_string(),
+        ),
+        Some(first) => condition(
+            LAYERING,
+            false,
+            reason_of(first.kind),
+            outcome
+                .layering
+                .iter()
+                .map(|f| format!("spec.rules[{}] ({}): {}: {}", f.index, f.rule, f.kind.name(), f.message))
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+    };
     RateLimitPolicyStatus {
-        conditions: vec![accepted, enforced],
+        conditions: vec![accepted, enforced, layering],
         observed_generation: generation,
         snapshot: enforced_generation.map(|_| version.to_string()),
         enforced_generation,
         // Always sent: server-side apply removes what the field manager no longer sends.
         last_accepted: outcome.last_accepted.clone(),
+    }
+}
+
+/// A condition reason (CamelCase) for a layering finding's kind.
+fn reason_of(kind: crate::policy::layering::Kind) -> &'static str {
+    use crate::policy::layering::Kind;
+    match kind {
+        Kind::Unreachable => "Unreachable",
+        Kind::LooserInner => "LooserInner",
+        Kind::ShadowChangesNothing => "ShadowChangesNothing",
+        Kind::FallbackExceedsLimit => "FallbackExceedsLimit",
     }
 }
 
@@ -205,6 +238,9 @@ async fn apply_all(
                 if verdict(policy.status.as_ref()) != verdict(Some(&status)) {
                     publish_event(recorder, policy, &status).await;
                 }
+                if let Some(finding) = new_layering_finding(policy.status.as_ref(), &status) {
+                    publish_layering_event(recorder, policy, finding).await;
+                }
                 written.insert(uid, (policy.metadata.generation, status));
             }
             // Deleted since the compile: the next outcome no longer lists it.
@@ -238,6 +274,33 @@ async fn publish_event(recorder: &Recorder, policy: &RateLimitPolicy, status: &R
     };
     let note = find(ENFORCED).map(|c| truncate(&c.message, MAX_NOTE).to_string());
     let event = Event { type_, reason: reason.to_string(), note, action: "Compile".to_string(), secondary: None };
+    if let Err(error) = recorder.publish(&event, &policy.object_ref(&())).await {
+        tracing::warn!(policy = %policy.qualified_name(), %error, "cannot publish event");
+    }
+}
+
+/// The LayeringConsistent condition of `status` when it is False and says something the
+/// `previous` status did not: worth an Event.
+fn new_layering_finding<'a>(
+    previous: Option<&RateLimitPolicyStatus>,
+    status: &'a RateLimitPolicyStatus,
+) -> Option<&'a Condition> {
+    let find = |s: &RateLimitPolicyStatus| s.conditions.iter().find(|c| c.type_ == LAYERING).cloned();
+    let now = status.conditions.iter().find(|c| c.type_ == LAYERING)?;
+    let before = previous.and_then(find);
+    let news = before.is_none_or(|b| b.status != now.status || b.message != now.message);
+    (now.status == "False" && news).then_some(now)
+}
+
+/// A `Warning` Event naming what the layering report found.
+async fn publish_layering_event(recorder: &Recorder, policy: &RateLimitPolicy, condition: &Condition) {
+    let event = Event {
+        type_: EventType::Warning,
+        reason: condition.reason.clone(),
+        note: Some(truncate(&condition.message, MAX_NOTE).to_string()),
+        action: "Layering".to_string(),
+        secondary: None,
+    };
     if let Err(error) = recorder.publish(&event, &policy.object_ref(&())).await {
         tracing::warn!(policy = %policy.qualified_name(), %error, "cannot publish event");
     }
@@ -285,7 +348,7 @@ mod tests {
     }
 
     fn entry(p: RateLimitPolicy, rejected: Option<ValidationErrors>, enforced: Enforced) -> PolicyOutcome {
-        PolicyOutcome { policy: Arc::new(p), rejected, enforced, last_accepted: last(1) }
+        PolicyOutcome { policy: Arc::new(p), rejected, enforced, layering: Vec::new(), last_accepted: last(1) }
     }
 
     fn at(seconds: i64) -> Time {
@@ -378,5 +441,29 @@ mod tests {
         assert_eq!(truncate("abc", 5), "abc");
         assert_eq!(truncate("aé", 2), "a");
         assert_eq!(truncate(&"x".repeat(2000), MAX_NOTE).len(), MAX_NOTE);
+    }
+
+    #[test]
+    fn the_layering_report_sets_its_condition_and_news_of_it_make_an_event() {
+        use crate::policy::layering::{Finding, Kind};
+        let clean = desired(&entry(policy(1), None, Enforced::Current), "v1", at(10));
+        assert_eq!(find(&clean, LAYERING).status, "True");
+        assert_eq!(new_layering_finding(None, &clean), None);
+        let mut outcome = entry(policy(1), None, Enforced::Current);
+        outcome.layering = vec![Finding {
+            kind: Kind::Unreachable,
+            policy: "ns/p".into(),
+            index: 0,
+            rule: "r".into(),
+            other: Some(("ns/edge".into(), "per-ip".into())),
+            message: "it can never refuse a request".into(),
+        }];
+        let found = desired(&outcome, "v2", at(20));
+        let condition = find(&found, LAYERING);
+        assert_eq!((condition.status.as_str(), condition.reason.as_str()), ("False", "Unreachable"));
+        assert_eq!(condition.message, "spec.rules[0] (r): unreachable: it can never refuse a request");
+        assert!(new_layering_finding(Some(&clean), &found).is_some());
+        // Written again (a new snapshot version): no news, no second Event.
+        assert_eq!(new_layering_finding(Some(&found), &desired(&outcome, "v3", at(30))), None);
     }
 }

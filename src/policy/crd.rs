@@ -176,6 +176,30 @@ pub struct RateLimitPolicySpec {
     /// decides. docs/overload.md explains the model and every field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overload: Option<OverloadSpec>,
+
+    /// What admission does with the layering report about this policy's rules: a rule that can
+    /// never refuse because a tighter rule in front of it (same or coarser key, taking in every
+    /// request it counts) always refuses first, an inner rule whose sustained rate is above the
+    /// one in front of it, a shadow rule whose enforcement would change nothing, and an
+    /// `onStoreFailure: localFallback` whose per-replica shares add up to more than the limit.
+    /// `warn` (default): the admission webhook answers the findings as warnings, and the
+    /// operator sets the policy's `LayeringConsistent` condition to False and records an Event.
+    /// `strict`: the webhook also refuses a policy with findings about its own rules. The rules
+    /// of other policies of the namespace count as layers in front. docs/policy.md explains the
+    /// report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layering: Option<LayeringMode>,
+}
+
+/// What admission does with the layering report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum LayeringMode {
+    /// Warn, set the condition and record an Event; admit.
+    #[default]
+    Warn,
+    /// Refuse a policy whose rules the report finds fault with.
+    Strict,
 }
 
 /// Bound on `spec.priorities`: each entry's match runs on every request of the workload.

@@ -9,7 +9,7 @@
 
 use serde::Serialize;
 
-use super::crd::{Missing, PolicyRule};
+use super::crd::{Missing, PolicyRule, RateLimitPolicy};
 use super::matching::{
     Matched, RequestView, RuleMismatch, SelectorMismatch, build_key, matching_inputs, rule_mismatch, selector_mismatch,
 };
@@ -39,6 +39,8 @@ pub struct Explanation<'s> {
     pub protected: bool,
     /// Whether `overload.exempt` leaves the request alone.
     pub exempt: bool,
+    /// The layering report of the namespace's policies ([`super::layering`]).
+    pub layering: Vec<super::layering::Finding>,
 }
 
 #[derive(Debug)]
@@ -57,8 +59,9 @@ pub struct RuleExplanation<'s> {
 }
 
 impl Snapshot {
-    /// Explains every policy of the request's namespace (the only ones a check considers).
-    pub fn explain<'s>(&'s self, req: &RequestView<'_>) -> Explanation<'s> {
+    /// Explains every policy of the request's namespace (the only ones a check considers), with
+    /// the layering report of their rules (`replicas` sharing each `localFallback` limit).
+    pub fn explain<'s>(&'s self, req: &RequestView<'_>, replicas: u32) -> Explanation<'s> {
         let (path, host) = matching_inputs(req);
         let policies: Vec<PolicyExplanation<'_>> = self
             .namespace_policies(req.namespace)
@@ -86,7 +89,14 @@ impl Snapshot {
         let protected = policies
             .iter()
             .any(|p| p.selector_failure.is_none() && (!p.policy.priorities.is_empty() || p.policy.overload.is_some()));
+        let namespace_sources: Vec<RateLimitPolicy> = self
+            .sources()
+            .iter()
+            .filter(|p| p.metadata.namespace.as_deref().unwrap_or(crate::rule::DEFAULT_NAMESPACE) == req.namespace)
+            .cloned()
+            .collect();
         Explanation {
+            layering: super::layering::report(&namespace_sources, replicas),
             namespace: req.namespace.to_string(),
             path: path.into_owned(),
             host: host.map(str::to_string),
@@ -325,7 +335,14 @@ impl<'s> Explanation<'s> {
                         crate::duration::HumanDuration(l.staleness)
                     ),
                 };
+                let layering = self
+                    .layering
+                    .iter()
+                    .filter(|f| f.policy == r.rule.policy() && f.rule == r.rule.name())
+                    .map(LayeringNote::from)
+                    .collect();
                 rules.push(RuleReport {
+                    layering,
                     reserves,
                     consistency,
                     policy: r.rule.policy().to_string(),
@@ -435,6 +452,9 @@ impl ExplainReport {
                     rule.algorithm,
                     rule.key.as_deref().unwrap_or("")
                 );
+                for note in &rule.layering {
+                    let _ = writeln!(out, "    ! layering: {}: {}", note.kind, note.message);
+                }
             }
         }
         let _ = match &self.decision {
@@ -489,6 +509,28 @@ pub struct PolicyReport {
     pub reason: Option<String>,
 }
 
+/// One layering finding about a rule, as explain reports it.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LayeringNote {
+    /// `unreachable`, `looserInner`, `shadowChangesNothing` or `fallbackExceedsLimit`.
+    pub kind: &'static str,
+    /// The other rule involved, as `namespace/policy rule`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub other: Option<String>,
+    pub message: String,
+}
+
+impl From<&super::layering::Finding> for LayeringNote {
+    fn from(f: &super::layering::Finding) -> LayeringNote {
+        LayeringNote {
+            kind: f.kind.name(),
+            other: f.other.as_ref().map(|(policy, rule)| format!("{policy} rule {rule}")),
+            message: f.message.clone(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct RuleReport {
@@ -515,6 +557,10 @@ pub struct RuleReport {
     pub consistency: String,
     /// What this rule would decide now (when matched and the store can tell).
     pub decision: Option<RuleDecision>,
+    /// What the layering report says of this rule: unreachable behind another, looser than the
+    /// rule in front of it, a shadow rule that would change nothing, a fallback above the limit.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub layering: Vec<LayeringNote>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]

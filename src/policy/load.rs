@@ -434,8 +434,11 @@ fn schema_at<'a>(spec: &'a serde_json::Value, path: &str) -> Option<&'a serde_js
 /// Reads, validates and compiles every policy under `paths`. Any problem fails the whole load,
 /// naming the file, the document and the field, so a typo never silently drops a policy. Each
 /// policy is validated (and its regexes compiled) once, by the compile.
-pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
-    let (snapshot, warnings) = load_snapshot_with_warnings(paths)?;
+///
+/// `replicas` is the number of enforcers sharing each `localFallback` limit
+/// (`--fallback-replicas`), for the layering report ([`super::layering`]).
+pub fn load_snapshot(paths: &[PathBuf], replicas: u32) -> Result<Snapshot, String> {
+    let (snapshot, warnings) = load_snapshot_with_warnings(paths, replicas)?;
     for warning in warnings {
         tracing::warn!("{warning}");
     }
@@ -443,18 +446,27 @@ pub fn load_snapshot(paths: &[PathBuf]) -> Result<Snapshot, String> {
 }
 
 /// [`load_snapshot`], and the risky but valid choices of the policies (what the webhook returns
-/// as admission warnings), each naming its file, policy and field.
-pub fn load_snapshot_with_warnings(paths: &[PathBuf]) -> Result<(Snapshot, Vec<String>), String> {
+/// as admission warnings), each naming its file, policy and field, followed by the layering
+/// report of all of them together.
+pub fn load_snapshot_with_warnings(paths: &[PathBuf], replicas: u32) -> Result<(Snapshot, Vec<String>), String> {
     let parsed = parse_paths(paths).map_err(|e: LoadErrors| e.to_string())?;
-    let warnings: Vec<String> = parsed
+    let origins: HashMap<String, (PathBuf, usize)> =
+        parsed.iter().map(|l| (l.policy.qualified_name(), (l.file.clone(), l.document))).collect();
+    let at = |qualified: &str| match origins.get(qualified) {
+        Some((file, document)) => format!("{} (document {document}), policy {qualified}", file.display()),
+        None => format!("policy {qualified}"),
+    };
+    let mut warnings: Vec<String> = parsed
         .iter()
         .flat_map(|l| {
-            let at = format!("{} (document {}), policy {}", l.file.display(), l.document, l.policy.qualified_name());
+            let at = at(&l.policy.qualified_name());
             super::validate::warnings(&l.policy).into_iter().map(move |w| format!("{at}: {w}"))
         })
         .collect();
-    let origins: HashMap<String, (PathBuf, usize)> =
-        parsed.iter().map(|l| (l.policy.qualified_name(), (l.file.clone(), l.document))).collect();
+    let policies: Vec<RateLimitPolicy> = parsed.iter().map(|l| l.policy.clone()).collect();
+    warnings.extend(super::layering::report(&policies, replicas).iter().map(|f| {
+        format!("{}: spec.rules[{}] ({}): layering: {}: {}", at(&f.policy), f.index, f.rule, f.kind.name(), f.message)
+    }));
     let compiled = super::compile(parsed.into_iter().map(|l| l.policy).collect());
     if compiled.rejected.is_empty() {
         return Ok((compiled.snapshot, warnings));

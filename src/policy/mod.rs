@@ -10,6 +10,7 @@ pub mod consistency;
 pub mod crd;
 pub mod errors;
 pub mod explain;
+pub mod layering;
 pub mod load;
 pub mod matching;
 pub mod path;
@@ -21,8 +22,8 @@ pub mod validate;
 pub use compile::validate;
 pub use compile::{Compiled, Rejected, compile};
 pub use crd::{
-    FailureMode, HeaderMatch, KeyPart, LastAccepted, LimitSpec, Match, Missing, Mode, OverloadSpec, PathMatch,
-    PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec,
+    FailureMode, HeaderMatch, KeyPart, LastAccepted, LayeringMode, LimitSpec, Match, Missing, Mode, OverloadSpec,
+    PathMatch, PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec,
     ResponseCostMode, ResponseCostSpec, crd_yaml,
 };
 pub use errors::{FieldError, ValidationErrors};

@@ -95,7 +95,9 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     let paths = args.policies.clone();
     // The fingerprint read before the load is the watcher's baseline: an edit made while the
     // process starts is then seen as a change, not taken for what was loaded.
-    let (baseline, loaded) = tokio::task::spawn_blocking(move || (fingerprint(&paths), load_snapshot(&paths))).await?;
+    let replicas = args.store.fallback_replicas;
+    let (baseline, loaded) =
+        tokio::task::spawn_blocking(move || (fingerprint(&paths), load_snapshot(&paths, replicas))).await?;
     let snapshot = match loaded {
         Ok(snapshot) => snapshot,
         Err(message) => return Err(ServeError::Policies(message)),
@@ -274,7 +276,8 @@ async fn poll_policies<S: Store>(engine: &Engine<S>, paths: &[PathBuf], change: 
         return;
     }
     let paths_for_load = paths.to_vec();
-    match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load)).await {
+    let replicas = engine.fallback_replicas();
+    match tokio::task::spawn_blocking(move || load_snapshot(&paths_for_load, replicas)).await {
         Ok(Ok(snapshot)) if snapshot.policies().is_empty() && !engine.live().snapshot.policies().is_empty() => {
             let rules = engine.live().snapshot.rule_count();
             if allow_empty {
@@ -363,7 +366,7 @@ spec:
         let clock = Arc::new(SystemClock);
         let engine =
             Engine::new(Arc::new(MemoryStore::with_clock(100, clock.clone())), clock, Arc::new(Metrics::new()));
-        engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+        engine.install(Arc::new(load_snapshot(&paths, 1).unwrap()));
         let mut change = SettledChange::new(fingerprint(&paths));
         assert_eq!(installs(&engine), 1);
 
@@ -389,7 +392,7 @@ spec:
         let clock = Arc::new(SystemClock);
         let engine =
             Engine::new(Arc::new(MemoryStore::with_clock(100, clock.clone())), clock, Arc::new(Metrics::new()));
-        engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+        engine.install(Arc::new(load_snapshot(&paths, 1).unwrap()));
         let mut change = SettledChange::new(fingerprint(&paths));
 
         std::fs::write(&file, "# moved to another ConfigMap\n").unwrap();
@@ -440,7 +443,7 @@ spec:
         let series = |name: &str| metrics.encode().lines().filter(|l| l.contains(&format!("rule=\"{name}\""))).count();
         for n in 0..13 {
             std::fs::write(&file, POLICY.replace("name: r", &format!("name: r{n}"))).unwrap();
-            engine.install(Arc::new(load_snapshot(&paths).unwrap()));
+            engine.install(Arc::new(load_snapshot(&paths, 1).unwrap()));
         }
         assert_eq!(series("r12"), 3, "allowed, limited, would_limit");
         assert_eq!((0..12).map(|n| series(&format!("r{n}"))).sum::<usize>(), 0, "{}", metrics.encode());

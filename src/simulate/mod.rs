@@ -56,6 +56,10 @@ pub struct SimulateArgs {
     /// Policy files or directories (their *.yaml and *.yml files).
     #[arg(long = "policies", short = 'p', required = true, num_args = 1.., value_delimiter = ',')]
     pub policies: Vec<PathBuf>,
+    /// Replicas sharing each `onStoreFailure: localFallback` limit, as the endpoint's
+    /// `--fallback-replicas`: the layering report checks their shares against the limit.
+    #[arg(long, default_value_t = 1)]
+    pub fallback_replicas: u32,
     /// Arrivals, one per line: `seconds [key [cost]]` (docs/simulate.md).
     #[arg(long, group = "arrivals")]
     pub trace: Option<PathBuf>,
@@ -117,8 +121,8 @@ pub fn run(args: &SimulateArgs) -> Result<String, SimulateError> {
             "no arrivals: give --trace FILE (one `seconds [key [cost]]` per line) or --pattern SPEC (e.g. 'burst 20; burst 20 at 300ms'); docs/simulate.md".into(),
         ));
     }
-    let (snapshot, warnings) =
-        crate::policy::load_snapshot_with_warnings(&args.policies).map_err(SimulateError::Policies)?;
+    let (snapshot, warnings) = crate::policy::load_snapshot_with_warnings(&args.policies, args.fallback_replicas)
+        .map_err(SimulateError::Policies)?;
     // The command's own stderr: the report on stdout stays what a script reads.
     for warning in warnings {
         eprintln!("warning: {warning}");

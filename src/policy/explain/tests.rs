@@ -83,7 +83,7 @@ fn explain_agrees_with_resolve_on_many_requests() {
                             };
                             let mut resolved = Vec::new();
                             snapshot.resolve(&req, &mut resolved);
-                            let explanation = snapshot.explain(&req);
+                            let explanation = snapshot.explain(&req, 1);
                             let explained = explanation.matched();
                             assert_eq!(resolved.len(), explained.len(), "{req:?}");
                             for (r, e) in resolved.iter().zip(&explained) {
@@ -109,7 +109,7 @@ fn explain_agrees_with_resolve_on_many_requests() {
 
 fn reasons(req: &RequestView<'_>) -> Vec<(String, Option<String>)> {
     let snapshot = snapshot();
-    let report = snapshot.explain(req).report(None);
+    let report = snapshot.explain(req, 1).report(None);
     report.rules.into_iter().map(|r| (r.rule, r.reason)).collect()
 }
 
@@ -156,7 +156,7 @@ fn keys_are_shown_part_by_part() {
     req.method = "POST";
     req.headers = &headers;
     req.labels = &labels;
-    let report = snapshot.explain(&req).report(None);
+    let report = snapshot.explain(&req, 1).report(None);
     assert_eq!(report.path, "/orders/1", "the normalized path");
     let writes = report.rules.iter().find(|r| r.rule == "writes").unwrap();
     assert_eq!(writes.key.as_deref(), Some("5:a|b:c"));

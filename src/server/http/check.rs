@@ -139,7 +139,7 @@ async fn explain_request<S: Store>(state: &ApiState<S>, headers: &HeaderMap, bod
     let (caller, request) = caller_and_request(state, headers, body).await?;
     let view = request.view(&caller).map_err(ApiError::forbidden)?;
     let live = state.engine.live();
-    let explanation = live.snapshot.explain(&view);
+    let explanation = live.snapshot.explain(&view, state.engine.fallback_replicas());
     // A store that cannot read without consuming (Redis) leaves the decision unknown.
     let verdict = state.engine.store().peek_for(view.namespace, None, &explanation.checks()).await.ok().flatten();
     Ok(axum::Json(explanation.report(verdict.as_ref())).into_response())
