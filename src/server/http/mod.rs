@@ -114,10 +114,36 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
 
 fn add_response_headers(map: &mut HeaderMap, headers: &[(std::borrow::Cow<'static, str>, String)]) {
     for (name, value) in headers {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+        let name = match name {
+            std::borrow::Cow::Borrowed(name) => {
+                own_header_name(name).map_or_else(|| HeaderName::from_bytes(name.as_bytes()), Ok)
+            }
+            std::borrow::Cow::Owned(name) => HeaderName::from_bytes(name.as_bytes()),
+        };
+        if let (Ok(name), Ok(value)) = (name, HeaderValue::from_str(value)) {
             map.insert(name, value);
         }
     }
+}
+
+/// Sluice's own rate-limit headers, named once: `HeaderName::from_bytes` lowercases and copies a
+/// name that is not one of HTTP's standard ones, on every response (the names in the JSON
+/// answer keep their case: that is the wire contract).
+fn own_header_name(name: &str) -> Option<HeaderName> {
+    const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+    const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+    const LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+    const REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+    const RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+    Some(match name {
+        "RateLimit" => RATELIMIT,
+        "RateLimit-Policy" => RATELIMIT_POLICY,
+        "X-RateLimit-Limit" => LIMIT,
+        "X-RateLimit-Remaining" => REMAINING,
+        "X-RateLimit-Reset" => RESET,
+        "Retry-After" => header::RETRY_AFTER,
+        _ => return None,
+    })
 }
 
 /// A decision as the JSON answer, with `headers` (the rate-limit headers) on the response too.
@@ -126,10 +152,9 @@ fn json_response(
     decision: &CheckResponse,
     headers: Option<&[(std::borrow::Cow<'static, str>, String)]>,
 ) -> Result<Response, ApiError> {
-    // Sized for a few rules up front, instead of growing from serde_json's 128 bytes.
+    // Sized for a few rules up front.
     let mut body = Vec::with_capacity(512 + 384 * decision.rules.len());
-    serde_json::to_writer(&mut body, decision)
-        .map_err(|e| ApiError::Encoding(format!("encoding the decision: {e}")))?;
+    decision.write_json(&mut body);
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
     let map = response.headers_mut();
@@ -168,4 +193,24 @@ async fn not_found(uri: Uri) -> Response {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     error_response(StatusCode::METHOD_NOT_ALLOWED, format!("{method} is not allowed on {}", uri.path()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_header_names_are_the_names_parsed() {
+        for name in [
+            "RateLimit",
+            "RateLimit-Policy",
+            "X-RateLimit-Limit",
+            "X-RateLimit-Remaining",
+            "X-RateLimit-Reset",
+            "Retry-After",
+        ] {
+            assert_eq!(own_header_name(name), HeaderName::from_bytes(name.as_bytes()).ok(), "{name}");
+        }
+        assert_eq!(own_header_name("X-Custom"), None);
+    }
 }
