@@ -29,6 +29,7 @@ started=$SECONDS
 # --- what runs ------------------------------------------------------------------------------------
 # name | command (run by bash from the checkout, with SMOKE=1 and the binaries exported)
 RUNS=(
+  "scripts/bench/check-instructions.sh|scripts/bench/check-instructions.sh"
   "scripts/bench/check-load.sh|scripts/bench/check-load.sh"
   "scripts/bench/checks-memory.sh|scripts/bench/checks-memory.sh"
   "scripts/bench/envoy-ratelimit.sh|peer envoy-ratelimit"
