@@ -13,43 +13,79 @@ use super::{CheckResponse, RuleResult};
 impl CheckResponse {
     /// Appends the answer's JSON to `out`: exactly `serde_json::to_writer(out, self)`.
     pub fn write_json(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(b"{\"allowed\":");
-        push_bool(out, self.allowed);
-        out.extend_from_slice(b",\"status\":");
-        push_u64(out, u64::from(self.status));
-        out.extend_from_slice(b",\"retryAfterMs\":");
-        push_option(out, self.retry_after_ms);
-        out.extend_from_slice(b",\"delayMs\":");
-        push_u64(out, self.delay_ms);
-        out.extend_from_slice(b",\"headers\":{");
-        for (i, (name, value)) in self.headers.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            push_str(out, name);
-            out.push(b':');
-            push_str(out, value);
+        write_decision(
+            out,
+            &Decision {
+                allowed: self.allowed,
+                status: self.status,
+                retry_after_ms: self.retry_after_ms,
+                delay_ms: self.delay_ms,
+                headers: &self.headers,
+                body: self.body.as_deref(),
+                rules: Some(&self.rules),
+                snapshot: &self.snapshot,
+                lease: self.lease.as_deref(),
+            },
+        );
+    }
+}
+
+/// The fields of a decision as the check APIs answer it: `/v1/check` with its rules, each result
+/// of `/v1/checks` without.
+pub(crate) struct Decision<'a> {
+    pub allowed: bool,
+    pub status: u16,
+    pub retry_after_ms: Option<u64>,
+    pub delay_ms: u64,
+    pub headers: &'a [(std::borrow::Cow<'static, str>, String)],
+    pub body: Option<&'a str>,
+    pub rules: Option<&'a [RuleResult]>,
+    pub snapshot: &'a str,
+    pub lease: Option<&'a str>,
+}
+
+/// Appends `decision` as a JSON object, in the field order and with the omissions of the serde
+/// definitions ([`CheckResponse`], `api::checks::LeanDecision`).
+pub(crate) fn write_decision(out: &mut Vec<u8>, decision: &Decision<'_>) {
+    out.extend_from_slice(b"{\"allowed\":");
+    push_bool(out, decision.allowed);
+    out.extend_from_slice(b",\"status\":");
+    push_u64(out, u64::from(decision.status));
+    out.extend_from_slice(b",\"retryAfterMs\":");
+    push_option(out, decision.retry_after_ms);
+    out.extend_from_slice(b",\"delayMs\":");
+    push_u64(out, decision.delay_ms);
+    out.extend_from_slice(b",\"headers\":{");
+    for (i, (name, value)) in decision.headers.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
         }
-        out.push(b'}');
-        if let Some(body) = &self.body {
-            out.extend_from_slice(b",\"body\":");
-            push_str(out, body);
-        }
+        push_str(out, name);
+        out.push(b':');
+        push_str(out, value);
+    }
+    out.push(b'}');
+    if let Some(body) = decision.body {
+        out.extend_from_slice(b",\"body\":");
+        push_str(out, body);
+    }
+    if let Some(rules) = decision.rules {
         out.extend_from_slice(b",\"rules\":[");
-        for (i, rule) in self.rules.iter().enumerate() {
+        for (i, rule) in rules.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
             rule.write_json(out);
         }
-        out.extend_from_slice(b"],\"snapshot\":");
-        push_str(out, &self.snapshot);
-        if let Some(lease) = &self.lease {
-            out.extend_from_slice(b",\"lease\":");
-            push_str(out, lease);
-        }
-        out.push(b'}');
+        out.push(b']');
     }
+    out.extend_from_slice(b",\"snapshot\":");
+    push_str(out, decision.snapshot);
+    if let Some(lease) = decision.lease {
+        out.extend_from_slice(b",\"lease\":");
+        push_str(out, lease);
+    }
+    out.push(b'}');
 }
 
 impl RuleResult {

@@ -3,7 +3,7 @@
 
 pub mod headers;
 pub mod hold;
-mod json;
+pub(crate) mod json;
 pub mod leases;
 pub mod leasing;
 

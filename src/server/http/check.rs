@@ -122,8 +122,7 @@ async fn decide_batch<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: 
         })
         .collect();
     let mut body = Vec::with_capacity(32 + 320 * results.len());
-    serde_json::to_writer(&mut body, &BatchResults { results: &results })
-        .map_err(|e| ApiError::Encoding(format!("encoding the decisions: {e}")))?;
+    BatchResults { results: &results }.write_json(&mut body);
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     Ok(response)
