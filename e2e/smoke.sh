@@ -418,9 +418,12 @@ EOF
   [ -n "$pod" ] || die "no running echo-ipt pod"
   ip="$(kubectl -n "$SMOKE_NS" get pod "$pod" -o jsonpath='{.status.podIP}')"
   log "iptables: the init container's rules:"
-  kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init >&2 || die "no log from sluice-init"
-  kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init | grep -q -- '--dport 8080 -j REDIRECT --to-ports 15080' \
-    || die "sluice-init did not install the redirect of 8080"
+  local rules
+  rules="$(kubectl -n "$SMOKE_NS" logs "$pod" -c sluice-init)" || die "no log from sluice-init"
+  printf '%s\n' "$rules" >&2
+  # Read whole first: `kubectl logs | grep -q` fails under pipefail whenever grep's early exit
+  # ends kubectl's write (SIGPIPE), although the line is there.
+  grep -q -- '--dport 8080 -j REDIRECT --to-ports 15080' <<<"$rules" || die "sluice-init did not install the redirect of 8080"
 
   log "iptables: another pod dials the app's own port ($ip:8080): it goes through the sidecar"
   start_client
@@ -594,9 +597,10 @@ pod_terminating() {
   [ -n "$deleting" ]
 }
 
-# DRAIN_IP answers with DRAIN_NEW's name (the new pod).
-new_pod_answers() {
-  [ "$(client_get "http://$DRAIN_IP/cgi-bin/slow?0" "drain-$RANDOM")" = 200 ] && [ "$(client_body)" = "$DRAIN_NEW" ]
+# DRAIN_IP answers with pod $1's name: its CGI runs (any answer is not enough: a 404 says the
+# app does not serve the script yet).
+pod_answers() {
+  [ "$(client_get "http://$DRAIN_IP/cgi-bin/slow?0" "drain-$RANDOM")" = 200 ] && [ "$(client_body)" = "$1" ]
 }
 
 # A rolling restart while a request is in flight through the sidecar, native and classic.
@@ -611,12 +615,13 @@ phase_drain() {
     kubectl -n "$SMOKE_NS" rollout status "deployment/$app" --timeout=180s >&2 || die "$app did not roll out"
     old="$(app_pod "$app")"
     DRAIN_IP="$(kubectl -n "$SMOKE_NS" get service "$app" -o jsonpath='{.spec.clusterIP}')"
-    retry 60 client_reaches "http://$DRAIN_IP/cgi-bin/slow?0" \
-      || { cat "$WORK/client-out" >&2; die "the client pod does not reach the $app Service"; }
+    retry 60 pod_answers "$old" \
+      || { cat "$WORK/client-out" >&2; die "the $app Service does not answer from its pod $old"; }
     out_file="$WORK/$app-inflight.out"; code_file="$WORK/$app-inflight.code"
     rm -f "$out_file" "$code_file"
     # busybox wget exits non-zero on anything but a 2xx.
-    ( kubectl -n "$SMOKE_NS" exec client -- sh -c "timeout 60 wget -q -O - 'http://$DRAIN_IP/cgi-bin/slow?15'" >"$out_file" 2>&1
+    # set +e: the subshell inherits -e, which would end it before a failure's status is written.
+    ( set +e; kubectl -n "$SMOKE_NS" exec client -- sh -c "timeout 60 wget -q -O - 'http://$DRAIN_IP/cgi-bin/slow?15'" >"$out_file" 2>&1
       echo $? >"$code_file" ) &
     bg=$!
     sleep 2
@@ -626,13 +631,16 @@ phase_drain() {
     [ ! -s "$code_file" ] || die "the request ended before the old pod $old was terminating: $(cat "$out_file")"
     log "drain ($kind): $old is terminating, the request still in flight"
     wait "$bg" || true
-    [ "$(cat "$code_file")" = 0 ] || die "the in-flight request through the $kind sidecar failed (exit $(cat "$code_file")): $(cat "$out_file")"
+    if [ "$(cat "$code_file")" != 0 ]; then
+      kubectl -n "$SMOKE_NS" logs "$old" --all-containers --prefix --tail=30 >&2 || true
+      die "the in-flight request through the $kind sidecar failed (exit $(cat "$code_file")): $(cat "$out_file")"
+    fi
     body="$(cat "$out_file")"
     [ "$body" = "$old" ] || die "the in-flight request was not answered by the old pod $old: $body"
     log "drain ($kind): the in-flight request completed with 200 from $old"
     kubectl -n "$SMOKE_NS" rollout status "deployment/$app" --timeout=180s >&2 || die "$app did not roll out again"
     DRAIN_NEW="$(app_pod "$app")"
-    retry 60 new_pod_answers || { cat "$WORK/client-out" >&2; die "new requests do not reach the new pod $DRAIN_NEW"; }
+    retry 60 pod_answers "$DRAIN_NEW" || { cat "$WORK/client-out" >&2; die "new requests do not reach the new pod $DRAIN_NEW"; }
     log "drain ($kind): new requests reach $DRAIN_NEW"
     kubectl -n "$SMOKE_NS" delete deployment "$app" --wait=false >&2
   done
