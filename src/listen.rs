@@ -8,7 +8,8 @@
 //!   long at most (plus one sweep interval, a quarter of the timeout and at most a second). The
 //!   listener's sweep checks every connection's idle time, rather than hyper arming a timer for
 //!   every request head: the same bound, without a timer-wheel entry set and cleared per request
-//!   (about 700 instructions of a ~50,000-instruction check). After its first request an HTTP/2
+//!   nor a `Sleep` polled at every wake-up (together about 1,900 instructions of a
+//!   ~50,000-instruction check, docs/benchmarks.md). After its first request an HTTP/2
 //!   connection is left out (hyper never bounded its heads either): between requests it is
 //!   closed only to make room, below;
 //! - **the first request**: a connection's first request head (its TLS handshake included) must
@@ -142,7 +143,7 @@ fn open_files_limit(text: &str) -> Option<usize> {
 /// The HTTP/1.1 and HTTP/2 server settings every listener shares. HTTP/1 gets no timer: the
 /// header-read timeout is the listener's sweep ([`accept_loop`]), and hyper with a timer would
 /// also arm its own per request head.
-pub fn http_builder(_limits: ConnectionLimits) -> auto::Builder<TokioExecutor> {
+pub fn http_builder() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().keep_alive(true);
     builder.http2().timer(TokioTimer::new());
@@ -335,7 +336,6 @@ impl ConnectionTable {
         let activity = Arc::new(ActivityState {
             in_flight: AtomicUsize::new(0),
             idle_since: AtomicU64::new(self.clock.now()),
-            first_request_started: AtomicBool::new(false),
             http2: AtomicBool::new(false),
             closing: AtomicU8::new(Closing::MadeRoom as u8),
             evicted: Notify::new(),
@@ -371,8 +371,9 @@ impl ConnectionTable {
         let now = self.clock.now();
         let connections = self.connections.lock().unwrap_or_else(PoisonError::into_inner);
         for activity in connections.values() {
-            let waiting =
-                !activity.first_request_started.load(Ordering::Acquire) || !activity.http2.load(Ordering::Relaxed);
+            // Only a request marks HTTP/2, so an unmarked connection is before its first request or
+            // HTTP/1: waiting for a head either way.
+            let waiting = !activity.http2.load(Ordering::Relaxed);
             let idle = activity.in_flight.load(Ordering::Acquire) == 0;
             if waiting && idle && now.saturating_sub(activity.idle_since.load(Ordering::Acquire)) > timeout {
                 activity.close(Closing::NoRequestHead);
@@ -401,8 +402,6 @@ struct ActivityState {
     /// The [`IdleClock`] when the connection last fell idle (served, or its last response sent):
     /// the smallest has been doing nothing longest.
     idle_since: AtomicU64,
-    /// A request has started on this connection.
-    first_request_started: AtomicBool,
     /// A request came as HTTP/2: past its first request, the sweep leaves the connection alone.
     http2: AtomicBool,
     /// Why the connection was chosen to close ([`Closing`] as a number).
@@ -474,7 +473,6 @@ struct InFlight(Arc<ActivityState>);
 impl InFlight {
     /// None when the connection has already been chosen to make room (it is about to close).
     fn start(activity: &Arc<ActivityState>) -> Option<InFlight> {
-        activity.first_request_started.store(true, Ordering::Release);
         activity
             .in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n != EVICTED).then_some(n + 1))
@@ -582,7 +580,7 @@ pub async fn serve(
     limits: ConnectionLimits,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let builder = Arc::new(http_builder(limits));
+    let builder = Arc::new(http_builder());
     accept_loop(listener, limits, shutdown, |stream, peer, shutdown, activity| {
         let (router, builder, tls) = (router.clone(), builder.clone(), tls.clone());
         async move { serve_connection(stream, peer, router, &builder, tls, shutdown, activity).await }

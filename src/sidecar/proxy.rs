@@ -741,7 +741,7 @@ pub async fn serve(
     limits: crate::listen::ConnectionLimits,
     shutdown: watch::Receiver<bool>,
 ) {
-    let builder = Arc::new(crate::listen::http_builder(limits));
+    let builder = Arc::new(crate::listen::http_builder());
     crate::listen::accept_loop(listener, limits, shutdown, |stream, peer, mut shutdown, activity| {
         let upstream = Arc::new(proxy.upstream_for(&stream));
         let (proxy, builder) = (proxy.clone(), builder.clone());
