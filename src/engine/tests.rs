@@ -68,6 +68,9 @@ fn traced_check(filter: &str) -> Vec<String> {
     let subscriber =
         tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(filter)).with(fields.clone());
     tracing::subscriber::with_default(subscriber, || {
+        // Another test thread may have cached the check span's callsite as uninteresting (no
+        // subscriber wanted it then): ask every callsite again under this one.
+        tracing::callsite::rebuild_interest_cache();
         let request = RequestView { namespace: "ns", ..RequestView::new("/") };
         let response = futures::executor::block_on(engine.check(&request, Holds::Returned));
         assert!(response.allowed);
