@@ -83,6 +83,8 @@ async fn main() {
                     cost: 1,
                     fields: &sluice::request::names::NoEntries,
                     descriptor: None,
+                    egress: None,
+                    max_wait: None,
                 };
                 std::hint::black_box(engine.check(&view, sluice::engine::Holds::Returned).await);
             }

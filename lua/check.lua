@@ -22,7 +22,9 @@
 --          Rust).
 --
 -- Returns an array of integers: { allowed, then for each rule i: allowed, remaining,
---          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us }.
+--          reset_after_us, retry_after_us (-1 = never / not applicable), delay_us, then the
+--          decision's now (µs) }: a shaped admission's slot ends at now + reset_after_us, which
+--          is what `cancel` below gives back.
 --
 -- All-or-nothing: phase 1 decides every rule without writing. The request is allowed when every
 -- enforcing rule allowed it (shadow rules never deny). Only then does phase 2 consume, in each
@@ -129,8 +131,8 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
     if ok then
       l.module.consume(key, ktype, state, l, now, cost, hold)
     end
-    out[base + 1], out[base + 2], out[base + 3], out[base + 4], out[base + 5], out[base + 6] =
-      (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay
+    out[base + 1], out[base + 2], out[base + 3], out[base + 4], out[base + 5], out[base + 6], out[base + 7] =
+      (ok or not l.enforce) and 1 or 0, ok and 1 or 0, remaining, reset_after, retry_after, delay, now
     return nil
   end
 
@@ -146,8 +148,9 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
   end
 
   -- Phase 1: decide, read-only. The reply is filled as we go: { allowed, then per rule five
-  -- integers } (see the contract above).
+  -- integers, then now } (see the contract above).
   out[base + 1] = 1
+  out[base + 5 * n + 2] = now
   local allowed = true
   for i = 1, n do
     local l, key = rules[i], KEYS[k0 + i]
@@ -254,7 +257,7 @@ end
 -- ARGV[1]  the number of requests m; then per request: its now ("" for the server's clock, read
 --          once for the whole call), its hold id ("" for none), its number of rules n, then its
 --          2n parameter and cost arguments as for `decide`. KEYS: every request's keys, in order.
--- Returns the m replies of `decide` concatenated (1 + 5n integers each).
+-- Returns the m replies of `decide` concatenated (2 + 5n integers each).
 -- Every argument is checked before anything is decided, so a malformed call writes nothing.
 local function decide_many(KEYS, ARGV)
   local m = int(ARGV[1])
@@ -338,6 +341,38 @@ local function settle(KEYS, ARGV)
     end
   end
   return found
+end
+
+-- Gives back the slots of a request that shaping rules (leaky bucket with maxDelay) admitted with
+-- a delay, whose caller went away before it departed (`sluice::algorithm::give_back`), at ARGV[1]
+-- ("" for the server's clock).
+-- KEYS[i]  the state key of the request's shaping rule i (src/store/keys.rs).
+-- ARGV[3i − 1], ARGV[3i], ARGV[3i + 1]  rule i's parameters as for `decide`, the cost the
+--          request took, and the TAT its admission set (µs: that decision's now plus its
+--          reset_after_us).
+-- Only the last slot taken goes back (its departure then goes to the next request); a slot with
+-- later ones behind it, one already departed, or a key of another shape is left alone. Every
+-- argument is checked before anything is written.
+-- Returns the number of slots given back.
+local function cancel(KEYS, ARGV)
+  local now = instant(ARGV[1], {})
+  if now == nil or #ARGV ~= 1 + 3 * #KEYS then
+    return redis.error_reply('sluice: cancel takes now ("" or µs), then per key its rule parameters, the cost and the TAT its admission set')
+  end
+  local rules, costs, untils = {}, {}, {}
+  for i = 1, #KEYS do
+    rules[i], costs[i], untils[i] = rule_params(ARGV[3 * i - 1]), amount(ARGV[3 * i]), int(ARGV[3 * i + 1])
+    if rules[i] == nil or costs[i] == nil or untils[i] == nil then
+      return redis.error_reply('sluice: bad arguments for key ' .. i)
+    end
+  end
+  local given = 0
+  for i, key in ipairs(KEYS) do
+    if rules[i].module == sluice.gcra then
+      given = given + sluice.gcra.give_back(key, rules[i], now, untils[i], costs[i])
+    end
+  end
+  return given
 end
 
 -- Quota leases for one holder (`sluice::algorithm::lease`; src/store/mod.rs `LeaseOp`), at ARGV[1]

@@ -57,3 +57,23 @@ function sluice.gcra.consume(key, ktype, tat, l, now, cost)
     redis.call('SET', key, fmt(new_tat), 'PX', ttl_ms(new_tat, now))
   end
 end
+
+-- Gives back the slot of a shaped admission whose caller went away before it departed
+-- (`sluice::algorithm::give_back`): only the last slot taken, while the key's TAT still equals
+-- `until_` (what that admission set) and its departure, until_ − cost × interval, is ahead.
+-- Returns 1 when it went back, else 0.
+function sluice.gcra.give_back(key, l, now, until_, cost)
+  if l.algo ~= 3 or l.max_delay < 0 then
+    return 0
+  end
+  local tat, ktype = sluice.gcra.read(key)
+  if ktype ~= 'string' or tat ~= until_ then
+    return 0
+  end
+  local departure = until_ - cost * l.interval
+  if departure <= now then
+    return 0
+  end
+  redis.call('SET', key, fmt(departure), 'PX', ttl_ms(departure, now))
+  return 1
+end

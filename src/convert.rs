@@ -133,6 +133,7 @@ pub fn envoy_ratelimit(yaml: &str, namespace: Option<&str>, algorithm: Algorithm
                     priorities: Vec::new(),
                     overload: None,
                     layering: None,
+                    egress: Vec::new(),
                 },
             );
             policy.metadata.namespace = Some(namespace.to_string());

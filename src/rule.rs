@@ -84,6 +84,10 @@ pub struct Verdict {
     /// ([`crate::store::denials`]): the other rules were not decided, and their decisions only say that they
     /// refused nothing.
     pub cached_denial: Option<usize>,
+    /// The store's instant of the decision (µs since the epoch, the store's own clock), when
+    /// it said: a shaped admission's slot ends at this plus its `reset_after`, which is what a
+    /// caller gives back if it never departs ([`crate::algorithm::give_back`]).
+    pub at: Option<crate::algorithm::Micros>,
 }
 
 impl Verdict {
@@ -102,13 +106,13 @@ impl Verdict {
                 }
             })
             .collect();
-        Verdict { allowed: false, decisions, cached_denial: Some(by) }
+        Verdict { allowed: false, decisions, cached_denial: Some(by), at: None }
     }
 
     /// Combines per-rule decisions the way every store must.
     pub fn from_decisions(checks: &[RuleCheck<'_>], decisions: Vec<Decision>) -> Verdict {
         let allowed = admits(checks, &decisions);
-        Verdict { allowed, decisions, cached_denial: None }
+        Verdict { allowed, decisions, cached_denial: None, at: None }
     }
 }
 

@@ -127,6 +127,9 @@ pub struct Metrics {
     /// Rules that hold capacity (concurrency) matched where nothing can release it, so not
     /// decided there, by entry point.
     pub holding_rules_skipped: Family<ApiLabels, Counter>,
+    /// Slots of shaping rules given back by callers that left before departing
+    /// (`POST /v1/cancel`, abandoned waits).
+    pub slots_given_back: Counter,
     /// Quota leases (`consistency: leased`): requests of leased rules by who decided them
     /// (`admitted_locally`, `refused_locally`, `store`), renewals by outcome (`granted`,
     /// `empty`, `failed`), units by what became of them (`granted`, `spent`, `returned`), and
@@ -283,6 +286,12 @@ impl Metrics {
             "Keys each namespace holds in Redis, as last counted (--redis-usage-interval); --redis-namespace-max-keys bounds it",
             redis_keys.clone(),
         );
+        let slots_given_back = Counter::default();
+        registry.register(
+            "slots_given_back",
+            "Slots of shaping rules given back by callers that left before their departure",
+            slots_given_back.clone(),
+        );
         let holding_rules_skipped = Family::<ApiLabels, Counter>::default();
         registry.register(
             "holding_rules_skipped",
@@ -407,6 +416,7 @@ impl Metrics {
             memory_evictions,
             redis_keys,
             holding_rules_skipped,
+            slots_given_back,
             record_lock: parking_lot::Mutex::new(()),
             rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,

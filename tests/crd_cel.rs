@@ -149,7 +149,7 @@ fn overload_policies_pass_cel_and_its_mistakes_are_caught() {
         }
     }
     assert_eq!(cel_errors("  overload: {}\n  rules: []\n"), "");
-    assert!(cel_errors("  rules: []\n").contains("at least one rule is required (or spec.overload)"));
+    assert!(cel_errors("  rules: []\n").contains("at least one rule is required (or spec.overload, or spec.egress)"));
     assert!(
         cel_errors("  overload: {minLimit: 10, maxLimit: 5, initialLimit: 7}\n  rules: []\n")
             .contains("overload.minLimit must not exceed overload.maxLimit")
@@ -212,4 +212,37 @@ fn leased_policies_pass_cel_and_their_mistakes_are_caught() {
     assert!(cel_errors(&rule("{mode: leased}")).contains("leased needs maxOvershoot"));
     assert!(cel_errors(&rule("{mode: exact, maxOvershoot: '5'}")).contains("apply to consistency: leased only"));
     assert!(cel_errors(&rule("{mode: leased, maxOvershoot: '2%', maxStaleness: soon}")).contains("maxStaleness"));
+}
+
+/// `spec.egress`: the example passes, a policy of egress alone needs no rules, and each of its
+/// rules catches its mistake with the message compile gives.
+#[test]
+fn egress_passes_cel_and_its_mistakes_are_caught() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/egress");
+    for loaded in sluice::policy::load_paths(&[dir]).expect("examples load") {
+        if let Err(e) = validate_cel(&loaded.policy) {
+            panic!("{}: {e:?}", loaded.file.display());
+        }
+        sluice::policy::validate(&loaded.policy).expect("the example compiles");
+    }
+    let entry = |name: &str, port: u16, extra: &str| {
+        format!(
+            "  - {{name: {name}, destination: \"https://bank.example.com\", listenPort: {port}, limit: {{requests: 5, per: 1s, maxDelay: 1s{extra}}}}}\n"
+        )
+    };
+    assert_eq!(cel_errors(&format!("  egress:\n{}", entry("bank", 15100, ""))), "");
+    let cases = [
+        ("egress names must be unique", format!("  egress:\n{}{}", entry("bank", 15100, ""), entry("bank", 15101, ""))),
+        ("egress listen ports must be unique", format!("  egress:\n{}{}", entry("a", 15100, ""), entry("b", 15100, ""))),
+        ("limit.maxDelay (the longest a request waits for its slot) is required",
+            "  egress:\n  - {name: b, destination: \"http://b\", listenPort: 15100, limit: {requests: 5, per: 1s}}\n".into()),
+        ("remove limit.burst", format!("  egress:\n{}", entry("bank", 15100, ", burst: 3"))),
+        ("destination must be an http:// or https:// URL",
+            "  egress:\n  - {name: b, destination: \"ftp://b\", listenPort: 15100, limit: {requests: 5, per: 1s, maxDelay: 1s}}\n".into()),
+        ("caBundle verifies an https:// destination",
+            "  egress:\n  - {name: b, destination: \"http://b\", listenPort: 15100, caBundle: x, limit: {requests: 5, per: 1s, maxDelay: 1s}}\n".into()),
+    ];
+    for (message, spec) in cases {
+        assert!(cel_errors(&spec).contains(message), "{message}: {}", cel_errors(&spec));
+    }
 }

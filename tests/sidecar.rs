@@ -494,6 +494,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         check_uri: endpoint("/v1/check"),
         checks_uri: endpoint("/v1/checks"),
         settle_uri: endpoint("/v1/settle"),
+        cancel_uri: endpoint("/v1/cancel"),
         leases_uri: endpoint("/v1/leases"),
         snapshot_uri: endpoint("/v1/snapshot"),
         namespace: "tenant-acme".into(),

@@ -469,3 +469,33 @@ spec:
     assert_eq!(only(&exact).admitted, 30_000);
     assert!(exact.leases.is_none());
 }
+
+/// Egress shaping replayed: 6 callers' bursts into one `spec.egress` budget of 50/s with 2 s
+/// of waiting. The departures (what the bank sees) never exceed one per interval in any
+/// second, the queue is reported, the waits stay within maxDelay, what does not fit is refused,
+/// and the timeline counts every admitted request once where it departs.
+#[test]
+fn egress_shaping_spaces_the_departures_of_every_caller() {
+    let yaml = "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: pay, namespace: pay}\nspec:\n  egress:\n  - {name: bank, destination: \"https://bank.example.com\", listenPort: 15100, limit: {requests: 50, per: 1s, maxDelay: 2s}}\n";
+    let template = CheckRequest::from_json(br#"{"namespace": "pay", "path": "/", "egress": "bank"}"#).unwrap();
+    // Six callers (the trace's key column names the caller), bursts of 30 at once, 1 s apart.
+    let mut lines = String::new();
+    for caller in 0..6 {
+        for i in 0..30 {
+            lines += &format!("{:.3} caller-{caller}\n", f64::from(caller) * 0.25 + f64::from(i) * 0.001);
+        }
+    }
+    let mut arrivals = parse_trace(&lines).expect("trace parses");
+    arrivals.sort_by_key(|a| a.at);
+    let report = replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions::default()).expect("replays");
+    let rule = only(&report);
+    assert_eq!(rule.rule, "egress-bank");
+    let departures = rule.departures.expect("a shaping rule reports its departures");
+    assert_eq!(departures.bound, 50);
+    assert!(departures.most_in_any_window <= 50, "{departures:?}");
+    assert!(departures.longest_queue >= 90, "{departures:?}");
+    assert!(rule.max_shaping_delay_ms <= 2_000.0, "{}", rule.max_shaping_delay_ms);
+    assert!(rule.denied > 0 && rule.admitted >= 100, "{} admitted, {} denied", rule.admitted, rule.denied);
+    assert_eq!(rule.timeline.departed.iter().sum::<u64>(), rule.admitted);
+    assert!(report.to_text().contains("departures (what the downstream sees)"));
+}

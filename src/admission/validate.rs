@@ -25,6 +25,7 @@ pub fn review(policy: &RateLimitPolicy, namespace: &str, others: &[RateLimitPoli
         problems.extend(errors.iter().map(ToString::to_string));
     }
     problems.extend(conflicts(&stored, others));
+    problems.extend(egress_conflicts(&stored, others));
     let mut warned = warnings(&stored);
     let findings = layering(&stored, others, replicas);
     if stored.spec.layering == Some(LayeringMode::Strict) {
@@ -86,6 +87,27 @@ fn conflicts(policy: &RateLimitPolicy, others: &[RateLimitPolicy]) -> Vec<String
     out
 }
 
+/// A `spec.egress` destination the namespace's other policies already give another limit: one
+/// destination, one budget. The stored policies win, whatever their names.
+fn egress_conflicts(policy: &RateLimitPolicy, others: &[RateLimitPolicy]) -> Vec<String> {
+    if policy.spec.egress.is_empty() {
+        return Vec::new();
+    }
+    let qualified = policy.qualified_name();
+    let mine = crate::policy::compile(vec![policy.clone()]).snapshot;
+    let namespace: Vec<RateLimitPolicy> = others
+        .iter()
+        .filter(|o| o.metadata.namespace == policy.metadata.namespace && o.qualified_name() != qualified)
+        .cloned()
+        .collect();
+    let theirs = crate::policy::compile(namespace).snapshot;
+    mine.policies()
+        .iter()
+        .flat_map(|p| crate::policy::compile::egress_conflicts(p, theirs.policies().iter()).errors)
+        .map(|e| e.to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +117,20 @@ mod tests {
             "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  selector: {{matchLabels: {{app: {app}}}}}\n  rules:\n    - name: {rule}\n      algorithm: fixedWindow\n      limit: {{requests: 1, per: {per}}}\n"
         ))
         .expect("policy parses")
+    }
+
+    #[test]
+    fn a_destination_given_another_limit_is_refused_whatever_the_names() {
+        let egress = |name: &str, requests: u32| -> RateLimitPolicy {
+            serde_yaml::from_str(&format!(
+                "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  egress:\n  - {{name: bank, destination: \"https://b\", listenPort: 15100, limit: {{requests: {requests}, per: 1s, maxDelay: 1s}}}}\n"
+            ))
+            .expect("policy parses")
+        };
+        let stored = egress("zz", 10);
+        assert_eq!(review(&egress("aa", 10), "ns", std::slice::from_ref(&stored), 1).denial, None);
+        let denial = review(&egress("aa", 99), "ns", &[stored], 1).denial.expect("refused");
+        assert!(denial.contains("spec.egress[0].destination") && denial.contains("ns/zz"), "{denial}");
     }
 
     #[test]

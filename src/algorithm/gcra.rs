@@ -59,3 +59,21 @@ pub(super) fn apply(limit: &Limit, state: &mut Option<State>, now: Micros, cost:
     *state = Some(State::Tat(new_tat));
     new_tat
 }
+
+/// Gives back the slot a shaped request took, when it never departed (its caller went away
+/// while it waited): `until` is the TAT its admission set, `cost` what it took. Only the last
+/// slot taken can go back exactly (the TAT still equals `until` and its departure, `until −
+/// cost·T`, is still ahead): the TAT steps back by `cost·T`, and the next request gets that
+/// departure. A slot with later ones behind it stays taken: moving the TAT back would hand a
+/// later caller a departure already promised to another, and the downstream would see two at
+/// once. So a cancelled wait never lets the downstream see more than the rate; a cancelled
+/// wait in the middle of the queue leaves a gap. Returns whether the slot went back.
+pub(super) fn give_back(limit: &Limit, state: &mut Option<State>, now: Micros, until: Micros, cost: u64) -> bool {
+    let Some(tat) = view(state.as_ref()) else { return false };
+    let departure = until.saturating_sub(cost.saturating_mul(limit.interval));
+    if tat != until || departure <= now {
+        return false;
+    }
+    *state = Some(State::Tat(departure));
+    true
+}

@@ -299,6 +299,23 @@ impl Limit {
         Ok(self)
     }
 
+    /// Whether admission delays requests instead of refusing them (a leaky bucket with
+    /// `maxDelay`): the caller waits for its departure.
+    pub fn shapes(&self) -> bool {
+        self.algorithm == Algorithm::LeakyBucket && self.max_delay.is_some()
+    }
+
+    /// This limit with a shorter longest wait: a caller whose own deadline is nearer than
+    /// `maxDelay` is refused at once instead of admitted to wait past it. Unchanged when it
+    /// does not shape or `max_delay` is not shorter.
+    pub fn waiting_at_most(&self, max_delay: Micros) -> Limit {
+        let mut limit = self.clone();
+        if let Some(own) = limit.max_delay {
+            limit.max_delay = Some(own.min(max_delay));
+        }
+        limit
+    }
+
     /// Whether enforcers may hold quota leases of this limit.
     pub fn leased(&self) -> bool {
         self.leased
@@ -491,6 +508,15 @@ pub fn settle_unreserved(
     reservation::charge(limit, state, now, hold, clamp_cost(actual))
 }
 
+/// Gives back the slot of a request a shaping rule (leaky bucket with `maxDelay`) admitted
+/// with a delay, whose caller went away before it departed; `until` is what its admission
+/// set the key's state to ([`Verdict`](crate::rule::Verdict)'s instant plus the decision's
+/// `reset_after`). Only the last slot taken goes back ([`gcra::give_back`]); any other state,
+/// algorithm or slot is left alone. Returns whether it went back.
+pub fn give_back(limit: &Limit, state: &mut Option<State>, now: Micros, until: Micros, cost: u64) -> bool {
+    limit.shapes() && gcra::give_back(limit, state, now, until, clamp_cost(cost))
+}
+
 /// `check`, then `apply` when admitted: the single-rule decision.
 pub fn decide(limit: &Limit, state: &mut Option<State>, now: Micros, cost: u64) -> Decision {
     let decision = check(limit, state.as_ref(), now, cost);
@@ -623,5 +649,51 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(d.remaining, 0);
         assert!(d.retry_after.is_some());
+    }
+
+    #[test]
+    fn a_cancelled_wait_gives_back_only_the_last_slot_and_only_before_it_departs() {
+        let ms = 1_000;
+        // 10 per second: one departure every 100 ms, waits of up to 1 s.
+        let limit = Limit::new(Algorithm::LeakyBucket, 10, 1_000 * ms, Some(20), Some(1_000 * ms)).unwrap();
+        let mut state = None;
+        let until = |d: &Decision, now: Micros| now + d.reset_after;
+        let first = decide(&limit, &mut state, 0, 1);
+        let second = decide(&limit, &mut state, 0, 1);
+        let third = decide(&limit, &mut state, 0, 1);
+        assert_eq!((first.delay, second.delay, third.delay), (0, 100 * ms, 200 * ms));
+        // The middle one leaves: later slots are promised, so its slot stays taken.
+        assert!(!give_back(&limit, &mut state, 10 * ms, until(&second, 0), 1));
+        // The last one leaves before departing: its slot goes back, and the next caller gets it.
+        assert!(give_back(&limit, &mut state, 10 * ms, until(&third, 0), 1));
+        assert!(!give_back(&limit, &mut state, 10 * ms, until(&third, 0), 1), "given back twice");
+        let next = decide(&limit, &mut state, 10 * ms, 1);
+        assert_eq!(next.delay, 190 * ms, "departs when the cancelled one would have");
+        // A slot whose departure has come went: nothing to give back.
+        assert!(!give_back(&limit, &mut state, 200 * ms, until(&next, 10 * ms), 1));
+        // A policer, or any other algorithm, has no slots to give back.
+        let gcra = Limit::new(Algorithm::Gcra, 10, 1_000 * ms, None, None).unwrap();
+        let mut policed = None;
+        let d = decide(&gcra, &mut policed, 0, 1);
+        assert!(!give_back(&gcra, &mut policed, 0, d.reset_after, 1));
+    }
+
+    #[test]
+    fn a_deadline_shortens_the_longest_wait_and_nothing_else() {
+        let ms = 1_000;
+        let limit = Limit::new(Algorithm::LeakyBucket, 10, 1_000 * ms, Some(20), Some(1_000 * ms)).unwrap();
+        assert_eq!(limit.waiting_at_most(250 * ms).max_delay(), Some(250 * ms));
+        assert_eq!(limit.waiting_at_most(5_000 * ms).max_delay(), Some(1_000 * ms));
+        let mut state = None;
+        for _ in 0..3 {
+            decide(&limit, &mut state, 0, 1);
+        }
+        // The fourth would wait 300 ms: admitted by the rule, refused to a caller with 250 ms.
+        assert!(check(&limit, state.as_ref(), 0, 1).allowed);
+        let refused = check(&limit.waiting_at_most(250 * ms), state.as_ref(), 0, 1);
+        assert!(!refused.allowed);
+        assert_eq!(refused.retry_after, Some(50 * ms));
+        let gcra = Limit::new(Algorithm::Gcra, 10, 1_000 * ms, None, None).unwrap();
+        assert_eq!(gcra.waiting_at_most(1), gcra);
     }
 }

@@ -32,6 +32,11 @@ struct RawCheckRequest {
     cost: Option<u64>,
     #[serde(default)]
     request_fields: BTreeMap<String, u64>,
+    egress: Option<String>,
+    #[serde(default)]
+    wait: bool,
+    deadline_ms: Option<u64>,
+    slot: Option<String>,
 }
 
 /// A validated check request, as the caller stated it; [`CheckRequest::view`] applies what the
@@ -53,7 +58,20 @@ pub struct CheckRequest {
     /// Integer fields of the request's JSON body that rules' `responseCost.estimate` read
     /// (`requestFields: {"max_tokens": 1000}`), as text.
     pub request_fields: BTreeMap<String, String>,
+    /// A call to the caller's `spec.egress` downstream of this name: decided by its shaping
+    /// rule alone.
+    pub egress: Option<String>,
+    /// Answer when the slot is due instead of with `delayMs` (Go's `Wait()` to the plain
+    /// check's `Reserve()`); a caller leaving first gives its slot back.
+    pub wait: bool,
+    /// The caller's own deadline (ms): a wait past it is refused at once.
+    pub deadline_ms: Option<u64>,
+    /// `POST /v1/cancel`: the slots an admission with a wait took (its answer's `slot`).
+    pub slot: Option<String>,
 }
+
+/// The longest deadline a check may state: a day.
+pub const MAX_DEADLINE_MS: u64 = 86_400_000;
 
 /// Most `requestFields` a check may state.
 pub const MAX_REQUEST_FIELDS: usize = 16;
@@ -144,8 +162,27 @@ impl RawCheckRequest {
         if let Some(name) = self.request_fields.keys().find(|n| n.is_empty() || n.len() > 64) {
             return Err(BadRequest(format!("requestFields: {name:?} is not a field name of 1 to 64 characters")));
         }
+        if let Some(name) = &self.egress
+            && crate::policy::validate::check_rule_name(name).is_err()
+        {
+            return Err(BadRequest(format!("egress: {name:?} is not an egress entry name")));
+        }
+        if let Some(ms) = self.deadline_ms
+            && ms > MAX_DEADLINE_MS
+        {
+            return Err(BadRequest(format!("deadlineMs: at most {MAX_DEADLINE_MS} (a day), got {ms}")));
+        }
+        if let Some(slot) = &self.slot
+            && crate::engine::parse_slot(slot).is_none()
+        {
+            return Err(BadRequest("slot: not a slot this endpoint answered (id:until, comma-separated)".into()));
+        }
         Ok(CheckRequest {
             request_fields: self.request_fields.into_iter().map(|(k, v)| (k, v.to_string())).collect(),
+            egress: self.egress,
+            wait: self.wait,
+            deadline_ms: self.deadline_ms,
+            slot: self.slot,
             namespace: self.namespace,
             labels: self.labels,
             method,
@@ -200,6 +237,13 @@ pub struct CheckInput<'a> {
     /// Integer fields of the request's JSON body that estimates read (digits only).
     #[serde(skip_serializing_if = "BTreeMap::is_empty", serialize_with = "as_integers")]
     pub request_fields: BTreeMap<String, String>,
+    /// A call to this `spec.egress` downstream (the sidecar's egress path).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<&'a str>,
 }
 
 impl CheckInput<'_> {
@@ -217,6 +261,8 @@ impl CheckInput<'_> {
             cost: 1,
             fields: &self.request_fields,
             descriptor: None,
+            egress: self.egress,
+            max_wait: self.deadline_ms.map(|ms| ms.saturating_mul(crate::duration::MICROS_PER_MS)),
         }
     }
 }
@@ -245,6 +291,9 @@ pub struct CheckAnswer {
     /// What an admitted request holds, to release when it ends.
     #[serde(default)]
     pub lease: Option<String>,
+    /// An admission with a wait: the slots it took, for `POST /v1/cancel`.
+    #[serde(default)]
+    pub slot: Option<String>,
     /// A refusing rule's declared body.
     #[serde(default)]
     pub body: Option<String>,
@@ -348,6 +397,9 @@ mod tests {
                 ("max_tokens".to_string(), "1000".to_string()),
                 ("not_digits".to_string(), "x".to_string()),
             ]),
+            egress: Some("bank"),
+            deadline_ms: Some(250),
+            slot: None,
         };
         let sent = serde_json::to_vec(&input).unwrap();
         let read = CheckRequest::from_json(&sent).unwrap();
@@ -358,6 +410,7 @@ mod tests {
         assert_eq!(read.client_ip, Some(input.client_ip));
         assert_eq!(read.headers, input.headers);
         assert_eq!(read.cost, None, "the sidecar never states a cost");
+        assert_eq!((read.egress.as_deref(), read.deadline_ms, read.wait), (Some("bank"), Some(250), false));
         assert_eq!(
             read.request_fields,
             BTreeMap::from([("max_tokens".to_string(), "1000".to_string())]),
@@ -380,6 +433,7 @@ mod tests {
             rules: vec![],
             snapshot: "v7".into(),
             lease: Some("t.sig".into()),
+            slot: Some("1f:99".into()),
         };
         let read: CheckAnswer = serde_json::from_slice(&serde_json::to_vec(&response).unwrap()).unwrap();
         assert_eq!((read.allowed, read.status, read.retry_after_ms), (Some(false), Some(429), Some(250)));

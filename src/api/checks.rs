@@ -52,6 +52,8 @@ pub struct LeanDecision<'a> {
     pub snapshot: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<&'a str>,
 }
 
 /// The answer as the endpoint writes it: `{"results": [result, …]}`, in the checks' order.
@@ -72,6 +74,7 @@ impl LeanDecision<'_> {
             rules: None,
             snapshot: self.snapshot,
             lease: self.lease,
+            slot: self.slot,
         };
         crate::engine::json::write_decision(out, &decision);
     }
@@ -140,6 +143,7 @@ mod tests {
                 body: Some("slow down"),
                 snapshot: "v1",
                 lease: None,
+                slot: None,
             }),
             BatchResult::Decided(LeanDecision {
                 allowed: true,
@@ -150,6 +154,7 @@ mod tests {
                 body: None,
                 snapshot: "v1",
                 lease: Some("t.sig"),
+                slot: None,
             }),
             BatchResult::Refused { status: 400, error: "path: must start with '/'".into() },
         ];
@@ -183,6 +188,7 @@ mod tests {
                 body,
                 snapshot: "v1",
                 lease,
+                slot: lease.map(|_| "1f:2000"),
             })
         };
         let results = [

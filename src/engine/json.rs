@@ -25,6 +25,7 @@ impl CheckResponse {
                 rules: Some(&self.rules),
                 snapshot: &self.snapshot,
                 lease: self.lease.as_deref(),
+                slot: self.slot.as_deref(),
             },
         );
     }
@@ -42,6 +43,7 @@ pub(crate) struct Decision<'a> {
     pub rules: Option<&'a [RuleResult]>,
     pub snapshot: &'a str,
     pub lease: Option<&'a str>,
+    pub slot: Option<&'a str>,
 }
 
 /// Appends `decision` as a JSON object, in the field order and with the omissions of the serde
@@ -84,6 +86,10 @@ pub(crate) fn write_decision(out: &mut Vec<u8>, decision: &Decision<'_>) {
     if let Some(lease) = decision.lease {
         out.extend_from_slice(b",\"lease\":");
         push_str(out, lease);
+    }
+    if let Some(slot) = decision.slot {
+        out.extend_from_slice(b",\"slot\":");
+        push_str(out, slot);
     }
     out.push(b'}');
 }
@@ -211,6 +217,7 @@ mod tests {
                 rules,
                 snapshot: Arc::from(text(&mut rng)),
                 lease: rng.random_bool(0.3).then(|| text(&mut rng)),
+                slot: rng.random_bool(0.3).then(|| text(&mut rng)),
             };
             let mut written = Vec::new();
             response.write_json(&mut written);

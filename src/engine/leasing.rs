@@ -44,7 +44,7 @@ pub async fn decide<L: LeaseStore>(
             if !ahead.is_empty() {
                 renew(leases, store, clock, namespace, &checks, &ahead, store_budget).await;
             }
-            Some(Verdict { allowed: true, decisions, cached_denial: None })
+            Some(Verdict { allowed: true, decisions, cached_denial: None, at: None })
         }
         Local::Refused { by, decision } => Some(Verdict::refused_by(by, decision, checks.iter().map(|c| c.limit))),
         Local::Renew(_) | Local::Store => None,

@@ -87,6 +87,10 @@ pub struct CheckResponse {
     /// `POST /v1/release` when it ends ([`hold`]); only from entry points that can.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<String>,
+    /// An admission with a wait (`delayMs`): the slots it took, which `POST /v1/cancel` gives
+    /// back if the caller leaves before departing ([`parse_slot`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
 }
 
 /// What a lease's reservations settle to.
@@ -329,7 +333,7 @@ impl<S: Store> Engine<S> {
     /// Swaps `snapshot` in atomically; requests in flight finish on the one they started with.
     pub fn install(&self, snapshot: Arc<Snapshot>) {
         let mut extras = HashMap::default();
-        for rule in snapshot.rules() {
+        for rule in snapshot.rules().chain(snapshot.egress_rules()) {
             extras.insert(
                 rule.id(),
                 RuleExtras {
@@ -342,7 +346,13 @@ impl<S: Store> Engine<S> {
                 },
             );
         }
-        self.metrics.retain_rules(snapshot.rules().map(|r| (r.policy().to_string(), r.name().to_string())).collect());
+        self.metrics.retain_rules(
+            snapshot
+                .rules()
+                .chain(snapshot.egress_rules())
+                .map(|r| (r.policy().to_string(), r.name().to_string()))
+                .collect(),
+        );
         let now = self.clock.now();
         self.metrics.snapshot_rules.set(snapshot.rule_count() as i64);
         self.metrics.snapshot_loaded_seconds.set(now as f64 / 1e6);
@@ -401,9 +411,9 @@ impl<S: Store> Engine<S> {
         }
         let leased = holds == Holds::Returned;
         let response = if tracing::enabled!(target: "sluice::check", tracing::Level::DEBUG) {
-            Box::pin(self.decide_traced(&live, request.namespace, &matched, leased)).await
+            Box::pin(self.decide_traced(&live, request.namespace, &matched, leased, request.max_wait)).await
         } else {
-            self.decide(&live, request.namespace, &matched, None, leased).await
+            self.decide(&live, request.namespace, &matched, None, leased, request.max_wait).await
         };
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         response
@@ -478,6 +488,37 @@ impl<S: Store> Engine<S> {
         Ok(found)
     }
 
+    /// Gives back the slots a waiting request took (`POST /v1/cancel`, an abandoned wait): the
+    /// request is resolved as its check was, and each shaping rule named in `slot` gives back
+    /// its slot in the shared store if it is still the last one taken and not yet due
+    /// ([`crate::algorithm::give_back`]). A rule no longer in the snapshot, or a slot another
+    /// request has queued behind, stays taken. Returns how many slots went back.
+    pub async fn cancel(&self, request: &RequestView<'_>, slot: &[(RuleId, Micros)]) -> Result<u64, StoreError> {
+        let live = self.live.load();
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        live.snapshot.resolve(request, &mut matched);
+        let cancels: Vec<crate::store::Cancel<'_>> = matched
+            .iter()
+            .filter(|m| m.rule.limit().shapes())
+            .filter_map(|m| {
+                let (_, until) = slot.iter().find(|(id, _)| *id == m.rule.id())?;
+                Some(crate::store::Cancel {
+                    rule: m.rule.id(),
+                    limit: m.rule.limit(),
+                    key: m.key.as_bytes(),
+                    cost: m.cost,
+                    until: *until,
+                })
+            })
+            .collect();
+        if cancels.is_empty() {
+            return Ok(0);
+        }
+        let given = self.store.cancel_for(request.namespace, None, &cancels).await?;
+        self.metrics.slots_given_back.inc_by(given);
+        Ok(given)
+    }
+
     #[inline(never)]
     #[cold]
     async fn decide_traced(
@@ -486,6 +527,7 @@ impl<S: Store> Engine<S> {
         namespace: &str,
         matched: &[Matched<'_>],
         leased: bool,
+        max_wait: Option<Micros>,
     ) -> CheckResponse {
         use tracing::Instrument;
         let span = tracing::debug_span!(
@@ -496,7 +538,7 @@ impl<S: Store> Engine<S> {
             rules = matched.len(),
             allowed = tracing::field::Empty,
         );
-        let response = self.decide(live, namespace, matched, None, leased).instrument(span.clone()).await;
+        let response = self.decide(live, namespace, matched, None, leased, max_wait).instrument(span.clone()).await;
         span.record("allowed", response.allowed);
         response
     }
@@ -563,7 +605,7 @@ impl<S: Store> Engine<S> {
         if reported.iter().any(|&cost| cost > 0) {
             self.charge_reports(&live, namespace, &matched, &reported).await;
         }
-        let response = self.decide(&live, namespace, &matched, store_budget, false).await;
+        let response = self.decide(&live, namespace, &matched, store_budget, false, None).await;
         self.metrics.check_seconds.observe(started.elapsed().as_secs_f64());
         DescriptorsChecked { response, rules_of }
     }
@@ -608,6 +650,7 @@ impl<S: Store> Engine<S> {
         matched: &[Matched<'_>],
         store_budget: Option<Duration>,
         leased: bool,
+        max_wait: Option<Micros>,
     ) -> CheckResponse {
         if matched.is_empty() {
             return CheckResponse {
@@ -620,13 +663,29 @@ impl<S: Store> Engine<S> {
                 rules: Vec::new(),
                 snapshot: live.version.clone(),
                 lease: None,
+                slot: None,
             };
         }
         // The request's hold id, when a rule holds and the caller settles: only entry points that
         // settle reach here with concurrency rules ([`Holds`]).
         let hold = if leased && matched.iter().any(|m| m.rule.limit().holds()) { rand::random::<u64>() | 1 } else { 0 };
-        let checks: Vec<RuleCheck<'_>> =
-            matched.iter().map(|m| RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) }).collect();
+        // A caller with a deadline nearer than a shaping rule's maxDelay is refused at once rather
+        // than admitted to wait past it: that rule decides with the shorter longest wait.
+        let waits: Vec<Option<Limit>> = matched
+            .iter()
+            .map(|m| max_wait.filter(|_| m.rule.limit().shapes()).map(|w| m.rule.limit().waiting_at_most(w)))
+            .collect();
+        let checks: Vec<RuleCheck<'_>> = matched
+            .iter()
+            .zip(&waits)
+            .map(|(m, wait)| {
+                let check = RuleCheck { hold, ..m.rule.check(m.key.as_bytes(), m.cost) };
+                match wait {
+                    Some(limit) => RuleCheck { limit, ..check },
+                    None => check,
+                }
+            })
+            .collect();
         // Only a request whose every rule is leased can be decided from slices: the others skip
         // the table altogether (no lookup, no allocation).
         let from_leases = match &self.leases {
@@ -797,6 +856,7 @@ impl<S: Store> Engine<S> {
             rules,
             snapshot: live.version.clone(),
             lease: lease.flatten(),
+            slot: if allowed && delay > 0 && !failed { slot_of(matched, verdict) } else { None },
         }
     }
 
@@ -901,8 +961,35 @@ impl<S: Store> Engine<S> {
                 }
             }
         }
-        Verdict::from_decisions(checks, decisions)
+        Verdict { at: Some(now), ..Verdict::from_decisions(checks, decisions) }
     }
+}
+
+/// The slots an admission with a wait took, as `POST /v1/cancel` takes them back: for each
+/// shaping rule that delayed, its id (hex) and the state its admission set (µs), `id:until`,
+/// comma-separated. `None` when the store did not say when it decided.
+fn slot_of(matched: &[Matched<'_>], verdict: &Verdict) -> Option<String> {
+    let at = verdict.at?;
+    let slots: Vec<String> = matched
+        .iter()
+        .zip(&verdict.decisions)
+        .filter(|(m, d)| m.rule.limit().shapes() && d.delay > 0)
+        .map(|(m, d)| format!("{:x}:{}", m.rule.id(), at.saturating_add(d.reset_after)))
+        .collect();
+    (!slots.is_empty()).then(|| slots.join(","))
+}
+
+/// A slot token ([`slot_of`]) read back: (rule id, until) pairs; `None` when malformed.
+pub fn parse_slot(text: &str) -> Option<Vec<(RuleId, Micros)>> {
+    if text.is_empty() || text.len() > 4096 {
+        return None;
+    }
+    text.split(',')
+        .map(|part| {
+            let (id, until) = part.split_once(':')?;
+            Some((RuleId::from_str_radix(id, 16).ok()?, until.parse::<Micros>().ok()?))
+        })
+        .collect()
 }
 
 /// The window a quota is stated over in `RateLimit-Policy`: `per` for window algorithms; for

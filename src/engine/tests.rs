@@ -102,7 +102,7 @@ impl Store for CachedDenial {
             retry_after: None,
             delay: 0,
         };
-        Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0) })
+        Ok(Verdict { allowed: false, decisions: vec![denial, other], cached_denial: Some(0), at: None })
     }
 
     async fn settle_for(

@@ -63,6 +63,7 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
         }
     }
     compiled.sort_by(|(a, _), (b, _)| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    refuse_egress_conflicts(&mut compiled, &mut rejected);
     let version = version_of(compiled.iter().map(|(p, _)| p));
 
     let (policies, sources): (Vec<CompiledPolicy>, Vec<RateLimitPolicy>) = compiled.into_iter().unzip();
@@ -81,6 +82,45 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
 
     Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources }, rejected }
+}
+
+/// One destination, one budget: a policy giving a destination of its namespace another limit
+/// than a policy before it (by name) already did is refused, naming that policy. (The webhook
+/// refuses such a policy before it is stored: [`egress_conflicts`].)
+fn refuse_egress_conflicts(compiled: &mut Vec<(CompiledPolicy, RateLimitPolicy)>, rejected: &mut Vec<Rejected>) {
+    let mut i = 0;
+    while i < compiled.len() {
+        let (before, rest) = compiled.split_at(i);
+        let errors = egress_conflicts(&rest[0].0, before.iter().map(|(p, _)| p));
+        if errors.is_empty() {
+            i += 1;
+        } else {
+            let (policy, _) = compiled.remove(i);
+            rejected.push(Rejected { policy: policy.qualified, errors });
+        }
+    }
+}
+
+/// The entries of `policy`'s `spec.egress` that give a destination another limit than one of
+/// `others` (of any namespace: only the same namespace's count) already gives it.
+pub fn egress_conflicts<'a>(
+    policy: &CompiledPolicy,
+    others: impl Iterator<Item = &'a CompiledPolicy> + Clone,
+) -> ValidationErrors {
+    let mut errs = ValidationErrors::default();
+    for (i, entry) in policy.egress.iter().enumerate() {
+        let first = others
+            .clone()
+            .filter(|o| o.namespace == policy.namespace && o.qualified != policy.qualified)
+            .flat_map(|o| o.egress.iter().map(move |e| (o, e)))
+            .find(|(_, e)| e.key == entry.key);
+        if let Some((other, earlier)) = first
+            && let Some(message) = super::egress::conflict(earlier, &other.qualified, entry)
+        {
+            errs.push(format!("spec.egress[{i}].destination"), message);
+        }
+    }
+    errs
 }
 
 /// The policy as compiled: name, namespace and spec, without status or server bookkeeping, so a
@@ -119,8 +159,8 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     let qualified = format!("{namespace}/{name}");
     let spec = &policy.spec;
     let selector = spec.selector.as_ref().map(|s| selector_of(s, &mut errs)).unwrap_or_default();
-    if spec.rules.is_empty() && spec.overload.is_none() {
-        errs.push("spec.rules", "at least one rule is required (or spec.overload)");
+    if spec.rules.is_empty() && spec.overload.is_none() && spec.egress.is_empty() {
+        errs.push("spec.rules", "at least one rule is required (or spec.overload, or spec.egress)");
     }
     if spec.rules.len() > MAX_RULES {
         errs.push("spec.rules", format!("at most {MAX_RULES} rules, got {}", spec.rules.len()));
@@ -168,6 +208,26 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
         }
         check_overload(overload, &mut errs);
     }
+    if spec.egress.len() > super::crd::MAX_EGRESS {
+        errs.push("spec.egress", format!("at most {} entries, got {}", super::crd::MAX_EGRESS, spec.egress.len()));
+    }
+    let mut egress = Vec::with_capacity(spec.egress.len());
+    for (i, entry) in spec.egress.iter().enumerate() {
+        let path = format!("spec.egress[{i}]");
+        egress.extend(super::egress::compile(entry, &namespace, &name, &path, &mut errs));
+        if let Some(first) = spec.egress[..i].iter().position(|e| e.name == entry.name) {
+            errs.push(
+                format!("{path}.name"),
+                format!("duplicate egress name {:?} (also spec.egress[{first}])", entry.name),
+            );
+        }
+        if let Some(first) = spec.egress[..i].iter().position(|e| e.listen_port == entry.listen_port) {
+            errs.push(
+                format!("{path}.listenPort"),
+                format!("port {} is also spec.egress[{first}]'s", entry.listen_port),
+            );
+        }
+    }
     budget.check(&mut errs);
     if !errs.is_empty() {
         return Err(errs);
@@ -176,7 +236,7 @@ fn compile_policy(policy: &RateLimitPolicy) -> Result<CompiledPolicy, Validation
     // of unchanged objects yields the same version.
     let canonical = serde_json::to_string(&policy.spec).unwrap_or_default();
     let overload = policy.spec.overload.clone();
-    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, exempt, canonical })
+    Ok(CompiledPolicy { namespace, name, qualified, selector, rules, priorities, overload, exempt, canonical, egress })
 }
 
 /// The label selector, its expressions checked and their operators read.

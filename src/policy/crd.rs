@@ -130,7 +130,9 @@ fn regex_count_rule() -> CelRule {
 )]
 #[x_kube(validation = CelRule::new("!has(self.rules) || self.rules.all(r, self.rules.exists_one(s, s.name == r.name))").message("rule names must be unique within a policy"))]
 #[x_kube(validation = regex_count_rule())]
-#[x_kube(validation = CelRule::new("(has(self.rules) && size(self.rules) > 0) || has(self.overload)").message("at least one rule is required (or spec.overload)").field_path(".rules"))]
+#[x_kube(validation = CelRule::new("(has(self.rules) && size(self.rules) > 0) || has(self.overload) || (has(self.egress) && size(self.egress) > 0)").message("at least one rule is required (or spec.overload, or spec.egress)").field_path(".rules"))]
+#[x_kube(validation = CelRule::new("!has(self.egress) || self.egress.all(e, self.egress.exists_one(f, f.name == e.name))").message("egress names must be unique within a policy").field_path(".egress"))]
+#[x_kube(validation = CelRule::new("!has(self.egress) || self.egress.all(e, self.egress.exists_one(f, f.listenPort == e.listenPort))").message("egress listen ports must be unique within a policy").field_path(".egress"))]
 #[serde(rename_all = "camelCase")]
 pub struct RateLimitPolicySpec {
     /// Which workloads (pods, by their labels) of this namespace the policy applies to, as a
@@ -189,6 +191,88 @@ pub struct RateLimitPolicySpec {
     /// report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layering: Option<LayeringMode>,
+
+    /// Downstreams the selected workloads call, shaped by their sidecars so that the
+    /// downstream sees at most the declared rate from all of them together: every replica of
+    /// every workload in this namespace that names the same `destination` draws on one budget
+    /// in the shared store. The application sends plain HTTP to `127.0.0.1:<listenPort>`; the
+    /// sidecar asks for a departure slot, holds the request until its slot (at most
+    /// `limit.maxDelay`), then sends it to the destination, originating TLS for `https://`.
+    /// A request whose wait would exceed `maxDelay` (or its caller's own deadline) is refused
+    /// at once with 429 and `Retry-After`. At most 16 entries; names and listen ports unique.
+    /// docs/egress.md explains the model.
+    ///
+    /// Example: `egress: [{name: bank, destination: "https://bank.example.com", listenPort:
+    /// 15100, limit: {requests: 50, per: 1s, maxDelay: 2s}}]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_EGRESS))]
+    pub egress: Vec<EgressSpec>,
+}
+
+/// Most `spec.egress` entries per policy.
+pub const MAX_EGRESS: usize = 16;
+
+/// A downstream whose calls the sidecar shapes (`spec.egress`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = CelRule::new("self.destination.startsWith('http://') || self.destination.startsWith('https://')").message("destination must be an http:// or https:// URL").field_path(".destination"))]
+#[x_kube(validation = CelRule::new("!has(self.caBundle) || self.destination.startsWith('https://')").message("caBundle verifies an https:// destination: remove it, or use https://").field_path(".caBundle"))]
+#[x_kube(validation = CelRule::new("has(self.limit.maxDelay)").message("an egress limit shapes: limit.maxDelay (the longest a request waits for its slot) is required").field_path(".limit.maxDelay"))]
+#[x_kube(validation = CelRule::new("!has(self.limit.burst)").message("an egress queue is bounded by limit.maxDelay: remove limit.burst").field_path(".limit.burst"))]
+#[serde(rename_all = "camelCase")]
+pub struct EgressSpec {
+    /// Names the downstream in metrics, answers and `sluice explain`: lowercase letters, digits
+    /// and '-', at most 63 characters.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+
+    /// Where the requests go: `http://host[:port]` or `https://host[:port]`, without path,
+    /// query or user. The budget is this destination's: every policy of the namespace that
+    /// names it must give it the same limit.
+    #[schemars(length(min = 1, max = 512))]
+    pub destination: String,
+
+    /// The port on 127.0.0.1 in the pod where the sidecar takes the application's plain
+    /// HTTP requests for this destination (1024 to 65535, not the sidecar's own ports).
+    #[schemars(range(min = 1024, max = 65535))]
+    pub listen_port: u16,
+
+    /// The destination's rate: `requests` per `per`, departures evenly spaced, and `maxDelay`,
+    /// the longest a request waits for its departure (required). `burst` does not apply: the
+    /// queue is what `maxDelay` holds.
+    pub limit: LimitSpec,
+
+    /// What happens while the shared store is away: `localFallback` (default) shapes in the
+    /// endpoint replica's memory at its share of the rate (limit ÷ replicas), `allow` sends
+    /// at once, `deny` refuses.
+    #[serde(default)]
+    pub on_store_failure: FailureMode,
+
+    /// PEM certificates that verify an `https://` destination instead of the system roots
+    /// (a private CA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 65536))]
+    pub ca_bundle: Option<String>,
+
+    /// The most requests one sidecar holds waiting for their slots; more are refused at once
+    /// with 503. Default 256, at most 10000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_waiting: Option<u32>,
+
+    /// The largest request body the sidecar holds while a request waits (it reads the body
+    /// first, so that a caller going away is noticed and its slot given back); larger ones get
+    /// 413. Default 1048576 (1 MiB), at most 16777216. A sidecar holds at most `maxWaiting` ×
+    /// this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 16777216))]
+    pub max_body_bytes: Option<u64>,
+
+    /// A request header carrying the caller's own deadline in milliseconds: a request whose
+    /// wait would exceed it is refused at once instead of waiting in vain. `grpc-timeout` is
+    /// always honoured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub deadline_header: Option<String>,
 }
 
 /// What admission does with the layering report.

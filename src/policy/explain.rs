@@ -41,6 +41,8 @@ pub struct Explanation<'s> {
     pub exempt: bool,
     /// The layering report of the namespace's policies ([`super::layering`]).
     pub layering: Vec<super::layering::Finding>,
+    /// The `spec.egress` entry the request calls, when it is an egress call.
+    pub egress: Option<String>,
 }
 
 #[derive(Debug)]
@@ -70,18 +72,37 @@ impl Snapshot {
                 let sources = self.source_rules(policy);
                 let selector_failure =
                     selector_mismatch(&policy.selector, req.labels).map(|m| describe_selector_failure(policy, m, req));
-                let rules = policy
-                    .rules
-                    .iter()
-                    .enumerate()
-                    .map(|(i, rule)| {
-                        let outcome = match &selector_failure {
-                            Some(reason) => Err(reason.clone()),
-                            None => explain_rule(rule, sources.and_then(|s| s.get(i)), req, &path, host),
-                        };
-                        RuleExplanation { rule, outcome }
-                    })
-                    .collect();
+                let rules = match req.egress {
+                    // An egress call is decided by the entry it names alone.
+                    Some(name) => policy
+                        .egress
+                        .iter()
+                        .map(|entry| {
+                            let outcome = match &selector_failure {
+                                Some(reason) => Err(reason.clone()),
+                                None if entry.name == name => {
+                                    Ok(Matched { rule: &entry.rule, key: entry.key.clone(), cost: 1 })
+                                }
+                                None => {
+                                    Err(format!("spec.egress entry {:?}, not the one called ({name:?})", entry.name))
+                                }
+                            };
+                            RuleExplanation { rule: &entry.rule, outcome }
+                        })
+                        .collect(),
+                    None => policy
+                        .rules
+                        .iter()
+                        .enumerate()
+                        .map(|(i, rule)| {
+                            let outcome = match &selector_failure {
+                                Some(reason) => Err(reason.clone()),
+                                None => explain_rule(rule, sources.and_then(|s| s.get(i)), req, &path, host),
+                            };
+                            RuleExplanation { rule, outcome }
+                        })
+                        .collect(),
+                };
                 PolicyExplanation { policy, selector_failure, rules }
             })
             .collect();
@@ -96,6 +117,7 @@ impl Snapshot {
             .cloned()
             .collect();
         Explanation {
+            egress: req.egress.map(str::to_string),
             layering: super::layering::report(&namespace_sources, replicas),
             namespace: req.namespace.to_string(),
             path: path.into_owned(),
@@ -360,6 +382,10 @@ impl<'s> Explanation<'s> {
         }
         let matched = self.matched();
         let decision = match (verdict, matched.is_empty()) {
+            // An egress call no entry answers is refused by the check API (400), never admitted.
+            (_, true) if self.egress.is_some() => {
+                Some(RequestDecision { allowed: false, status: 400, retry_after_ms: None, delay_ms: 0 })
+            }
             (_, true) => Some(RequestDecision { allowed: true, status: 200, retry_after_ms: None, delay_ms: 0 }),
             (Some(v), false) => Some(RequestDecision::from_verdict(&matched, v)),
             (None, false) => None,
@@ -385,6 +411,7 @@ impl<'s> Explanation<'s> {
             exempt_from_overload: self.exempt,
             decision,
             consumed: false,
+            egress: self.egress.clone(),
         }
     }
 }
@@ -458,9 +485,19 @@ impl ExplainReport {
             }
         }
         let _ = match &self.decision {
+            Some(d) if d.allowed && d.delay_ms > 0 => writeln!(
+                out,
+                "a check now: {} allowed after waiting {} ms for its slot (shaping); nothing consumed",
+                d.status, d.delay_ms
+            ),
             Some(d) if d.allowed => {
                 writeln!(out, "a check now: {} allowed (delay {} ms); nothing consumed", d.status, d.delay_ms)
             }
+            Some(d) if d.status == 400 && self.egress.is_some() => writeln!(
+                out,
+                "a check now: 400: no policy selecting this workload offers a spec.egress entry named {:?}",
+                self.egress.as_deref().unwrap_or("")
+            ),
             Some(d) => writeln!(out, "a check now: {} refused; nothing consumed", d.status),
             None => writeln!(out, "a check now: unknown (this store cannot read without consuming); nothing consumed"),
         };
@@ -499,6 +536,9 @@ pub struct ExplainReport {
     pub decision: Option<RequestDecision>,
     /// Always false: explaining consumes nothing.
     pub consumed: bool,
+    /// The `spec.egress` entry the request calls, when it is an egress call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]

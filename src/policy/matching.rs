@@ -66,6 +66,12 @@ pub struct RequestView<'a> {
     /// IP and headers are empty): only rules with `match.descriptor` apply to it. `None` for an
     /// HTTP request, to which no such rule applies.
     pub descriptor: Option<&'a dyn Descriptor>,
+    /// Set for a call to a `spec.egress` downstream (by entry name): only that entry's shaping
+    /// rule applies, and no other rule. `None` for a request to the workload.
+    pub egress: Option<&'a str>,
+    /// The caller's own deadline (µs): a shaping rule refuses at once a request whose wait
+    /// would exceed it, instead of admitting it to wait in vain.
+    pub max_wait: Option<crate::algorithm::Micros>,
 }
 
 impl<'a> RequestView<'a> {
@@ -83,6 +89,8 @@ impl<'a> RequestView<'a> {
             cost: 1,
             fields: &NoEntries,
             descriptor: None,
+            egress: None,
+            max_wait: None,
         }
     }
 
@@ -135,6 +143,15 @@ impl Snapshot {
     /// policies by name, each policy's rules in the order written. Allocates only the keys.
     pub fn resolve<'s>(&'s self, req: &RequestView<'_>, out: &mut Vec<Matched<'s>>) {
         out.clear();
+        if let Some(name) = req.egress {
+            // An egress check: only the entry it names, offered by a policy selecting the caller.
+            if let Some((_, entry)) =
+                self.egress_for(req.namespace, req.labels).into_iter().find(|(_, e)| e.name == name)
+            {
+                out.push(Matched { rule: &entry.rule, key: entry.key.clone(), cost: 1 });
+            }
+            return;
+        }
         // Matching and keys see the path the way the application's router does.
         let (path, host) = matching_inputs(req);
         let path = path.as_ref();
@@ -211,6 +228,11 @@ pub(super) fn matching_inputs<'r>(req: &RequestView<'r>) -> (std::borrow::Cow<'r
 
 fn selector_matches(selector: &Selector, labels: &dyn StrMap) -> bool {
     selector_mismatch(selector, labels).is_none()
+}
+
+/// Whether a policy's selector takes in a workload with `labels`.
+pub(super) fn selector_matches_labels(selector: &Selector, labels: &dyn StrMap) -> bool {
+    selector_matches(selector, labels)
 }
 
 /// The first selector condition the labels fail.

@@ -8,6 +8,7 @@
 pub mod compile;
 pub mod consistency;
 pub mod crd;
+pub mod egress;
 pub mod errors;
 pub mod explain;
 pub mod layering;

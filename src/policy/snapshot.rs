@@ -50,6 +50,8 @@ pub struct CompiledPolicy {
     pub(super) exempt: Vec<RuleMatch>,
     /// The spec as JSON: what the version hashes.
     pub(super) canonical: String,
+    /// `spec.egress`: downstreams the selected workloads' sidecars shape.
+    pub(super) egress: Vec<super::egress::CompiledEgress>,
 }
 
 /// One rule, ready to match and to check.
@@ -303,6 +305,10 @@ impl CompiledPolicy {
     pub fn rules(&self) -> &[CompiledRule] {
         &self.rules
     }
+    /// `spec.egress`, compiled.
+    pub fn egress(&self) -> &[super::egress::CompiledEgress] {
+        &self.egress
+    }
     /// `spec.overload`, when the policy protects its workloads from overload.
     pub fn overload(&self) -> Option<&OverloadSpec> {
         self.overload.as_ref()
@@ -413,6 +419,31 @@ impl Snapshot {
 
     pub fn rules(&self) -> impl Iterator<Item = &CompiledRule> {
         self.policies.iter().flat_map(|p| &p.rules)
+    }
+    /// The shaping rules of every policy's `spec.egress` (one per entry; entries naming one
+    /// destination in a namespace share their rule's id).
+    pub fn egress_rules(&self) -> impl Iterator<Item = &CompiledRule> {
+        self.policies.iter().flat_map(|p| p.egress.iter().map(|e| &e.rule))
+    }
+    /// The `spec.egress` entries a workload of `namespace` with `labels` may call: those of the
+    /// policies selecting it, by policy name, each name once (the first policy's).
+    pub fn egress_for(
+        &self,
+        namespace: &str,
+        labels: &dyn crate::request::names::StrMap,
+    ) -> Vec<(&str, &super::egress::CompiledEgress)> {
+        let mut offered: Vec<(&str, &super::egress::CompiledEgress)> = Vec::new();
+        for policy in self.namespace_policies(namespace) {
+            if !super::matching::selector_matches_labels(&policy.selector, labels) {
+                continue;
+            }
+            for entry in &policy.egress {
+                if !offered.iter().any(|(_, e)| e.name == entry.name) {
+                    offered.push((policy.qualified_name(), entry));
+                }
+            }
+        }
+        offered
     }
     pub fn rule_count(&self) -> usize {
         self.policies.iter().map(|p| p.rules.len()).sum()

@@ -983,6 +983,8 @@ mod overload {
             cost: 1,
             fields: &crate::request::names::NoEntries,
             descriptor: None,
+            egress: None,
+            max_wait: None,
         };
         snapshot.classify(&view).0
     }
@@ -1009,7 +1011,7 @@ mod overload {
         let err = compiled("  overload: {criticalWait: soon}\n  rules: []\n").unwrap_err();
         assert!(err.contains("spec.overload.criticalWait"), "{err}");
         let err = compiled("  rules: []\n").unwrap_err();
-        assert!(err.contains("at least one rule is required (or spec.overload)"), "{err}");
+        assert!(err.contains("at least one rule is required (or spec.overload, or spec.egress)"), "{err}");
         let err = compiled(
             "  priorities: [{class: critical, match: {descriptor: [{key: k}]}}]\n  overload: {}\n  rules: []\n",
         )

@@ -398,7 +398,7 @@ pub(super) fn check_key_part(k: &KeyPart, path: &str, errs: &mut ValidationError
 
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters: rule names appear in metrics, headers
 /// and keys.
-pub(super) fn check_rule_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_rule_name(name: &str) -> Result<(), String> {
     let b = name.as_bytes();
     let ok_char = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-';
     if b.is_empty() {

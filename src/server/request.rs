@@ -27,6 +27,8 @@ impl CheckRequest {
             cost: self.cost.unwrap_or(1),
             fields: &self.request_fields,
             descriptor: None,
+            egress: self.egress.as_deref(),
+            max_wait: self.deadline_ms.map(|ms| ms.saturating_mul(crate::duration::MICROS_PER_MS)),
         })
     }
 }

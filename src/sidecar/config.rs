@@ -111,6 +111,8 @@ pub struct Config {
     pub check_uri: Uri,
     pub checks_uri: Uri,
     pub settle_uri: Uri,
+    /// `POST /v1/cancel`: an egress request's slot given back when its caller left.
+    pub cancel_uri: Uri,
     /// `POST /v1/leases`: slices of hot keys' quota for `consistency: leased` rules.
     pub leases_uri: Uri,
     pub snapshot_uri: Uri,
@@ -194,6 +196,7 @@ impl Config {
             check_uri: endpoint_uri("/v1/check")?,
             checks_uri: endpoint_uri("/v1/checks")?,
             settle_uri: endpoint_uri("/v1/settle")?,
+            cancel_uri: endpoint_uri("/v1/cancel")?,
             leases_uri: endpoint_uri("/v1/leases")?,
             snapshot_uri: endpoint_uri("/v1/snapshot")?,
             namespace,

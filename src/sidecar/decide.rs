@@ -172,6 +172,11 @@ impl Decider {
         decision
     }
 
+    /// The endpoint this sidecar asks (the egress path asks it on its own: [`super::egress`]).
+    pub(super) fn endpoint(&self) -> &Arc<super::endpoint::Endpoint> {
+        &self.exchange.endpoint
+    }
+
     pub async fn decide(&self, input: &CheckInput<'_>) -> Decision {
         if let Some((source, decision)) = self.without_endpoint(input).await {
             self.count(source, &decision);

@@ -280,10 +280,16 @@ fn endpoint_client(config: &Config) -> Result<EndpointClient, super::SidecarErro
             return Err(super::SidecarError::Config("endpoint CA: no certificate in the PEM".into()));
         }
     }
+    pooled_client(roots, http).map_err(super::SidecarError::Config)
+}
+
+/// A pooled HTTP/1 client that speaks plain HTTP, or TLS verified against `roots` only: the
+/// endpoint's and the egress destinations' ([`super::egress`]).
+pub(super) fn pooled_client(roots: rustls::RootCertStore, http: HttpConnector) -> Result<EndpointClient, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let tls = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| super::SidecarError::Config(format!("TLS: {e}")))?
+        .map_err(|e| format!("TLS: {e}"))?
         .with_root_certificates(roots)
         .with_no_client_auth();
     let connector = hyper_rustls::HttpsConnectorBuilder::new()

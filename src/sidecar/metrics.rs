@@ -36,6 +36,8 @@ use crate::telemetry::KindLabels;
 pub struct SidecarMetrics {
     pub registry: Registry,
     pub requests: Family<OutcomeLabels, Counter>,
+    /// Egress requests (`spec.egress`) by outcome.
+    pub egress: Family<OutcomeLabels, Counter>,
     pub decisions: Family<DecisionLabels, Counter>,
     pub endpoint_errors: Family<KindLabels, Counter>,
     pub check_seconds: Histogram,
@@ -73,6 +75,12 @@ impl SidecarMetrics {
         let mut registry = Registry::with_prefix("sluice_sidecar");
         let requests = Family::<OutcomeLabels, Counter>::default();
         registry.register("requests", "Proxied requests by outcome", requests.clone());
+        let egress = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "egress_requests",
+            "Requests to spec.egress downstreams by outcome (sent, refused, queue_full, too_large, abandoned, failed, undeclared)",
+            egress.clone(),
+        );
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register("decisions", "Rate-limit decisions by who decided and the result", decisions.clone());
         let endpoint_errors = Family::<KindLabels, Counter>::default();
@@ -166,6 +174,7 @@ impl SidecarMetrics {
             overload_would_shed,
             registry,
             requests,
+            egress,
             decisions,
             endpoint_errors,
             check_seconds,

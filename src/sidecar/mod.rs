@@ -11,6 +11,7 @@ mod batch;
 mod config;
 pub mod connect;
 pub mod decide;
+pub mod egress;
 mod endpoint;
 mod exchange;
 pub mod metering;
@@ -97,7 +98,16 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     // The proxy's, following the snapshots the decider caches (the first one included).
     let protection = overload::Protection::new(metrics.clone(), config.cgroup_root.clone());
     let follow = protection.follow_snapshots(config.namespace.clone(), config.labels.clone());
-    let decider = Arc::new(Decider::new(&config, metrics.clone(), follow)?);
+    // The egress ports follow the same snapshots: each tells which `spec.egress` entries this
+    // pod is offered.
+    let (offer, offers) = watch::channel(Vec::new());
+    let (namespace, labels) = (config.namespace.clone(), config.labels.clone());
+    let on_install: snapshot::OnInstall = Box::new(move |snapshot| {
+        follow(snapshot);
+        let _ = offer.send(egress::Egress::offered(snapshot, &namespace, &labels));
+    });
+    let decider = Arc::new(Decider::new(&config, metrics.clone(), on_install)?);
+    let egress = egress::Egress::new(decider.clone(), metrics.clone(), config.cancel_uri.clone());
     let proxy = Arc::new(
         Proxy::new(config.upstream.clone(), decider.clone(), protection.clone(), config.trusted_hops, metrics.clone())
             .with_inbound_ports(&config.inbound_ports),
@@ -126,6 +136,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let sweeper = tokio::spawn(crate::role::sweep_memory(decider.snapshots.local_store(), stopped.clone()));
     let pressure = tokio::spawn(protection.clone().watch_pressure(stopped.clone()));
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
+    let egress_ports = tokio::spawn(egress.follow(offers, stopped.clone()));
     let admin_server = tokio::spawn(crate::listen::serve(
         admin,
         admin_router(metrics, app_health, protection, decider.snapshots.readiness.clone()),
@@ -139,6 +150,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     tracing::info!("shutting down: draining in-flight requests");
     let _ = stop.send(true);
     let _ = proxy_server.await;
+    egress_ports.abort();
     let _ = tokio::join!(poller, sweeper, pressure, lease_keeper);
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),

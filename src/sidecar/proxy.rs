@@ -405,6 +405,9 @@ impl Proxy {
                     host: host.as_deref(),
                     client_ip,
                     headers,
+                    egress: None,
+                    deadline_ms: None,
+                    slot: None,
                 };
                 if let Some(class) = self.decider.snapshots.classify(&input) {
                     if self.protection.is_on()

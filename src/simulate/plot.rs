@@ -35,6 +35,8 @@ const ADMITTED: RGBColor = RGBColor(40, 150, 70);
 const DENIED: RGBColor = RGBColor(210, 50, 40);
 const REMAINING: RGBColor = RGBColor(30, 90, 200);
 const DELAY: RGBColor = RGBColor(225, 125, 0);
+const DEPARTED: RGBColor = RGBColor(20, 20, 20);
+const QUEUE: RGBColor = RGBColor(130, 60, 170);
 const FONT: &str = "sans-serif";
 
 /// Draws `report`'s timelines to an SVG file at `path`.
@@ -169,11 +171,15 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, rule: &RuleRep
         (REMAINING, format!("lowest remaining quota (below; dashed: capacity {capacity})")),
     ];
     if let Some(max_delay) = rule.max_delay_ms {
+        entries.push((DEPARTED, "departed (line)".to_string()));
+        entries.push((QUEUE, "waiting (line)".to_string()));
         entries.push((DELAY, format!("longest shaping delay (dashed: maxDelay {max_delay} ms)")));
     }
     let mut x = (LEFT_MARGIN + Y_LABEL_AREA) as i32;
     for (color, name) in entries {
-        if color == REMAINING {
+        if color == DEPARTED || color == QUEUE {
+            area.draw(&PathElement::new(vec![(x, 11), (x + 14, 11)], color.stroke_width(2))).map_err(error)?;
+        } else if color == REMAINING {
             // Drawn as it is drawn below: a line through dots.
             area.draw(&PathElement::new(vec![(x, 11), (x + 14, 11)], color.stroke_width(2))).map_err(error)?;
             area.draw(&Circle::new((x + 7, 11), 3, color.filled())).map_err(error)?;
@@ -195,7 +201,9 @@ fn draw_requests<DB: DrawingBackend>(
     time: Range<f64>,
 ) -> Result<(), String> {
     let timeline = &rule.timeline;
-    let tallest = timeline.offered.iter().copied().max().unwrap_or(0).max(1) as f64;
+    let tallest =
+        timeline.offered.iter().chain(&timeline.departed).chain(&timeline.queue).copied().max().unwrap_or(0).max(1)
+            as f64;
     let mut chart = strip(area, time, tallest * 1.15, false)?;
     chart
         .configure_mesh()
@@ -218,6 +226,14 @@ fn draw_requests<DB: DrawingBackend>(
         if offered > admitted {
             chart.draw_series([Rectangle::new([(x0, admitted), (x1, offered)], DENIED.filled())]).map_err(error)?;
         }
+    }
+    // A shaping rule: when its requests leave (what the downstream sees), and how many wait.
+    for (series, color) in [(&timeline.departed, DEPARTED), (&timeline.queue, QUEUE)] {
+        if series.is_empty() {
+            continue;
+        }
+        let points = series.iter().enumerate().map(|(i, &n)| ((i as f64 + 0.5) * bucket, n as f64));
+        chart.draw_series(LineSeries::new(points, color.stroke_width(2))).map_err(error)?;
     }
     Ok(())
 }

@@ -125,6 +125,10 @@ pub struct RuleReport {
     /// add to `bound` (only when a holder fails to settle; a replay's holders never do).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_bound: Option<u64>,
+    /// A shaping rule's departures (what a `spec.egress` destination sees): the most leaving
+    /// in any window of `per`, its bound, and the longest queue.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub departures: Option<Departures>,
     /// Most consecutive refusals of one key.
     pub longest_denial_run: u64,
     /// From the first to the last refusal of that run.
@@ -135,6 +139,18 @@ pub struct RuleReport {
     /// Keys still refused at their last arrival (their recovery is not in the trace).
     pub unrecovered_keys: u64,
     pub timeline: Timeline,
+}
+
+/// A shaping rule's departures: what the requests it admits do once their wait is over.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Departures {
+    /// The most departing in any window of `per` (sliding, half-open).
+    pub most_in_any_window: u64,
+    /// Departures evenly spaced one interval apart: `1 + floor((per − 1µs) / interval)`.
+    pub bound: u64,
+    /// The most requests waiting for their departure at once.
+    pub longest_queue: u64,
 }
 
 /// Per time bucket of the report's `bucketMs`, from trace time 0.
@@ -150,6 +166,15 @@ pub struct Timeline {
     /// The longest shaping delay of the bucket's admissions, whole milliseconds rounded up
     /// (leakyBucket with maxDelay; 0 otherwise).
     pub max_delay_ms: Vec<u64>,
+    /// A shaping rule's departures per bucket: when its admitted requests leave, after their
+    /// wait (what the downstream sees; a `spec.egress` destination's arrivals). Empty for
+    /// other rules; departures after the last bucket count in it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub departed: Vec<u64>,
+    /// A shaping rule's queue: the most admitted requests waiting for their departure at any
+    /// admission in the bucket. Empty for other rules.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub queue: Vec<u64>,
 }
 
 /// The template's headers with the keyed headers replaced by the arrival's key value.
@@ -257,6 +282,12 @@ struct RuleTally<'s> {
     /// A `concurrency` rule's requests in progress per key, and the most seen for one key.
     in_flight: HashMap<String, u64>,
     max_in_flight: u64,
+    /// A shaping rule's admitted requests not yet departed: their departure times.
+    waiting: BinaryHeap<Reverse<Micros>>,
+    /// The timeline's bucket width (µs).
+    bucket_width: Micros,
+    /// A shaping rule's departure times, with their costs.
+    departures: Vec<(Micros, u64)>,
 }
 
 impl RuleTally<'_> {
@@ -274,9 +305,33 @@ impl RuleTally<'_> {
 
     /// One decision of this rule at trace time `at` (denial runs and recovery are measured on
     /// trace time, the same durations as on the simulated clock).
+    /// A shaping rule's admission at `at` leaving after `delay`: counted where it departs, and
+    /// in the queue of those waiting.
+    fn departs(&mut self, at: Micros, delay: Micros, bucket: usize) {
+        while self.waiting.peek().is_some_and(|Reverse(leaves)| *leaves <= at) {
+            self.waiting.pop();
+        }
+        let width = self.bucket_width.max(1);
+        let last = self.timeline.departed.len().saturating_sub(1);
+        let leaves_in = (((at + delay) / width) as usize).min(last);
+        if let Some(count) = self.timeline.departed.get_mut(leaves_in) {
+            *count += 1;
+        }
+        if delay > 0 {
+            self.waiting.push(Reverse(at + delay));
+        }
+        self.departures.push((at + delay, 1));
+        if let Some(most) = self.timeline.queue.get_mut(bucket) {
+            *most = (*most).max(self.waiting.len() as u64);
+        }
+    }
+
     fn record(&mut self, key: &str, at: Micros, cost: u64, decision: &Decision, consumed: bool, bucket: usize) {
         self.offered += 1;
         self.timeline.offered[bucket] += 1;
+        if consumed && self.rule.limit().shapes() {
+            self.departs(at, decision.delay, bucket);
+        }
         let slot = &mut self.timeline.remaining[bucket];
         *slot = Some(slot.map_or(decision.remaining, |r| r.min(decision.remaining)));
         if !decision.allowed {
@@ -343,6 +398,15 @@ impl RuleTally<'_> {
             max_shaping_delay_ms: ms(self.delay_max),
             mean_shaping_delay_ms: if self.shaped == 0 { 0.0 } else { ms(self.delay_total) / self.shaped as f64 },
             max_admitted_in_any_window: max_in_window,
+            departures: self.rule.limit().shapes().then(|| {
+                let mut departures = self.departures.clone();
+                departures.sort_unstable();
+                Departures {
+                    most_in_any_window: max_admitted_in_any_window(&departures, limit.per()),
+                    bound: 1 + (limit.per() - 1) / limit.interval(),
+                    longest_queue: self.timeline.queue.iter().copied().max().unwrap_or(0),
+                }
+            }),
             bound: value,
             bound_formula: formula,
             lease_bound: self.rule.leasing().map(|l| l.max_overshoot),
@@ -373,7 +437,12 @@ pub fn replay(
     options: &ReplayOptions,
 ) -> Result<SimulationReport, SimulateError> {
     let namespace = template.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
-    let rules: Vec<&CompiledRule> = snapshot.namespace_policies(namespace).iter().flat_map(|p| p.rules()).collect();
+    // An egress call (`"egress"` in the request) is decided by the namespace's egress entries.
+    let policies = snapshot.namespace_policies(namespace);
+    let rules: Vec<&CompiledRule> = match template.egress {
+        Some(_) => policies.iter().flat_map(|p| p.egress().iter().map(|e| &e.rule)).collect(),
+        None => policies.iter().flat_map(|p| p.rules()).collect(),
+    };
     if rules.is_empty() {
         return Err(SimulateError::NoRules(namespace.to_string()));
     }
@@ -396,12 +465,17 @@ pub fn replay(
     let bucket =
         options.bucket.filter(|&b| b > 0).unwrap_or_else(|| nice_bucket(duration.max(shortest_per).div_ceil(100)));
     let buckets = (duration / bucket) as usize + 1;
-    let empty_timeline = || Timeline {
-        offered: vec![0; buckets],
-        admitted: vec![0; buckets],
-        denied: vec![0; buckets],
-        remaining: vec![None; buckets],
-        max_delay_ms: vec![0; buckets],
+    let empty_timeline = |rule: &CompiledRule| {
+        let shaping = if rule.limit().shapes() { buckets } else { 0 };
+        Timeline {
+            offered: vec![0; buckets],
+            admitted: vec![0; buckets],
+            denied: vec![0; buckets],
+            remaining: vec![None; buckets],
+            max_delay_ms: vec![0; buckets],
+            departed: vec![0; shaping],
+            queue: vec![0; shaping],
+        }
     };
     let index: HashMap<&str, usize> = rules.iter().enumerate().map(|(i, r)| (r.identity(), i)).collect();
     let mut tallies: Vec<RuleTally<'_>> = rules
@@ -419,9 +493,12 @@ pub fn replay(
             delay_max: 0,
             longest_run: (0, 0),
             recovery: None,
-            timeline: empty_timeline(),
+            timeline: empty_timeline(rule),
             in_flight: HashMap::new(),
             max_in_flight: 0,
+            waiting: BinaryHeap::new(),
+            bucket_width: bucket,
+            departures: Vec::new(),
         })
         .collect();
 
@@ -473,6 +550,8 @@ pub fn replay(
             cost: arrival.cost.or(template.cost).unwrap_or(1),
             fields: &template.request_fields,
             descriptor: None,
+            egress: template.egress.as_deref(),
+            max_wait: template.deadline_ms.map(|ms| ms.saturating_mul(MICROS_PER_MS)),
         };
         snapshot.resolve(&request, &mut matched);
         if matched.is_empty() {
@@ -616,6 +695,15 @@ impl SimulationReport {
         let _ = writeln!(out, "maxInWindow: most admitted cost of one key in any window of the rule's per; bound:");
         for r in &self.rules {
             let _ = writeln!(out, "  {}/{}: {}", r.policy, r.rule, r.bound_formula);
+        }
+        for r in &self.rules {
+            if let Some(d) = &r.departures {
+                let _ = writeln!(
+                    out,
+                    "{}/{}: departures (what the downstream sees): most in any {} ms {} against {} (one per interval); longest queue {}",
+                    r.policy, r.rule, r.per_ms, d.most_in_any_window, d.bound, d.longest_queue
+                );
+            }
         }
         for r in self.rules.iter().filter(|r| r.reserved_cost.is_some()) {
             let bound = r.bound.map_or_else(String::new, |b| format!(" (the algorithm alone allows up to {b})"));

@@ -63,6 +63,18 @@ impl Store for Backend {
         }
     }
 
+    async fn cancel_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        cancels: &[crate::store::Cancel<'_>],
+    ) -> Result<u64, StoreError> {
+        match self {
+            Backend::Memory(store) => store.cancel_for(namespace, now, cancels).await,
+            Backend::Redis(store) => Store::cancel_for(&**store, namespace, now, cancels).await,
+        }
+    }
+
     async fn lease_for(
         &self,
         namespace: &str,

@@ -156,7 +156,7 @@ mod tests {
 
     fn denied(retry_after: Option<Micros>) -> Verdict {
         let decision = Decision { allowed: false, remaining: 1, reset_after: 500, retry_after, delay: 0 };
-        Verdict { allowed: false, decisions: vec![decision], cached_denial: None }
+        Verdict { allowed: false, decisions: vec![decision], cached_denial: None, at: None }
     }
 
     #[test]

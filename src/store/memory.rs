@@ -503,7 +503,7 @@ impl MemoryStore {
     fn check_scoped(&self, scope: Scope, now: Micros, checks: &[RuleCheck<'_>]) -> Verdict {
         let mut decisions = Vec::with_capacity(checks.len());
         let allowed = self.check_scoped_into(scope, now, checks, &mut decisions);
-        Verdict { allowed, decisions, cached_denial: None }
+        Verdict { allowed, decisions, cached_denial: None, at: Some(now) }
     }
 
     /// Consumes on an existing entry; returns its units before and after.
@@ -639,6 +639,27 @@ impl MemoryStore {
     /// (a reservation of 0 counts as found). A key a charge creates goes to the unnamed scope.
     pub fn settle_at(&self, now: Micros, settles: &[super::Settle<'_>], hold: algorithm::HoldId) -> u64 {
         self.settle_scoped_at(Scope::UNNAMED, now, settles, hold)
+    }
+
+    /// Gives back the shaped slots `cancels` name at `now` ([`algorithm::give_back`]); returns
+    /// how many went back. Only existing keys are touched.
+    pub fn cancel_at(&self, namespace: &str, now: Micros, cancels: &[super::Cancel<'_>]) -> u64 {
+        let scope = self.scope(namespace);
+        let mut given = 0;
+        for cancel in cancels {
+            let slot = self.slot_key(scope, cancel.rule, cancel.key);
+            let mut table = self.shards[self.shard_of(slot)].table.lock();
+            let Some(entry) = table.slots.get_mut(&slot) else { continue };
+            let mut state = Some(entry.state.clone());
+            if algorithm::give_back(cancel.limit, &mut state, now, cancel.until, cancel.cost)
+                && let Some(state) = state
+            {
+                // The TAT only steps back: the entry is pristine no later than before.
+                entry.state = state;
+                given += 1;
+            }
+        }
+        given
     }
 
     fn settle_scoped_at(
@@ -874,6 +895,15 @@ impl Store for MemoryStore {
         hold: algorithm::HoldId,
     ) -> Result<u64, StoreError> {
         Ok(self.settle_scoped_at(self.scope(namespace), now.unwrap_or_else(|| self.clock.now()), settles, hold))
+    }
+
+    async fn cancel_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        cancels: &[super::Cancel<'_>],
+    ) -> Result<u64, StoreError> {
+        Ok(self.cancel_at(namespace, now.unwrap_or_else(|| self.clock.now()), cancels))
     }
 
     async fn lease_for(

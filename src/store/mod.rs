@@ -36,6 +36,19 @@ pub struct Settle<'a> {
     pub reserved: u64,
 }
 
+/// The slot a shaping rule's admission took for a request whose caller went away before it
+/// departed ([`crate::algorithm::give_back`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Cancel<'a> {
+    pub rule: RuleId,
+    pub limit: &'a Limit,
+    pub key: &'a [u8],
+    /// What the request took.
+    pub cost: u64,
+    /// The key's state its admission set: the decision's instant plus its `reset_after`.
+    pub until: Micros,
+}
+
 /// One key's quota-lease operation for a holder ([`crate::algorithm::lease`]): settle the lease it
 /// had (hold id, units spent), then ask for a new one. Either may be absent.
 #[derive(Clone, Copy, Debug)]
@@ -123,6 +136,20 @@ pub trait Store: Send + Sync + 'static {
         settles: &[Settle<'_>],
         hold: HoldId,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Gives back, in `namespace`, the slots `cancels` name where the algorithm allows (only the
+    /// last slot of a key: [`crate::algorithm::give_back`]). Returns how many went back. A store
+    /// that cannot give back (the default) leaves each slot taken: the downstream then sees a
+    /// gap, never more than the rate.
+    fn cancel_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        cancels: &[Cancel<'_>],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        let _ = (namespace, now, cancels);
+        std::future::ready(Ok(0))
+    }
 
     /// Runs each of `ops` in `namespace` (each key atomically, the keys independently): the
     /// lease it settles is settled as [`Store::settle_for`] would (idempotent: a lease already
@@ -275,6 +302,15 @@ impl<T: Store> Store for std::sync::Arc<T> {
         ops: &[LeaseOp<'_>],
     ) -> impl Future<Output = Result<Vec<LeaseGrant>, StoreError>> + Send {
         (**self).lease_for(namespace, now, ops)
+    }
+
+    fn cancel_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        cancels: &[Cancel<'_>],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        (**self).cancel_for(namespace, now, cancels)
     }
 
     fn status(&self) -> StoreStatus {

@@ -238,6 +238,9 @@ fuzz_target!(|head: Head| {
         client_ip: client,
         headers: checked,
         request_fields: BTreeMap::new(),
+        egress: None,
+        deadline_ms: None,
+        slot: None,
     };
 
     // The local fallback's view.

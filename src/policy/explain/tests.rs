@@ -80,6 +80,8 @@ fn explain_agrees_with_resolve_on_many_requests() {
                                 cost: 2,
                                 fields: &crate::request::names::NoEntries,
                                 descriptor: None,
+                                egress: None,
+                                max_wait: None,
                             };
                             let mut resolved = Vec::new();
                             snapshot.resolve(&req, &mut resolved);

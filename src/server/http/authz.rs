@@ -73,6 +73,8 @@ async fn authorize<S: Store>(state: &ApiState<S>, request: axum::extract::Reques
         cost: parts.cost,
         fields: &crate::request::names::NoEntries,
         descriptor: None,
+        egress: None,
+        max_wait: None,
     };
     let decision = engine.check(&view, Holds::Skipped("authz")).await;
     // A refusing rule's declared refusal replaces the default 429, unless the caller asked for

@@ -1,5 +1,7 @@
 //! `POST /v1/check`, its batch form `POST /v1/checks`, and `POST /v1/explain`.
 
+use std::sync::Arc;
+
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -34,12 +36,89 @@ pub(super) async fn check<S: Store>(State(state): Shared<S>, request: Request) -
     answer(state.engine.metrics(), decide(&state, &parts.headers, body).await)
 }
 
-async fn decide<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn decide<S: Store>(state: &Arc<ApiState<S>>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let (caller, request) = caller_and_request(state, headers, body).await?;
+    if request.slot.is_some() {
+        return Err(ApiError::bad("slot: only POST /v1/cancel takes a slot back"));
+    }
     let view = request.view(&caller).map_err(ApiError::forbidden)?;
-    let decision = state.engine.check(&view, Holds::Returned).await;
+    let mut decision = state.engine.check(&view, Holds::Returned).await;
+    if let Some(error) = unoffered(&request, &decision) {
+        return Err(ApiError::bad(error));
+    }
+    if request.wait
+        && let Some(slot) = decision.slot.take()
+    {
+        // The wait form: answer when the slot is due. A caller that goes away first drops this
+        // future, and the guard gives its slot back.
+        let guard = AbandonedWait { state: state.clone(), caller, request, slot: Some(slot) };
+        tokio::time::sleep(std::time::Duration::from_millis(decision.delay_ms)).await;
+        guard.departed();
+        decision.delay_ms = 0;
+    }
     state.engine.metrics().responses_ok.inc();
     json_response(StatusCode::OK, &decision, None)
+}
+
+/// An egress check no entry answered: the caller named a `spec.egress` entry no policy
+/// selecting its workload offers. Refused, never admitted with no rule.
+fn unoffered(request: &CheckRequest, decision: &crate::engine::CheckResponse) -> Option<String> {
+    let name = request.egress.as_deref()?;
+    decision
+        .rules
+        .is_empty()
+        .then(|| format!("egress: no policy selecting this workload offers a spec.egress entry named {name:?}"))
+}
+
+/// A wait under way at the endpoint (`"wait": true`): dropped before [`Self::departed`], its
+/// caller left, and the slot goes back ([`crate::engine::Engine::cancel`]) in a task of its own.
+struct AbandonedWait<S: Store> {
+    state: Arc<ApiState<S>>,
+    caller: Caller,
+    request: CheckRequest,
+    slot: Option<String>,
+}
+
+impl<S: Store> AbandonedWait<S> {
+    fn departed(mut self) {
+        self.slot = None;
+    }
+}
+
+impl<S: Store> Drop for AbandonedWait<S> {
+    fn drop(&mut self) {
+        let Some(slot) = self.slot.take() else { return };
+        let (state, caller, request) = (self.state.clone(), self.caller.clone(), self.request.clone());
+        tokio::spawn(async move {
+            let Some(slots) = crate::engine::parse_slot(&slot) else { return };
+            if let Ok(view) = request.view(&caller)
+                && let Err(error) = state.engine.cancel(&view, &slots).await
+            {
+                tracing::debug!(%error, "an abandoned wait's slot was not given back");
+            }
+        });
+    }
+}
+
+/// `POST /v1/cancel`: the check's body with the `slot` its answer carried; gives back the slots
+/// of an admission with a wait whose caller will not depart (Go's `Reservation.Cancel()`). Only
+/// the last slot of a key goes back, before it is due; the answer says how many did.
+pub(super) async fn cancel<S: Store>(State(state): Shared<S>, headers: HeaderMap, body: Body) -> Response {
+    answer(state.engine.metrics(), cancel_slots(&state, &headers, body).await)
+}
+
+async fn cancel_slots<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let (caller, request) = caller_and_request(state, headers, body).await?;
+    let Some(slots) = request.slot.as_deref().and_then(crate::engine::parse_slot) else {
+        return Err(ApiError::bad("slot: required (the check answer's slot)"));
+    };
+    let view = request.view(&caller).map_err(ApiError::forbidden)?;
+    let given = state.engine.cancel(&view, &slots).await.map_err(|error| ApiError::Store {
+        kind: error.kind(),
+        message: format!("the cancel did not reach the store ({error}); the slot stays taken"),
+    })?;
+    state.engine.metrics().responses_ok.inc();
+    Ok((StatusCode::OK, axum::Json(serde_json::json!({ "givenBack": given }))).into_response())
 }
 
 /// Many checks in one call, for a proxy that has several requests waiting (the sidecar under
@@ -99,7 +178,14 @@ async fn decide_batch<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: 
     let results: Vec<BatchResult> = views
         .into_iter()
         .map(|view| match view {
-            Ok(_) => match decisions.next() {
+            Ok(view) => match decisions.next() {
+                Some(decision) if decision.rules.is_empty() && view.egress.is_some() => {
+                    metrics.responses.get_or_create(&StatusLabels { status: 400 }).inc();
+                    BatchResult::Refused {
+                        status: 400,
+                        error: "egress: no policy selecting this workload offers that spec.egress entry".into(),
+                    }
+                }
                 Some(decision) => {
                     metrics.responses_ok.inc();
                     BatchResult::Decided(LeanDecision {
@@ -111,6 +197,7 @@ async fn decide_batch<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: 
                         body: decision.body.as_deref(),
                         snapshot: &decision.snapshot,
                         lease: decision.lease.as_deref(),
+                        slot: decision.slot.as_deref(),
                     })
                 }
                 None => BatchResult::Refused { status: 500, error: "no decision".into() },

@@ -72,6 +72,7 @@ pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
     Router::new()
         .route("/v1/check", post(check::check::<S>))
         .route("/v1/checks", post(check::checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
+        .route("/v1/cancel", post(check::cancel::<S>))
         .route("/v1/release", post(settle::settle::<S>))
         .route("/v1/settle", post(settle::settle::<S>))
         .route("/v1/leases", post(leases::leases::<S>))

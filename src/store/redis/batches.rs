@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use ::redis::{ErrorKind, RedisError, Value};
 
-use super::library::{LIBRARY_SOURCE, MANY_FUNCTION_NAME, REPLY_PER_RULE, function_missing, functions_unsupported};
+use super::codec::reply_len;
+use super::library::{LIBRARY_SOURCE, MANY_FUNCTION_NAME, function_missing, functions_unsupported};
 use super::primary::Primary;
 use crate::store::batching::{Batcher, Exchange, Pending};
 
@@ -134,16 +135,16 @@ impl FunctionCalls {
     }
 }
 
-/// Splits the concatenated replies: 1 + 5 per rule each.
+/// Splits the concatenated replies: 2 + 5 per rule each.
 fn deliver(batch: Vec<Pending<Decide, Outcome>>, values: Vec<Value>) {
-    let expected: usize = batch.iter().map(|p| 1 + REPLY_PER_RULE * p.request.keys.len()).sum();
+    let expected: usize = batch.iter().map(|p| reply_len(p.request.keys.len())).sum();
     if values.len() != expected {
         let error = RedisError::from((ErrorKind::UnexpectedReturnType, "a batched call's reply has the wrong length"));
         return fail(batch, &error);
     }
     let mut values = values.into_iter();
     for pending in batch {
-        let reply: Vec<Value> = values.by_ref().take(1 + REPLY_PER_RULE * pending.request.keys.len()).collect();
+        let reply: Vec<Value> = values.by_ref().take(reply_len(pending.request.keys.len())).collect();
         pending.answer(Outcome::Reply(Value::Array(reply)));
     }
 }

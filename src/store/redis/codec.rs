@@ -108,13 +108,18 @@ pub fn parse_lease_reply(reply: &Value, ops: usize) -> Result<Vec<crate::algorit
         .collect()
 }
 
+/// How many integers the decision of a request of `rules` rules answers.
+pub fn reply_len(rules: usize) -> usize {
+    2 + REPLY_PER_RULE * rules
+}
+
 /// Interprets the script's reply: `{allowed, then per rule: allowed, remaining, reset_after_us,
-/// retry_after_us (-1 = none), delay_us}`.
+/// retry_after_us (-1 = none), delay_us, then the decision's now (µs)}`.
 pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array reply, got {}", value_kind(reply))));
     };
-    let expected = 1 + REPLY_PER_RULE * rules;
+    let expected = reply_len(rules);
     if items.len() != expected {
         return Err(StoreError::Protocol(format!("expected {expected} values for {rules} rules, got {}", items.len())));
     }
@@ -131,7 +136,8 @@ pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
         other => Err(StoreError::Protocol(format!("expected 0 or 1, got {other}"))),
     };
     let count = |i: i64| u64::try_from(i).map_err(|_| StoreError::Protocol(format!("expected a count, got {i}")));
-    let decisions = ints[1..]
+    let at = count(ints[expected - 1])?;
+    let decisions = ints[1..expected - 1]
         .chunks_exact(REPLY_PER_RULE)
         .map(|d| {
             Ok(Decision {
@@ -143,7 +149,7 @@ pub fn parse_reply(reply: &Value, rules: usize) -> Result<Verdict, StoreError> {
             })
         })
         .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(Verdict { allowed: flag(ints[0])?, decisions, cached_denial: None })
+    Ok(Verdict { allowed: flag(ints[0])?, decisions, cached_denial: None, at: Some(at) })
 }
 
 pub(super) fn value_kind(value: &Value) -> &'static str {

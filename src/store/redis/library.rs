@@ -32,6 +32,9 @@ pub static MANY_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_m
 /// [`FUNCTION_NAME`] with `_settle`: `settle`, a request's holds given back or settled.
 pub static SETTLE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_settle", &*FUNCTION_NAME));
 
+/// [`FUNCTION_NAME`] with `_cancel`: `cancel`, shaped slots whose callers went away given back.
+pub static CANCEL_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_cancel", &*FUNCTION_NAME));
+
 /// [`FUNCTION_NAME`] with `_lease`: `lease`, a holder's quota leases settled and granted.
 pub static LEASE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_lease", &*FUNCTION_NAME));
 
@@ -42,8 +45,9 @@ pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
     let many = &*MANY_FUNCTION_NAME;
     let settle = &*SETTLE_FUNCTION_NAME;
     let lease = &*LEASE_FUNCTION_NAME;
+    let cancel = &*CANCEL_FUNCTION_NAME;
     format!(
-        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\nredis.register_function('{lease}', lease)\n"
+        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\nredis.register_function('{lease}', lease)\nredis.register_function('{cancel}', cancel)\n"
     )
 });
 
@@ -59,6 +63,13 @@ pub static SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
 pub static SETTLE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn settle(KEYS, ARGV)\n"
+    )
+});
+
+/// `cancel` as a script, for Redis before 7.0.
+pub static CANCEL_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn cancel(KEYS, ARGV)\n"
     )
 });
 

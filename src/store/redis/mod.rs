@@ -41,8 +41,8 @@ use ::redis::{RedisError, Script, Value};
 
 use self::batches::{Batches, Decide, Outcome};
 use self::library::{
-    FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE, LIBRARY_SOURCE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME,
-    SETTLE_SCRIPT_SOURCE,
+    CANCEL_FUNCTION_NAME, CANCEL_SCRIPT_SOURCE, FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE,
+    LIBRARY_SOURCE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
 };
 use self::library::{function_missing, functions_unsupported};
 pub use self::primary::SentinelEndpoint;
@@ -62,6 +62,7 @@ use crate::rule::Verdict;
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
 static SETTLE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SETTLE_SCRIPT_SOURCE));
 static LEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&LEASE_SCRIPT_SOURCE));
+static CANCEL_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&CANCEL_SCRIPT_SOURCE));
 
 #[derive(Clone)]
 enum Connection {
@@ -249,7 +250,7 @@ impl RedisStore {
         checks: &[RuleCheck<'_>],
     ) -> Result<Verdict, StoreError> {
         if checks.is_empty() {
-            return Ok(Verdict { allowed: true, decisions: Vec::new(), cached_denial: None });
+            return Ok(Verdict { allowed: true, decisions: Vec::new(), cached_denial: None, at: None });
         }
         let keys: Vec<Vec<u8>> = checks.iter().map(|check| keys::state_key(tag, check.rule, check.key)).collect();
         // The denial cache's time: when the call is sent, never later than when Redis decides.
@@ -339,13 +340,49 @@ impl RedisStore {
             args.push(settle.reserved.to_string());
             args.push(settle.cost.to_string());
         }
+        self.count_in_lane(tag, &SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args, "settle").await
+    }
+
+    /// Gives back the shaped slots of `cancels` in the slot of `tag` (see `cancel` in
+    /// lua/check.lua), through the namespace's breaker and lane like a settle. Returns how many
+    /// went back.
+    pub async fn cancel_tagged(
+        &self,
+        tag: &str,
+        now: Option<Micros>,
+        cancels: &[super::Cancel<'_>],
+    ) -> Result<u64, StoreError> {
+        if cancels.is_empty() {
+            return Ok(0);
+        }
+        let keys: Vec<Vec<u8>> = cancels.iter().map(|c| keys::state_key(tag, c.rule, c.key)).collect();
+        let mut args = Vec::with_capacity(1 + 3 * cancels.len());
+        args.push(now.map_or_else(String::new, |n| n.to_string()));
+        for cancel in cancels {
+            args.push(rule_params(cancel.limit, true));
+            args.push(cancel.cost.to_string());
+            args.push(cancel.until.to_string());
+        }
+        self.count_in_lane(tag, &CANCEL_FUNCTION_NAME, &CANCEL_SCRIPT, &keys, &args, "cancel").await
+    }
+
+    /// Runs a call answering a count (`settle`, `cancel`) through the namespace's breaker and
+    /// lane (one place per key), within the store's deadline.
+    async fn count_in_lane(
+        &self,
+        tag: &str,
+        function: &str,
+        script: &Script,
+        keys: &[Vec<u8>],
+        args: &[String],
+        what: &str,
+    ) -> Result<u64, StoreError> {
         let tenant = self.tenants.of(tag, self.clock.now());
         let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
         };
-        let _lane = tenant.enter(settles.len(), self.timeout).await?;
-        let outcome =
-            tokio::time::timeout(self.timeout, self.call(&SETTLE_FUNCTION_NAME, &SETTLE_SCRIPT, &keys, &args)).await;
+        let _lane = tenant.enter(keys.len(), self.timeout).await?;
+        let outcome = tokio::time::timeout(self.timeout, self.call(function, script, keys, args)).await;
         let (result, transition) = match outcome {
             Err(_) => {
                 let error = StoreError::Timeout(self.timeout.as_millis() as u64);
@@ -358,7 +395,7 @@ impl RedisStore {
             }
             Ok(Ok(Value::Int(found))) => (Ok(found.max(0) as u64), permit.success(self.clock.now())),
             Ok(Ok(other)) => (
-                Err(StoreError::Protocol(format!("settle answered {}", value_kind(&other)))),
+                Err(StoreError::Protocol(format!("{what} answered {}", value_kind(&other)))),
                 permit.success(self.clock.now()),
             ),
         };
@@ -529,6 +566,23 @@ impl RedisStore {
             self.call(&LEASE_FUNCTION_NAME, &LEASE_SCRIPT, &keys, &lease_args(None, &[op(None, Some(ask))])).await?;
             self.call(&LEASE_FUNCTION_NAME, &LEASE_SCRIPT, &keys, &lease_args(None, &[op(Some((hold, 0)), None)]))
                 .await?;
+        }
+        // A shaped slot given back, as a sidecar whose caller left does (a write: SET).
+        if let Ok(shaper) = Limit::new(Algorithm::LeakyBucket, 1000, MICROS_PER_SECOND, None, Some(MICROS_PER_SECOND)) {
+            let keys = vec![keys::state_key(keys::PROBE_TAG, 98, b"probe")];
+            let decided = self
+                .decide(
+                    &keys,
+                    &script_args(
+                        None,
+                        &[RuleCheck { rule: 98, limit: &shaper, key: b"probe", cost: 1, enforce: true, hold: 0 }],
+                    ),
+                )
+                .await?;
+            let until =
+                parse_reply(&decided, 1).ok().and_then(|v| Some(v.at? + v.decisions.first()?.reset_after)).unwrap_or(0);
+            let args = vec![String::new(), rule_params(&shaper, true), "1".into(), until.to_string()];
+            self.call(&CANCEL_FUNCTION_NAME, &CANCEL_SCRIPT, &keys, &args).await?;
         }
         Ok(())
     }
@@ -725,6 +779,15 @@ impl Store for RedisStore {
         checks: &[RuleCheck<'_>],
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
         self.check_tagged(namespace, now, checks)
+    }
+
+    async fn cancel_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        cancels: &[super::Cancel<'_>],
+    ) -> Result<u64, StoreError> {
+        self.cancel_tagged(namespace, now, cancels).await
     }
 
     async fn settle_for(

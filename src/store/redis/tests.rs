@@ -10,8 +10,9 @@ fn ints(v: &[i64]) -> Value {
 
 #[test]
 fn parses_a_two_rule_reply() {
-    let verdict = parse_reply(&ints(&[0, 1, 4, 100, -1, 0, 0, 0, 900, 250, 0]), 2).unwrap();
+    let verdict = parse_reply(&ints(&[0, 1, 4, 100, -1, 0, 0, 0, 900, 250, 0, 5_000]), 2).unwrap();
     assert!(!verdict.allowed);
+    assert_eq!(verdict.at, Some(5_000));
     assert_eq!(
         verdict.decisions,
         vec![
@@ -19,7 +20,7 @@ fn parses_a_two_rule_reply() {
             Decision { allowed: false, remaining: 0, reset_after: 900, retry_after: Some(250), delay: 0 },
         ]
     );
-    let shaped = parse_reply(&ints(&[1, 1, 0, 10, -1, 7]), 1).unwrap();
+    let shaped = parse_reply(&ints(&[1, 1, 0, 10, -1, 7, 0]), 1).unwrap();
     assert_eq!(shaped.decisions[0].delay, 7);
     assert!(shaped.allowed);
 }
@@ -27,14 +28,17 @@ fn parses_a_two_rule_reply() {
 #[test]
 fn rejects_malformed_replies() {
     let err = |v: Value, n| parse_reply(&v, n).unwrap_err();
-    assert!(matches!(err(ints(&[1, 1, 0, 0, -1]), 1), StoreError::Protocol(m) if m.contains("expected 6")));
+    assert!(matches!(err(ints(&[1, 1, 0, 0, -1, 0]), 1), StoreError::Protocol(m) if m.contains("expected 7")));
     assert!(matches!(err(Value::Okay, 1), StoreError::Protocol(m) if m.contains("OK")));
-    assert!(matches!(err(ints(&[2, 1, 0, 0, -1, 0]), 1), StoreError::Protocol(m) if m.contains("0 or 1")));
-    assert!(matches!(err(ints(&[1, 1, -5, 0, -1, 0]), 1), StoreError::Protocol(m) if m.contains("count")));
-    assert!(matches!(err(ints(&[1, 1, 0, 0, -2, 0]), 1), StoreError::Protocol(_)));
+    assert!(matches!(err(ints(&[2, 1, 0, 0, -1, 0, 0]), 1), StoreError::Protocol(m) if m.contains("0 or 1")));
+    assert!(matches!(err(ints(&[1, 1, -5, 0, -1, 0, 0]), 1), StoreError::Protocol(m) if m.contains("count")));
+    assert!(matches!(err(ints(&[1, 1, 0, 0, -2, 0, 0]), 1), StoreError::Protocol(_)));
     let mixed = Value::Array(vec![Value::Int(1), Value::BulkString(b"x".to_vec())]);
     assert!(matches!(err(mixed, 0), StoreError::Protocol(_)));
-    assert_eq!(parse_reply(&ints(&[1]), 0).unwrap(), Verdict { allowed: true, decisions: vec![], cached_denial: None });
+    assert_eq!(
+        parse_reply(&ints(&[1, 9]), 0).unwrap(),
+        Verdict { allowed: true, decisions: vec![], cached_denial: None, at: Some(9) }
+    );
 }
 
 #[test]
@@ -73,7 +77,7 @@ fn script_is_one_piece_with_every_algorithm() {
     assert!(LIBRARY_SOURCE.starts_with(&format!("#!lua name={}\n", &*FUNCTION_NAME)));
     assert!(LIBRARY_SOURCE.contains(&format!("\nredis.register_function('{}', decide)\n", &*FUNCTION_NAME)));
     assert!(
-        LIBRARY_SOURCE.trim_end().ends_with(&format!("redis.register_function('{}_lease', lease)", &*FUNCTION_NAME))
+        LIBRARY_SOURCE.trim_end().ends_with(&format!("redis.register_function('{}_cancel', cancel)", &*FUNCTION_NAME))
     );
     assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
 }
