@@ -1,16 +1,17 @@
 """The egress benchmark's bank and callers (scripts/bench/egress.sh runs it; docs/egress.md).
 
     python3 egress.py bank PORT RATE            # the bank: serves, refuses above RATE per second
-    python3 egress.py callers MODE BANK_PORT DURATION RATE MAX_DELAY_MS TARGET...
+    python3 egress.py callers MODE BANK_PORT DURATION RATE PACE MAX_DELAY_MS TARGET...
     python3 egress.py report BANK_PORT          # what the bank saw, as JSON
 
-The bank counts arrivals and answers 429 to a request that would make more than RATE in the last
-second (a sliding window over its own arrivals), else 200. The callers are one thread group per
+The bank answers 429 to a request that would make more than RATE transactions in the last second
+(a sliding window over the requests it accepted), else 200; it records every arrival. The callers are one thread group per
 TARGET (a caller replica: its sidecar's egress port, or the bank itself), each offering bursts
 of 20 to 40 requests per second for one second, then resting, so the callers' average fits the
 bank's rate while their bursts together do not. MODE `direct` sends at once, `client` paces
 each caller by its own limiter at RATE (a per-pod client-side limiter, as Go's rate.Limiter.Wait
-would), `sluice` sends through the sidecars, which pace by the shared budget.
+would), `split` by its own limiter at RATE / callers (the budget divided statically), `sluice`
+sends through the sidecars, which pace by the shared budget.
 """
 
 import bisect
@@ -25,7 +26,7 @@ import time
 
 
 def bank(port, rate):
-    arrivals, refused, lock = [], [0], threading.Lock()
+    arrivals, accepted, refused, lock = [], [], [0], threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -48,6 +49,7 @@ def bank(port, rate):
             if self.path == "/reset":
                 with lock:
                     arrivals.clear()
+                    accepted.clear()
                     refused[0] = 0
                 self.answer(200, "reset\n")
                 return
@@ -62,10 +64,14 @@ def bank(port, rate):
             now = time.monotonic()
             with lock:
                 arrivals.append(now)
-                recent = len(arrivals) - bisect.bisect_right(arrivals, now - 1.0)
-                over = recent > rate
+                # Like a bank's own limiter: RATE transactions in any second; a refused one is
+                # not a transaction.
+                recent = len(accepted) - bisect.bisect_right(accepted, now - 1.0)
+                over = recent >= rate
                 if over:
                     refused[0] += 1
+                else:
+                    accepted.append(now)
             self.answer(429 if over else 200, "too many\n" if over else "paid\n")
 
     class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -75,11 +81,11 @@ def bank(port, rate):
     Server(("127.0.0.1", port), Handler).serve_forever()
 
 
-def callers(mode, bank_port, duration, rate, max_delay_ms, targets):
+def callers(mode, bank_port, duration, rate, pace_rate, max_delay_ms, targets):
     """Returns per-request records: (caller, offered_at, latency_s, status, waited_ms)."""
     records, lock = [], threading.Lock()
     start = time.monotonic() + 0.2
-    interval = 1.0 / rate
+    pace = 1.0 / pace_rate if mode != "split" else len(targets) / pace_rate
 
     def one(caller, port, offered):
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=max_delay_ms / 1000 + 30)
@@ -106,10 +112,11 @@ def callers(mode, bank_port, duration, rate, max_delay_ms, targets):
                 if offered >= start + duration:
                     break
                 send = offered
-                if mode == "client":
-                    # This pod's own limiter: its requests leave RATE apart, whatever the others do.
+                if mode in ("client", "split"):
+                    # This pod's own limiter: its requests leave `pace` apart, whatever the others
+                    # do (client: at the bank's rate; split: at its static share of it).
                     send = max(offered, next_free)
-                    next_free = send + interval
+                    next_free = send + pace
                 delay = send - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
@@ -150,12 +157,13 @@ def main():
     if what == "bank":
         bank(int(sys.argv[2]), int(sys.argv[3]))
     elif what == "callers":
-        mode, bank_port, duration, rate, max_delay_ms = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-        targets = sys.argv[7:]
+        mode, bank_port, duration = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+        rate, pace_rate, max_delay_ms = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+        targets = sys.argv[8:]
         connection = http.client.HTTPConnection("127.0.0.1", bank_port, timeout=10)
         connection.request("GET", "/reset")
         connection.getresponse().read()
-        records = callers(mode, bank_port, duration, rate, max_delay_ms, targets)
+        records = callers(mode, bank_port, duration, rate, pace_rate, max_delay_ms, targets)
         connection = http.client.HTTPConnection("127.0.0.1", bank_port, timeout=10)
         connection.request("GET", "/report")
         seen = json.loads(connection.getresponse().read())
@@ -172,7 +180,7 @@ def main():
             leave = max(departure, offered)
             if (leave - offered) * 1000 <= max_delay_ms:
                 ideal.append((leave - offered) * 1000)
-                departure = leave + 1.0 / rate
+                departure = leave + 1.0 / pace_rate
         summary = {
             "mode": mode,
             "offered": len(records),

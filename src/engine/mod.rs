@@ -213,6 +213,35 @@ fn replica_share(limit: &Limit, replicas: u32) -> Limit {
     }
 }
 
+/// Where each shaping rule's queue ends, per key (leaky buckets with `maxDelay`: `spec.egress`
+/// budgets): what a store failure must not overlap. Departures already promised by the shared
+/// store are continued by the local fallback rather than doubled by a second queue beside
+/// them, and once the store is back a key whose local queue still has departures ahead stays
+/// local until it has drained (the store's own queue end is stale by then).
+#[derive(Default)]
+struct ShapingTails {
+    /// The queue end the shared store last answered, by rule and key.
+    shared: HashMap<(RuleId, Box<[u8]>), Micros>,
+    /// The queue end the local fallback has promised, by rule and key.
+    local: HashMap<(RuleId, Box<[u8]>), Micros>,
+}
+
+/// Keys a [`ShapingTails`] map follows before it forgets those whose queue has drained.
+const MAX_SHAPING_TAILS: usize = 10_000;
+
+impl ShapingTails {
+    fn note(map: &mut HashMap<(RuleId, Box<[u8]>), Micros>, rule: RuleId, key: &[u8], tail: Micros, now: Micros) {
+        if map.len() >= MAX_SHAPING_TAILS {
+            map.retain(|_, t| *t > now);
+            if map.len() >= MAX_SHAPING_TAILS {
+                map.clear();
+            }
+        }
+        let entry = map.entry((rule, key.into())).or_insert(tail);
+        *entry = (*entry).max(tail);
+    }
+}
+
 /// A snapshot with what the engine derives from it.
 pub struct Live {
     pub snapshot: Arc<Snapshot>,
@@ -253,6 +282,8 @@ pub struct Engine<S> {
     leases: Option<QuotaLeases>,
     /// What hold tokens are signed and verified with ([`hold`]).
     token_keys: ArcSwap<self::hold::TokenKeys>,
+    /// Shaping rules' queue ends, so a store failure neither doubles nor overlaps a queue.
+    tails: Mutex<ShapingTails>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -270,6 +301,7 @@ impl<S: Store> Engine<S> {
             fallback: None,
             leases: None,
             token_keys: ArcSwap::from_pointee(self::hold::TokenKeys::random()),
+            tails: Mutex::new(ShapingTails::default()),
             clock,
             metrics,
         }
@@ -694,8 +726,15 @@ impl<S: Store> Engine<S> {
             }
             _ => None,
         };
+        let shaping = matched.iter().any(|m| m.rule.limit().shapes());
         let (verdict, failed, now) = match from_leases {
             Some(verdict) => (verdict, false, self.clock.now()),
+            // A shaping key whose local queue (promised while the store was away) still has
+            // departures ahead stays local until it drains: the store's queue end is stale.
+            None if shaping && self.draining_locally(matched) => {
+                let now = self.clock.now();
+                (self.failure_modes(live, namespace, matched, &checks, now), true, now)
+            }
             None => {
                 let deciding = self.store.check_for(namespace, None, &checks);
                 let outcome = match store_budget {
@@ -706,7 +745,12 @@ impl<S: Store> Engine<S> {
                 };
                 let now = self.clock.now();
                 match outcome {
-                    Ok(verdict) => (verdict, false, now),
+                    Ok(verdict) => {
+                        if shaping {
+                            self.note_tails(matched, &verdict);
+                        }
+                        (verdict, false, now)
+                    }
                     Err(error) => (self.on_store_failure(live, namespace, matched, &checks, &error, now), true, now),
                 }
             }
@@ -906,6 +950,31 @@ impl<S: Store> Engine<S> {
 
     /// Each rule decides by its `onStoreFailure` when the store could not: `allow` admits,
     /// `deny` refuses, `localFallback` asks this replica's memory with its share of the limit.
+    /// Notes where the shaping rules of a request the shared store admitted left their queues.
+    fn note_tails(&self, matched: &[Matched<'_>], verdict: &Verdict) {
+        let (Some(at), true) = (verdict.at, verdict.allowed) else { return };
+        let mut tails = self.tails.lock();
+        for (m, d) in matched.iter().zip(&verdict.decisions) {
+            if m.rule.limit().shapes() && d.allowed {
+                ShapingTails::note(&mut tails.shared, m.rule.id(), m.key.as_bytes(), at + d.reset_after, at);
+            }
+        }
+    }
+
+    /// Whether a shaping `localFallback` rule of the request has local departures still ahead.
+    fn draining_locally(&self, matched: &[Matched<'_>]) -> bool {
+        if self.fallback.is_none() {
+            return false;
+        }
+        let now = self.clock.now();
+        let tails = self.tails.lock();
+        matched.iter().any(|m| {
+            m.rule.limit().shapes()
+                && m.rule.on_store_failure() == FailureMode::LocalFallback
+                && tails.local.get(&(m.rule.id(), m.key.as_bytes().into())).is_some_and(|&tail| tail > now)
+        })
+    }
+
     /// The request is still all-or-nothing: if an enforcing `deny` rule refuses, the local
     /// rules consume nothing.
     fn on_store_failure(
@@ -918,6 +987,19 @@ impl<S: Store> Engine<S> {
         now: Micros,
     ) -> Verdict {
         self.metrics.store_errors.get_or_create(&crate::telemetry::KindLabels { kind: error.kind() }).inc();
+        self.failure_modes(live, namespace, matched, checks, now)
+    }
+
+    /// Each rule's `onStoreFailure` decides the request (`localFallback` in this replica's
+    /// memory, continuing a shaping rule's queue where the store left it).
+    fn failure_modes(
+        &self,
+        live: &Live,
+        namespace: &str,
+        matched: &[Matched<'_>],
+        checks: &[RuleCheck<'_>],
+        now: Micros,
+    ) -> Verdict {
         let fail_open = |c: &RuleCheck<'_>| Decision {
             allowed: true,
             remaining: c.limit.capacity(),
@@ -955,7 +1037,29 @@ impl<S: Store> Engine<S> {
                         RuleCheck { limit, ..checks[i] }
                     })
                     .collect();
+                for &i in &local {
+                    if checks[i].limit.shapes() {
+                        let tail = self.tails.lock().shared.get(&(checks[i].rule, checks[i].key.into())).copied();
+                        if let Some(tail) = tail {
+                            fallback.store.continue_queue_at(namespace, now, checks[i].rule, checks[i].key, tail);
+                        }
+                    }
+                }
                 let local_verdict = fallback.store.check_scoped_at(namespace, now, &local_checks);
+                if local_verdict.allowed && local.iter().any(|&i| checks[i].limit.shapes()) {
+                    let mut tails = self.tails.lock();
+                    for (&i, d) in local.iter().zip(&local_verdict.decisions) {
+                        if checks[i].limit.shapes() && d.allowed {
+                            ShapingTails::note(
+                                &mut tails.local,
+                                checks[i].rule,
+                                checks[i].key,
+                                now + d.reset_after,
+                                now,
+                            );
+                        }
+                    }
+                }
                 for (&i, decision) in local.iter().zip(local_verdict.decisions) {
                     decisions[i] = decision;
                 }

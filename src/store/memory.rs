@@ -662,6 +662,33 @@ impl MemoryStore {
         given
     }
 
+    /// Moves a shaping key's queue end (its TAT) to at least `tat`, at `now`: the local
+    /// fallback continuing the queue the shared store had promised, instead of starting a
+    /// second one beside it. Any other state of the key is replaced (the rule is a shaper).
+    pub fn continue_queue_at(&self, namespace: &str, now: Micros, rule: crate::rule::RuleId, key: &[u8], tat: Micros) {
+        if tat <= now {
+            return;
+        }
+        let scope = self.scope(namespace);
+        let slot = self.slot_key(scope, rule, key);
+        let mut table = self.shards[self.shard_of(slot)].table.lock();
+        if let Some(entry) = table.slots.get_mut(&slot) {
+            let ahead = matches!(entry.state, State::Tat(t) if t >= tat);
+            if !ahead {
+                entry.state = State::Tat(tat);
+                entry.expires_at = entry.expires_at.max(tat);
+            }
+            return;
+        }
+        let state = State::Tat(tat);
+        let units = units_of(&state);
+        if table.units + units > self.shard_capacity {
+            self.make_room(&mut table, now, slot.scope(), units);
+        }
+        table.units += units;
+        table.slots.insert(slot, Entry { state, expires_at: tat });
+    }
+
     fn settle_scoped_at(
         &self,
         scope: Scope,
