@@ -298,6 +298,7 @@ fn rule_for(
         retry_after_jitter: None,
         response_cost: None,
         consistency: None,
+        stale_if_limited: None,
     })
 }
 

@@ -489,6 +489,7 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
     let config = Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         cgroup_root: "/sys/fs/cgroup".into(),
+        stale_cache_bytes: 0,
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         upstream: "127.0.0.1:1".parse().unwrap(),
         check_uri: endpoint("/v1/check"),

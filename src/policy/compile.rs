@@ -81,7 +81,8 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     let header_names = header_names_of(&policies);
     rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
 
-    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources }, rejected }
+    let serves_stale = policies.iter().flat_map(|p| &p.rules).any(|r| r.stale.is_some());
+    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources, serves_stale }, rejected }
 }
 
 /// One destination, one budget: a policy giving a destination of its namespace another limit
@@ -367,6 +368,7 @@ fn compile_rule(
             );
         }
     }
+    let stale = rule.stale_if_limited.as_ref().and_then(|spec| compile_stale(spec, rule, path, errs));
     let paths_ignore_case =
         rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
     let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
@@ -388,7 +390,51 @@ fn compile_rule(
         retry_after_jitter,
         response_cost,
         leasing,
+        stale,
     })
+}
+
+/// The largest body `staleIfLimited` may keep per response.
+const MAX_STALE_ENTRY_BYTES: u64 = 8 << 20;
+
+/// `staleIfLimited` checked: a duration from 1s to 1d, a bounded entry, and a rule that can
+/// match reads of HTTP requests.
+fn compile_stale(
+    spec: &super::crd::StaleIfLimitedSpec,
+    rule: &PolicyRule,
+    path: &str,
+    errs: &mut ValidationErrors,
+) -> Option<super::snapshot::Stale> {
+    let at = format!("{path}.staleIfLimited");
+    let max_stale = match parse_duration(&spec.max_stale) {
+        Ok(d) if (1_000_000..=86_400_000_000).contains(&d) => Some(d),
+        Ok(_) => {
+            errs.push(format!("{at}.maxStale"), "must be from 1s to 1d");
+            None
+        }
+        Err(e) => {
+            errs.push(format!("{at}.maxStale"), e.to_string());
+            None
+        }
+    };
+    let max_entry_bytes = spec.max_entry_bytes.unwrap_or(256 * 1024);
+    if max_entry_bytes == 0 || max_entry_bytes > MAX_STALE_ENTRY_BYTES {
+        errs.push(format!("{at}.maxEntryBytes"), format!("must be 1 to {MAX_STALE_ENTRY_BYTES}"));
+    }
+    if let Some(m) = &rule.matches {
+        if !m.descriptor.is_empty() {
+            errs.push(at.clone(), "serves kept HTTP responses: a rule matching descriptors has none");
+        }
+        if !m.methods.is_empty()
+            && !m.methods.iter().any(|x| x.eq_ignore_ascii_case("GET") || x.eq_ignore_ascii_case("HEAD"))
+        {
+            errs.push(at.clone(), "serves reads: match.methods has neither GET nor HEAD");
+        }
+    }
+    if rule.response_cost.is_some() {
+        errs.push(at.clone(), "a cost known after the response is charged by the response served: remove one of them");
+    }
+    Some(super::snapshot::Stale { max_stale: max_stale?, max_entry_bytes: usize::try_from(max_entry_bytes).ok()? })
 }
 
 /// A value test of a header or descriptor entry condition: exact, prefix, its regex, or
@@ -511,5 +557,40 @@ impl Default for Snapshot {
     /// yet" is a snapshot like any other.
     fn default() -> Self {
         compile(Vec::new()).snapshot
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(extra: &str) -> Result<(), String> {
+        let yaml = format!(
+            "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: p, namespace: ns}}\nspec:\n  rules:\n  - name: r\n    algorithm: tokenBucket\n    limit: {{requests: 5, per: 1s}}\n{extra}"
+        );
+        let policy: RateLimitPolicy = serde_yaml::from_str(&yaml).expect("parses");
+        validate(&policy).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn stale_if_limited_is_checked_by_field() {
+        assert_eq!(rule("    staleIfLimited: {maxStale: 5m}\n"), Ok(()));
+        let cases = [
+            ("    staleIfLimited: {maxStale: 10ms}\n", "spec.rules[0].staleIfLimited.maxStale"),
+            ("    staleIfLimited: {maxStale: 2d}\n", "spec.rules[0].staleIfLimited.maxStale"),
+            ("    staleIfLimited: {maxStale: 1m, maxEntryBytes: 0}\n", "spec.rules[0].staleIfLimited.maxEntryBytes"),
+            (
+                "    match: {methods: [POST]}\n    staleIfLimited: {maxStale: 1m}\n",
+                "match.methods has neither GET nor HEAD",
+            ),
+            (
+                "    match: {descriptor: [{key: k}]}\n    staleIfLimited: {maxStale: 1m}\n",
+                "a rule matching descriptors has none",
+            ),
+        ];
+        for (extra, wanted) in cases {
+            let found = rule(extra).expect_err(extra);
+            assert!(found.contains(wanted), "{wanted}: {found}");
+        }
     }
 }

@@ -518,6 +518,32 @@ pub struct PolicyRule {
     /// would). See docs/leasing.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consistency: Option<ConsistencySpec>,
+
+    /// Degrade instead of refusing reads: a `GET` or `HEAD` this rule's limits refuse (or any
+    /// limit refusing a request this rule matches) gets the last good response the sidecar
+    /// kept for the same URL instead of the refusal, when it is at most `maxStale` old; marked
+    /// with `Age` and `Sluice-Stale: limited`. The sidecar keeps successful (200) responses of
+    /// matching requests, never one marked `Cache-Control: no-store`, `private` or `no-cache`,
+    /// one setting a cookie, or one to a request carrying `Authorization` or `Cookie`; `Vary`
+    /// is respected. Per pod, bounded by the sidecar's `--stale-cache-bytes`; with nothing
+    /// kept, the refusal is answered as always. docs/degradation.md explains it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_if_limited: Option<StaleIfLimitedSpec>,
+}
+
+/// `staleIfLimited`: what a limited read may get instead of the refusal.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StaleIfLimitedSpec {
+    /// The oldest kept response served, a duration from 1s to 1d (e.g. `5m`).
+    #[x_kube(validation = duration_rule("maxStale"))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub max_stale: String,
+    /// The largest response body kept (bytes, default 262144, at most 8388608): a larger one
+    /// is passed on and not kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8388608))]
+    pub max_entry_bytes: Option<u64>,
 }
 
 /// Exact or leased decisions, and the bound of a leased rule.

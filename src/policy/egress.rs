@@ -190,6 +190,7 @@ pub(super) fn compile(
         retry_after_jitter: 0,
         response_cost: None,
         leasing: None,
+        stale: None,
     };
     Some(CompiledEgress {
         name: spec.name.clone(),

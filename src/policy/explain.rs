@@ -363,7 +363,14 @@ impl<'s> Explanation<'s> {
                     .filter(|f| f.policy == r.rule.policy() && f.rule == r.rule.name())
                     .map(LayeringNote::from)
                     .collect();
+                let when_limited = r.rule.stale().map(|stale| {
+                    format!(
+                        "a limited GET or HEAD gets the response kept for its URL if at most {} old (else the refusal)",
+                        crate::duration::HumanDuration(stale.max_stale)
+                    )
+                });
                 rules.push(RuleReport {
+                    when_limited,
                     layering,
                     reserves,
                     consistency,
@@ -479,6 +486,9 @@ impl ExplainReport {
                     rule.algorithm,
                     rule.key.as_deref().unwrap_or("")
                 );
+                if let Some(when_limited) = &rule.when_limited {
+                    let _ = writeln!(out, "    limited: {when_limited}");
+                }
                 for note in &rule.layering {
                     let _ = writeln!(out, "    ! layering: {}: {}", note.kind, note.message);
                 }
@@ -595,6 +605,9 @@ pub struct RuleReport {
     /// `exact`, or `leased` with its bound and staleness (`consistency`): how its decisions use
     /// the shared store.
     pub consistency: String,
+    /// `staleIfLimited`: what a limited read gets instead of the refusal.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub when_limited: Option<String>,
     /// What this rule would decide now (when matched and the store can tell).
     pub decision: Option<RuleDecision>,
     /// What the layering report says of this rule: unreachable behind another, looser than the

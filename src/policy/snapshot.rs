@@ -25,6 +25,8 @@ pub struct Snapshot {
     pub(super) header_names: Vec<String>,
     /// The accepted policies themselves, sorted like `policies`.
     pub(super) sources: Vec<RateLimitPolicy>,
+    /// Whether any rule has `staleIfLimited` (the sidecar looks no further when none has).
+    pub(super) serves_stale: bool,
 }
 
 /// One namespace's share of a snapshot.
@@ -83,6 +85,17 @@ pub struct CompiledRule {
     pub(super) response_cost: Option<std::sync::Arc<super::response_cost::ResponseCost>>,
     /// `consistency: leased`: enforcers may decide hot keys from slices of their quota.
     pub(super) leasing: Option<crate::rule::Leasing>,
+    /// `staleIfLimited`: a limited read gets the last good response kept for its URL.
+    pub(super) stale: Option<Stale>,
+}
+
+/// A rule's `staleIfLimited`, compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stale {
+    /// The oldest kept response served (µs).
+    pub max_stale: Micros,
+    /// The largest response body kept.
+    pub max_entry_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -243,6 +256,10 @@ impl CompiledRule {
     /// The rule's lease terms, when it is `consistency: leased`.
     pub fn leasing(&self) -> Option<crate::rule::Leasing> {
         self.leasing
+    }
+    /// `staleIfLimited`, when a limited read may be answered with a kept response.
+    pub fn stale(&self) -> Option<Stale> {
+        self.stale
     }
     pub fn retry_after_jitter(&self) -> Micros {
         self.retry_after_jitter
@@ -419,6 +436,19 @@ impl Snapshot {
 
     pub fn rules(&self) -> impl Iterator<Item = &CompiledRule> {
         self.policies.iter().flat_map(|p| &p.rules)
+    }
+    /// The `staleIfLimited` of the rules `req` matches (the longest `maxStale` and largest
+    /// entry among them); `None` when none has it.
+    pub fn stale_for(&self, req: &super::RequestView<'_>) -> Option<Stale> {
+        if !self.serves_stale {
+            return None;
+        }
+        let mut matched = Vec::new();
+        self.resolve(req, &mut matched);
+        matched.iter().filter_map(|m| m.rule.stale).reduce(|a, b| Stale {
+            max_stale: a.max_stale.max(b.max_stale),
+            max_entry_bytes: a.max_entry_bytes.max(b.max_entry_bytes),
+        })
     }
     /// The shaping rules of every policy's `spec.egress` (one per entry; entries naming one
     /// destination in a namespace share their rule's id).

@@ -95,6 +95,10 @@ pub struct SidecarArgs {
     /// `overload` watches them (cgroup v2, or v1's per-controller directories under it).
     #[arg(long, env = "SLUICE_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    /// Bytes of responses the sidecar keeps for `staleIfLimited` reads (least recently used out
+    /// first); 0 keeps none.
+    #[arg(long, env = "SLUICE_STALE_CACHE_BYTES", default_value_t = super::proxy::DEFAULT_STALE_CACHE_BYTES)]
+    pub stale_cache_bytes: usize,
     /// Header-read timeout and connection cap of the proxy and admin listeners.
     #[command(flatten)]
     pub listen_limits: crate::listen::ListenArgs,
@@ -104,6 +108,7 @@ pub struct SidecarArgs {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub cgroup_root: PathBuf,
+    pub stale_cache_bytes: usize,
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub upstream: Authority,
@@ -192,6 +197,7 @@ impl Config {
             listen: args.listen,
             admin_listen: args.admin_listen,
             cgroup_root: args.cgroup_root.clone(),
+            stale_cache_bytes: args.stale_cache_bytes,
             upstream,
             check_uri: endpoint_uri("/v1/check")?,
             checks_uri: endpoint_uri("/v1/checks")?,
@@ -306,6 +312,7 @@ mod tests {
             app_probes: None,
             inbound_ports: Vec::new(),
             cgroup_root: "/sys/fs/cgroup".into(),
+            stale_cache_bytes: 0,
             listen_limits: crate::listen::ListenArgs {
                 header_read_timeout: Duration::from_secs(10),
                 max_connections: None,

@@ -54,6 +54,9 @@ pub struct SidecarMetrics {
     /// Checks sent in batches; ÷ batch exchanges = the mean batch size.
     pub batched_checks: Counter,
     pub releases: Family<ResultLabels, Counter>,
+    /// Stale-if-limited reads: `served` (a kept response instead of the refusal), `miss`
+    /// (limited with nothing to serve: refused), `kept` (a response kept).
+    pub stale: Family<ResultLabels, Counter>,
     /// Overload protection: the adaptive limit, the requests in flight to the application, the
     /// long-term latency estimate (microseconds), and requests shed (or, in shadow mode, that
     /// would have been) by class.
@@ -136,6 +139,12 @@ impl SidecarMetrics {
             "Settles of what an admitted request held (concurrency slots, reservations) when its response ended, by result (a failed one runs out with its lease)",
             releases.clone(),
         );
+        let stale = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "stale_reads",
+            "staleIfLimited: limited reads served a kept response (served) or refused with nothing kept (miss), and responses kept (kept)",
+            stale.clone(),
+        );
         let overload_limit = Gauge::<i64, AtomicI64>::default();
         registry.register(
             "overload_limit",
@@ -188,6 +197,7 @@ impl SidecarMetrics {
             endpoint_exchanges,
             batched_checks,
             releases,
+            stale,
         }
     }
 

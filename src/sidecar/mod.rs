@@ -22,6 +22,7 @@ pub mod proxy;
 pub mod redirect;
 mod settling;
 pub mod snapshot;
+pub mod stale;
 pub mod verdict;
 
 use std::sync::Arc;
@@ -110,7 +111,8 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let egress = egress::Egress::new(decider.clone(), metrics.clone(), config.cancel_uri.clone());
     let proxy = Arc::new(
         Proxy::new(config.upstream.clone(), decider.clone(), protection.clone(), config.trusted_hops, metrics.clone())
-            .with_inbound_ports(&config.inbound_ports),
+            .with_inbound_ports(&config.inbound_ports)
+            .with_stale_cache_bytes(config.stale_cache_bytes),
     );
     let app_health = Arc::new(probes::AppHealth::new(config.app_probes.clone()));
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
-use http::{Request, Response, StatusCode, Version};
+use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -26,6 +26,7 @@ use super::decide::Decider;
 use super::metering::Metering;
 use super::metrics::SidecarMetrics;
 use super::overload::{Protection, Shed, Slot};
+use super::stale::{self, StaleCache};
 use super::verdict::{Decision, Declared, HeaderList, Held, Refusal, error_chain};
 use crate::api::check::CheckInput;
 use crate::api::check::{MAX_PATH_LEN, check_path};
@@ -50,6 +51,8 @@ pub const READ_AHEAD_DEADLINE: Duration = Duration::from_secs(10);
 /// sidecar: far below the injected sidecar's 256 MiB memory limit. Once it is spent, estimates
 /// take their cap and bodies are forwarded as they arrive.
 pub const READ_AHEAD_BUDGET: usize = 32 * 1024 * 1024;
+/// Bytes of responses kept for `staleIfLimited` reads when `--stale-cache-bytes` does not say.
+pub const DEFAULT_STALE_CACHE_BYTES: usize = 16 * 1024 * 1024;
 /// The budget is counted in KiB (a semaphore's permits are u32).
 const BUDGET_UNIT: usize = 1024;
 
@@ -81,6 +84,37 @@ pub struct Releasing<B> {
     metering: Option<Metering>,
     /// Acknowledges what the application sent when the rest keeps us waiting (super::connect).
     acknowledger: Option<Acknowledger>,
+    /// A response of a `staleIfLimited` read, kept once its body has ended whole.
+    capture: Option<Capture>,
+}
+
+/// A response being kept for stale-if-limited reads: its body up to the rule's bound.
+struct Capture {
+    cache: Arc<StaleCache>,
+    key: stale::CacheKey,
+    request_headers: HeaderMap,
+    status: StatusCode,
+    headers: HeaderMap,
+    vary: Vec<HeaderName>,
+    body: bytes::BytesMut,
+    limit: usize,
+    metrics: Arc<SidecarMetrics>,
+}
+
+impl Capture {
+    /// Adds a chunk; false once the body is past the bound (then nothing is kept).
+    fn feed(&mut self, data: &Bytes) -> bool {
+        if self.body.len() + data.len() > self.limit {
+            return false;
+        }
+        self.body.extend_from_slice(data);
+        true
+    }
+
+    fn keep(self) {
+        self.metrics.stale.get_or_create(&super::metrics::ResultLabels { result: "kept" }).inc();
+        self.cache.keep(self.key, &self.request_headers, self.status, self.headers, self.vary, self.body.freeze());
+    }
 }
 
 impl<B> Releasing<B> {
@@ -116,9 +150,28 @@ impl<B: hyper::body::Body<Data = Bytes> + Unpin> hyper::body::Body for Releasing
                 if let (Some(metering), Some(data)) = (self.metering.as_mut(), frame.data_ref()) {
                     metering.feed(data);
                 }
+                if let (Some(capture), Some(data)) = (self.capture.as_mut(), frame.data_ref())
+                    && !capture.feed(data)
+                {
+                    self.capture = None;
+                }
+                // hyper stops polling a body that says it has ended: keep it at its last frame.
+                if self.inner.is_end_stream()
+                    && let Some(capture) = self.capture.take()
+                {
+                    capture.keep();
+                }
             }
-            std::task::Poll::Ready(Some(Err(_))) => self.end(|metering| metering.broken(true)),
-            std::task::Poll::Ready(None) => self.end(Metering::finish),
+            std::task::Poll::Ready(Some(Err(_))) => {
+                self.capture = None;
+                self.end(|metering| metering.broken(true))
+            }
+            std::task::Poll::Ready(None) => {
+                if let Some(capture) = self.capture.take() {
+                    capture.keep();
+                }
+                self.end(Metering::finish)
+            }
             std::task::Poll::Pending => {
                 if let Some(acknowledger) = &self.acknowledger {
                     acknowledger.acknowledge();
@@ -312,6 +365,8 @@ pub struct Proxy {
     metrics: Arc<SidecarMetrics>,
     /// [`READ_AHEAD_BUDGET`] in KiB.
     read_ahead: Arc<tokio::sync::Semaphore>,
+    /// Responses kept for `staleIfLimited` reads.
+    stale: Arc<StaleCache>,
 }
 
 impl Proxy {
@@ -331,7 +386,14 @@ impl Proxy {
             .set_host(false)
             .build(UpstreamConnector(connector));
         let read_ahead = Arc::new(tokio::sync::Semaphore::new(READ_AHEAD_BUDGET / BUDGET_UNIT));
-        Proxy { upstream, inbound: Vec::new(), client, decider, protection, trusted_hops, metrics, read_ahead }
+        let stale = Arc::new(StaleCache::new(DEFAULT_STALE_CACHE_BYTES));
+        Proxy { upstream, inbound: Vec::new(), client, decider, protection, trusted_hops, metrics, read_ahead, stale }
+    }
+
+    /// Keeps at most `bytes` of responses for `staleIfLimited` reads (0: none).
+    pub fn with_stale_cache_bytes(mut self, bytes: usize) -> Proxy {
+        self.stale = Arc::new(StaleCache::new(bytes));
+        self
     }
 
     /// Connections redirected to the sidecar from one of `ports` are forwarded to that port of
@@ -387,6 +449,7 @@ impl Proxy {
         // Taken before the rate-limit check, so a request shed for overload consumes no quota;
         // given back when the application's response head arrives (or the request ends).
         let mut slot: Option<Slot> = None;
+        let mut stale_rule = None;
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
@@ -420,6 +483,9 @@ impl Proxy {
                         Err(shed) => return self.shed(shed),
                     }
                 }
+                if stale::cacheable_request(request.method(), request.headers()) {
+                    stale_rule = self.decider.snapshots.stale_for(&input);
+                }
                 let decision = self.decider.decide(&input).await;
                 *request.body_mut() = body;
                 decision
@@ -431,6 +497,15 @@ impl Proxy {
         let (delay, rate_headers) = match decision {
             Decision::Deny { retry_after_secs, headers, declared } => {
                 self.metrics.outcome("limited");
+                if let Some(rule) = stale_rule {
+                    let key = cache_key(host.as_deref(), request.uri());
+                    let kept = self.stale.serve(&key, request.headers(), Duration::from_micros(rule.max_stale));
+                    let result = if kept.is_some() { "served" } else { "miss" };
+                    self.metrics.stale.get_or_create(&super::metrics::ResultLabels { result }).inc();
+                    if let Some((kept, age)) = kept {
+                        return stale_answer(kept, age, request.method() == Method::HEAD, headers);
+                    }
+                }
                 return match declared {
                     Some(declared) => declared_refusal(declared, retry_after_secs, headers),
                     None => too_many_requests(retry_after_secs, headers),
@@ -455,6 +530,10 @@ impl Proxy {
         if costs.iter().any(|(_, cost)| cost.usage.is_some()) {
             request.headers_mut().remove(header::ACCEPT_ENCODING);
         }
+        // A read a `staleIfLimited` rule matches: its response may be kept (checked below).
+        let keeping = stale_rule
+            .filter(|_| request.method() == Method::GET)
+            .map(|rule| (cache_key(host.as_deref(), request.uri()), request.headers().clone(), rule.max_entry_bytes));
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
         if self.prepare(&mut request, upstream, peer, host.as_deref(), upgrade).is_err() {
             return problem(StatusCode::BAD_REQUEST, "Bad Request", "unusable request target", Vec::new());
@@ -503,9 +582,23 @@ impl Proxy {
         self.metrics.outcome("forwarded");
         headers::strip_hop_by_hop(response.headers_mut(), false);
         let metering = Metering::start(costs, response.status(), response.headers_mut());
+        let capture = keeping.and_then(|(key, request_headers, limit)| {
+            let vary = stale::keepable_response(response.status(), response.headers())?;
+            Some(Capture {
+                cache: self.stale.clone(),
+                key,
+                request_headers,
+                status: response.status(),
+                headers: response.headers().clone(),
+                vary,
+                body: bytes::BytesMut::new(),
+                limit,
+                metrics: self.metrics.clone(),
+            })
+        });
         add_headers(response.headers_mut(), rate_headers);
         let acknowledger = response.extensions_mut().remove::<Acknowledger>();
-        response.map(|body| Either::Left(Releasing { inner: body, release: held, metering, acknowledger }))
+        response.map(|body| Either::Left(Releasing { inner: body, release: held, metering, acknowledger, capture }))
     }
 
     /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an
@@ -701,6 +794,31 @@ fn too_many_requests(retry_after_secs: Option<u64>, headers: HeaderList) -> Resp
     map.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
 }
+
+/// What makes two reads the same resource for `staleIfLimited`: host and path with query.
+fn cache_key(host: Option<&str>, uri: &Uri) -> stale::CacheKey {
+    (
+        host.unwrap_or("").to_ascii_lowercase(),
+        uri.path_and_query().map_or_else(|| uri.path().to_string(), |p| p.as_str().to_string()),
+    )
+}
+
+/// A limited read answered with the response kept for it: its status, headers and body (none
+/// for `HEAD`), its `Age`, `Sluice-Stale: limited` saying why, and the rate-limit headers of
+/// the refusal it stands in for.
+fn stale_answer(kept: stale::Kept, age: Duration, head: bool, headers: HeaderList) -> Response<ProxyBody> {
+    let body = if head { Bytes::new() } else { kept.body };
+    let mut response = Response::new(Either::Right(Full::new(body)));
+    *response.status_mut() = kept.status;
+    *response.headers_mut() = kept.headers;
+    response.headers_mut().insert(header::AGE, HeaderValue::from(age.as_secs()));
+    response.headers_mut().insert(STALE, HeaderValue::from_static("limited"));
+    add_headers(response.headers_mut(), headers);
+    response
+}
+
+/// On a response served stale because the request was limited.
+pub const STALE: HeaderName = HeaderName::from_static("sluice-stale");
 
 /// A refusal the policy declared: its status and body, the rate-limit and declared headers.
 fn declared_refusal(declared: Declared, retry_after_secs: Option<u64>, headers: HeaderList) -> Response<ProxyBody> {

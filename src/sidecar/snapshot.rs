@@ -182,6 +182,11 @@ impl SnapshotCache {
         (!live.snapshot.exempt_from_overload(&view)).then(|| live.snapshot.classify(&view).0)
     }
 
+    /// The `staleIfLimited` of the cached snapshot's rules that match a request.
+    pub fn stale_for(&self, input: &CheckInput<'_>) -> Option<crate::policy::snapshot::Stale> {
+        self.local.live().snapshot.stale_for(&input.view())
+    }
+
     /// The local fallback's store, for the sweeper that drops idle keys.
     pub fn local_store(&self) -> Arc<MemoryStore> {
         self.local.store().clone()
