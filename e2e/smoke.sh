@@ -333,6 +333,8 @@ EOF
   [ "$policy" = '[{"sluice.dev/ingress-ports":"15080.15081"},["Ingress"],[{"ports":[{"port":15080,"protocol":"TCP"},{"port":15081,"protocol":"TCP"}]}]]' ] \
     || die "the NetworkPolicy is not what injected pods need: $policy"
 
+  phase_egress_in_pod
+
   log "verify: a Service with a numeric targetPort to the app is reported"
   cat > "$WORK/echo-direct.yaml" <<EOF
 apiVersion: v1
@@ -351,6 +353,43 @@ EOF
 bypass_reported() {
   kubectl -n "$SMOKE_NS" get events -o json \
     | jq -e --arg name "$1" '[.items[] | select(.reason == "SidecarBypassed" and .involvedObject.name == $name)] | length > 0' >/dev/null
+}
+
+# The egress path in a real pod (docs/egress.md): a policy offers the echo pods a downstream (their
+# own httpd on loopback, so nothing else is needed), the sidecar binds its listen port once its
+# snapshot has the entry, and calls made at once leave one interval apart, each told its wait.
+egress_answers() {
+  [ "$(kubectl -n "$SMOKE_NS" exec deploy/echo -c app -- sh -c 'timeout 10 wget -q -O - http://127.0.0.1:15100/healthz' 2>/dev/null)" = ok ]
+}
+
+phase_egress_in_pod() {
+  log "verify: egress through the sidecar: calls wait for their slots in the shared budget"
+  cat > "$WORK/egress.yaml" <<EOF
+apiVersion: sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: echo-egress, namespace: $SMOKE_NS}
+spec:
+  selector: {matchLabels: {app: echo}}
+  egress:
+    - name: self
+      destination: http://127.0.0.1:8080
+      listenPort: 15100
+      limit: {requests: 2, per: 1s, maxDelay: 5s}
+EOF
+  kubectl apply -f "$WORK/egress.yaml" >&2 || die "the egress policy was refused"
+  retry 60 egress_answers || die "the app's egress port (127.0.0.1:15100) never answered ok"
+  sleep 2
+  # Four calls at once at 2 a second: waits of about 0, 500, 1000 and 1500 ms.
+  kubectl -n "$SMOKE_NS" exec deploy/echo -c app -- sh -c \
+    'for i in 1 2 3 4; do (timeout 15 wget -S -O /dev/null http://127.0.0.1:15100/healthz 2>&1 | grep -i "sluice-egress-waited-ms") & done; wait' \
+    >"$WORK/egress-out" 2>&1 || true
+  local waits most
+  waits="$(awk -F': *' '{print $2 + 0}' "$WORK/egress-out" | sort -n | tr '\n' ' ')"
+  log "egress waits (ms): $waits"
+  [ "$(wc -l <"$WORK/egress-out")" = 4 ] || { cat "$WORK/egress-out" >&2; die "not every egress call answered with its wait"; }
+  most="$(awk -F': *' '{print $2 + 0}' "$WORK/egress-out" | sort -n | tail -1)"
+  ((most >= 1000 && most <= 5000)) || die "the egress calls were not spaced by the budget: waits $waits"
+  kubectl delete -f "$WORK/egress.yaml" >&2
 }
 
 # A plain pod (not injected) to send traffic from inside the pod network. Its busybox is Debian's

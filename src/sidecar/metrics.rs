@@ -57,6 +57,8 @@ pub struct SidecarMetrics {
     /// Stale-if-limited reads: `served` (a kept response instead of the refusal), `miss`
     /// (limited with nothing to serve: refused), `kept` (a response kept).
     pub stale: Family<ResultLabels, Counter>,
+    /// Bytes of responses kept for stale-if-limited reads (bounded by `--stale-cache-bytes`).
+    pub stale_bytes: Gauge<i64, AtomicI64>,
     /// Overload protection: the adaptive limit, the requests in flight to the application, the
     /// long-term latency estimate (microseconds), and requests shed (or, in shadow mode, that
     /// would have been) by class.
@@ -145,6 +147,12 @@ impl SidecarMetrics {
             "staleIfLimited: limited reads served a kept response (served) or refused with nothing kept (miss), and responses kept (kept)",
             stale.clone(),
         );
+        let stale_bytes = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "stale_cache_bytes",
+            "Bytes of responses kept for staleIfLimited reads (at most --stale-cache-bytes)",
+            stale_bytes.clone(),
+        );
         let overload_limit = Gauge::<i64, AtomicI64>::default();
         registry.register(
             "overload_limit",
@@ -198,6 +206,7 @@ impl SidecarMetrics {
             batched_checks,
             releases,
             stale,
+            stale_bytes,
         }
     }
 

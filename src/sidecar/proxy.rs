@@ -114,6 +114,7 @@ impl Capture {
     fn keep(self) {
         self.metrics.stale.get_or_create(&super::metrics::ResultLabels { result: "kept" }).inc();
         self.cache.keep(self.key, &self.request_headers, self.status, self.headers, self.vary, self.body.freeze());
+        self.metrics.stale_bytes.set(self.cache.bytes() as i64);
     }
 }
 
