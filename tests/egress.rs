@@ -304,3 +304,45 @@ async fn a_caller_that_goes_away_while_waiting_gives_its_slot_back() {
     assert!(waited < 1_000, "waited {waited} ms: the abandoned slot was kept");
     drop(callers);
 }
+
+/// TLS origination: the application speaks plain HTTP to its egress port and the sidecar opens
+/// TLS to an https:// destination, verifying its certificate against the entry's caBundle; an
+/// entry trusting only the system roots refuses the same server (a private CA), never sending
+/// the request in the clear or unverified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_originates_tls_verified_against_the_declared_ca() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pair = sluice::admission::certs::generate(&["127.0.0.1".to_string()]).unwrap();
+    let tls = axum_server::tls_rustls::RustlsConfig::from_pem(
+        pair.cert_pem.clone().into_bytes(),
+        pair.key_pem.clone().into_bytes(),
+    )
+    .await
+    .unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let bank = listener.local_addr().unwrap();
+    let app = Router::new().fallback(any(|| async { "paid over tls\n" }));
+    tokio::spawn(
+        async move { axum_server::from_tcp_rustls(listener, tls).unwrap().serve(app.into_make_service()).await },
+    );
+    let (trusted, untrusted) = (free_port(), free_port());
+    let ca = pair.ca_pem.lines().map(|l| format!("        {l}\n")).collect::<String>();
+    let policy = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {{name: caller-0, namespace: pay}}\nspec:\n  selector: {{matchLabels: {{app: caller-0}}}}\n  egress:\n  - name: trusted\n    destination: https://{bank}\n    listenPort: {trusted}\n    limit: {{requests: 50, per: 1s, maxDelay: 1s}}\n    caBundle: |\n{ca}  - name: system-roots\n    destination: https://{bank}\n    listenPort: {untrusted}\n    limit: {{requests: 50, per: 1s, maxDelay: 1s}}\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("egress.yaml"), policy).unwrap();
+    let endpoint = serve(dir.path(), None);
+    let _sidecar = SluiceProcess::sidecar("127.0.0.1:9", &endpoint.url(""), "pay", &["--labels", "app=caller-0"]);
+    until_listening(trusted).await;
+    until_listening(untrusted).await;
+    let client = reqwest::Client::new();
+    let verified = client.get(format!("http://127.0.0.1:{trusted}/pay")).send().await.unwrap();
+    assert_eq!(verified.status(), 200);
+    assert_eq!(verified.text().await.unwrap(), "paid over tls\n");
+    let refused = client.get(format!("http://127.0.0.1:{untrusted}/pay")).send().await.unwrap();
+    assert_eq!(refused.status(), 502);
+    let why = refused.text().await.unwrap();
+    assert!(why.contains("system-roots") && why.to_lowercase().contains("certificate"), "{why}");
+}

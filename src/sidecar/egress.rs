@@ -448,21 +448,21 @@ async fn forward(State(port): State<Arc<Port>>, request: Request) -> Response {
         }
     };
     let deadline = deadline_ms(&parts.headers, route.deadline_header.as_ref());
-    let waiting = match egress.ask(&route.name, deadline).await {
+    let delay = match egress.ask(&route.name, deadline).await {
         Answer::Refused { status, retry_after_ms, detail } => {
             egress.count("refused");
             return plain(status, detail, retry_after_ms.map(|ms| ms.div_ceil(1000)));
         }
         Answer::Depart { delay, slot, local } => {
+            // Dropped with this future if the caller leaves while it waits: the slot goes back.
             let waiting = Waiting { egress: egress.clone(), name: route.name.clone(), slot: slot.map(|s| (s, local)) };
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            (waiting, delay)
+            waiting.departed();
+            delay
         }
     };
-    let (waiting, delay) = waiting;
-    waiting.departed();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let scheme = if route.destination.tls { "https" } else { "http" };
     let uri = match format!("{scheme}://{}{path}", route.destination.authority()).parse::<Uri>() {
@@ -496,8 +496,7 @@ async fn forward(State(port): State<Arc<Port>>, request: Request) -> Response {
             plain(
                 StatusCode::BAD_GATEWAY,
                 format!(
-                    "egress {} ({} in {}): {} did not answer: {}",
-                    route.name,
+                    "egress {} (policy {}): {} did not answer: {}",
                     route.name,
                     route.policy,
                     route.destination.authority(),
