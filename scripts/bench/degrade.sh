@@ -44,18 +44,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-wait_for() { # PORT WHAT
-    for t in $(seq 200); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-        [ "$t" != 200 ] || fail "$2 on port $1 did not come up: $(tail -n 5 "$work"/*.log)"
-        sleep 0.1
-    done
-}
 
 origin="$(free_port)"
 python3 "$DRIVER" origin "$origin" "$BODY" &
 pids+=($!)
-wait_for "$origin" "the origin"
+wait_for_port "$origin" "the origin"
 
 printf '%-16s %8s %8s %8s %8s %14s %14s %13s %10s\n' run offered fresh stale refused 'origin max/s' 'stale share' 'sidecar RSS' 'kept bytes'
 run() { # NAME STALE(0|1)
@@ -78,11 +71,11 @@ YAML
     admin="$(free_port)"
     "$SLUICE" serve --policies "$work/policy.yaml" --listen "127.0.0.1:$endpoint" 2>"$work/serve.log" &
     local serve_pid=$!
-    wait_for "$endpoint" "sluice serve"
+    wait_for_port "$endpoint" "sluice serve"
     "$SLUICE" sidecar --listen "127.0.0.1:$proxy" --admin-listen "127.0.0.1:$admin" --upstream "127.0.0.1:$origin" \
         --endpoint "http://127.0.0.1:$endpoint" --namespace shop --stale-cache-bytes "$CACHE" 2>"$work/sidecar.log" &
     sidecar=$!
-    wait_for "$proxy" "sluice sidecar"
+    wait_for_port "$proxy" "sluice sidecar"
     # The first read waits for the sidecar's copy of the policies, so none is decided without it.
     for t in $(seq 100); do
         curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$proxy/catalogue/warm" | grep -q 200 && break

@@ -60,23 +60,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-store_calls() {
-    redis-cli -p "$1" INFO commandstats |
-        awk -F'[:=,]' '/^cmdstat_(fcall|fcall_ro|evalsha|eval):/ {n += $3} END {print n + 0}'
-}
 
-wait_for() { # PORT WHAT
-    for t in $(seq 200); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-        [ "$t" != 200 ] || fail "$2 on port $1 did not come up: $(tail -n 5 "$work"/*.log)"
-        sleep 0.1
-    done
-}
 
 bank="$(free_port)"
 python3 "$DRIVER" bank "$bank" "$RATE" &
 pids+=($!)
-wait_for "$bank" "the bank"
+wait_for_port "$bank" "the bank"
 
 redis="$(free_port)"
 start_redis "$redis" 0-1
@@ -107,7 +96,7 @@ endpoint="$(free_port)"
 "$SLUICE" serve --policies "$work/policies.yaml" --listen "127.0.0.1:$endpoint" --reload-interval 200ms \
     --redis "redis://127.0.0.1:$redis" --redis-breaker-cooldown 1s 2>"$work/serve.log" &
 pids+=($!)
-wait_for "$endpoint" "sluice serve"
+wait_for_port "$endpoint" "sluice serve"
 
 start_sidecar() { # I
     "$SLUICE" sidecar --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream 127.0.0.1:9 \
@@ -116,7 +105,7 @@ start_sidecar() { # I
     sidecars[$1]=$!
 }
 for ((i = 0; i < CALLERS; i++)); do start_sidecar "$i"; done
-for port in "${egress_ports[@]}"; do wait_for "$port" "an egress port"; done
+for port in "${egress_ports[@]}"; do wait_for_port "$port" "an egress port"; done
 
 printf '%-16s %7s %7s %6s %7s %6s %6s %8s %8s %16s %16s %8s\n' run offered reached bank429 refused 'max/1s' 'max/.1s' 'p50 ms' 'p99 ms' 'waited p50/p99/max' 'ideal p50/p99' 'calls/req'
 # budget REQUESTS_PER_SECOND: the sluice runs' egress limit, in force once every sidecar's
@@ -165,7 +154,7 @@ for mode in "${MODES[@]}"; do run "$mode" "$mode"; done
 if [ "$FAULTS" = 1 ]; then
     run "sluice@$LIMIT+kill" "sluice@$LIMIT" kill
     start_sidecar 0
-    wait_for "${egress_ports[0]}" "the restarted sidecar's egress port"
+    wait_for_port "${egress_ports[0]}" "the restarted sidecar's egress port"
     run "sluice@$LIMIT+redis" "sluice@$LIMIT" redis
 fi
 log "bank refuses above $RATE in any second; $CALLERS callers; maxDelay ${MAX_DELAY_MS}ms; ${DURATION}s per run; ideal: a perfect shared shaper at the run's rate; load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -51,11 +51,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# store_calls PORT: functions and scripts Redis ran so far.
-store_calls() {
-    redis-cli -p "$1" INFO commandstats |
-        awk -F'[:=,]' '/^cmdstat_(fcall|fcall_ro|evalsha|eval):/ {n += $3} END {print n + 0}'
-}
 
 run() { # MODE BATCH
     local mode="$1" batch="$2" consistency="" redis ports=() i

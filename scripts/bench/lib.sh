@@ -31,6 +31,23 @@ start_redis() {
     exit 1
 }
 
+# store_calls PORT: the decision functions and scripts Redis ran so far (INFO commandstats).
+store_calls() {
+    redis-cli -p "$1" INFO commandstats |
+        awk -F'[:=,]' '/^cmdstat_(fcall|fcall_ro|evalsha|eval):/ {n += $3} END {print n + 0}'
+}
+
+# wait_for_port PORT WHAT: returns once 127.0.0.1:PORT accepts connections, or fails naming WHAT and
+# the tail of the logs in $work (the calling script's directory).
+wait_for_port() {
+    local t
+    for t in $(seq 200); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        [ "$t" != 200 ] || fail "$2 on port $1 did not come up: $(tail -n 5 "${work:-.}"/*.log 2>/dev/null)"
+        sleep 0.1
+    done
+}
+
 # redis_cpu PORT: Redis's own CPU seconds so far (used_cpu_user + used_cpu_sys).
 redis_cpu() { redis-cli -p "$1" INFO cpu | awk -F: '/^used_cpu_(user|sys):/ {s += $2} END {printf "%.6f", s}'; }
 

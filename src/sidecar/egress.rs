@@ -150,8 +150,12 @@ impl Egress {
                 continue;
             }
             taken.push(port);
-            let terms = entry.terms();
+            let terms = format!("{policy}|{}", entry.terms());
             let existing = self.bound.lock().get(&port).cloned();
+            // An unchanged entry keeps its route: building one reads the system roots from disk.
+            if existing.as_ref().is_some_and(|(old, slot)| *old == terms && slot.route.load().is_some()) {
+                continue;
+            }
             let route = match build_route(policy, entry) {
                 Ok(route) => Arc::new(route),
                 Err(error) => {
@@ -160,11 +164,9 @@ impl Egress {
                 }
             };
             match existing {
-                Some((old_terms, slot)) => {
-                    if old_terms != terms || slot.route.load().is_none() {
-                        slot.route.store(Some(route));
-                        self.bound.lock().insert(port, (terms, slot));
-                    }
+                Some((_, slot)) => {
+                    slot.route.store(Some(route));
+                    self.bound.lock().insert(port, (terms, slot));
                 }
                 None => {
                     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
