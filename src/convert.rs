@@ -299,6 +299,7 @@ fn rule_for(
         response_cost: None,
         consistency: None,
         stale_if_limited: None,
+        defer_if_limited: None,
     })
 }
 

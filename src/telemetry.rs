@@ -130,6 +130,8 @@ pub struct Metrics {
     /// Slots of shaping rules given back by callers that left before departing
     /// (`POST /v1/cancel`, abandoned waits).
     pub slots_given_back: Counter,
+    /// `sluice_deferred_writes_total{result}`: deferred writes by what became of them.
+    pub deferred_writes: Family<ResultLabels, Counter>,
     /// Quota leases (`consistency: leased`): requests of leased rules by who decided them
     /// (`admitted_locally`, `refused_locally`, `store`), renewals by outcome (`granted`,
     /// `empty`, `failed`), units by what became of them (`granted`, `spent`, `returned`), and
@@ -292,6 +294,12 @@ impl Metrics {
             "Slots of shaping rules given back by callers that left before their departure",
             slots_given_back.clone(),
         );
+        let deferred_writes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "deferred_writes",
+            "Writes of deferIfLimited rules by what became of them: accepted, duplicate (an idempotency value seen), full (refused), delivered, retried, dead_lettered, unknown (finished twice)",
+            deferred_writes.clone(),
+        );
         let holding_rules_skipped = Family::<ApiLabels, Counter>::default();
         registry.register(
             "holding_rules_skipped",
@@ -417,6 +425,7 @@ impl Metrics {
             redis_keys,
             holding_rules_skipped,
             slots_given_back,
+            deferred_writes,
             record_lock: parking_lot::Mutex::new(()),
             rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,
@@ -432,6 +441,12 @@ impl Metrics {
     }
 
     /// Copies a store's self-description into the store metrics (call before encoding).
+    /// Counts a deferred write's step (`result` one of the bounded names of
+    /// `sluice_deferred_writes_total`).
+    pub fn deferred(&self, result: &'static str) {
+        self.deferred_writes.get_or_create(&ResultLabels { result }).inc();
+    }
+
     pub fn record_store_status(&self, status: &crate::store::StoreStatus) {
         let _one_at_a_time = self.record_lock.lock();
         self.store_circuit_open.set(i64::from(status.breaker == Some("open")));

@@ -496,6 +496,12 @@ async fn the_breaker_makes_a_dead_endpoint_cheap() {
         checks_uri: endpoint("/v1/checks"),
         settle_uri: endpoint("/v1/settle"),
         cancel_uri: endpoint("/v1/cancel"),
+        deferred_uris: [
+            endpoint("/v1/deferred"),
+            endpoint("/v1/deferred/claim"),
+            endpoint("/v1/deferred/done"),
+            endpoint("/v1/deferred/status"),
+        ],
         leases_uri: endpoint("/v1/leases"),
         snapshot_uri: endpoint("/v1/snapshot"),
         namespace: "tenant-acme".into(),

@@ -8,6 +8,7 @@
 
 pub mod check;
 pub mod checks;
+pub mod deferred;
 pub mod leases;
 pub mod settle;
 pub mod snapshot;

@@ -1,6 +1,7 @@
 //! The enforcement engine: the live snapshot, the store, and the rules for turning a check
 //! request into a decision. No HTTP here; the axum layer and the sidecar both sit on top.
 
+pub mod deferred;
 pub mod headers;
 pub mod hold;
 pub(crate) mod json;

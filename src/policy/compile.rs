@@ -82,7 +82,11 @@ pub fn compile(policies: Vec<RateLimitPolicy>) -> Compiled {
     rejected.sort_by(|a, b| a.policy.cmp(&b.policy));
 
     let serves_stale = policies.iter().flat_map(|p| &p.rules).any(|r| r.stale.is_some());
-    Compiled { snapshot: Snapshot { version, policies, by_namespace, header_names, sources, serves_stale }, rejected }
+    let defers = policies.iter().flat_map(|p| &p.rules).any(|r| r.defer.is_some());
+    Compiled {
+        snapshot: Snapshot { version, policies, by_namespace, header_names, sources, serves_stale, defers },
+        rejected,
+    }
 }
 
 /// One destination, one budget: a policy giving a destination of its namespace another limit
@@ -369,6 +373,7 @@ fn compile_rule(
         }
     }
     let stale = rule.stale_if_limited.as_ref().and_then(|spec| compile_stale(spec, rule, path, errs));
+    let defer = rule.defer_if_limited.as_ref().and_then(|spec| compile_defer(spec, rule, path, errs));
     let paths_ignore_case =
         rule.matches.as_ref().is_some_and(|m| m.paths.iter().any(|p| p.ignore_case.unwrap_or(false)));
     let key = rule.key.iter().map(|part| key_source(part, paths_ignore_case)).collect();
@@ -391,7 +396,112 @@ fn compile_rule(
         response_cost,
         leasing,
         stale,
+        defer,
     })
+}
+
+/// The methods whose limited requests `deferIfLimited` may queue.
+pub const WRITE_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+
+/// `deferIfLimited` checked: bounded bodies, queues and retries, header names that are tokens,
+/// and a rule whose refusals can be replayed: an HTTP rule matching writes, enforcing, neither
+/// holding capacity (a concurrency slot ends with a response a replay has no client for) nor
+/// charging by the response.
+fn compile_defer(
+    spec: &super::crd::DeferIfLimitedSpec,
+    rule: &PolicyRule,
+    path: &str,
+    errs: &mut ValidationErrors,
+) -> Option<std::sync::Arc<super::snapshot::Defer>> {
+    let at = format!("{path}.deferIfLimited");
+    let errors_before = errs.errors.len();
+    let bounded = |errs: &mut ValidationErrors, field: &str, value: u64, max: u64| {
+        if value == 0 || value > max {
+            errs.push(format!("{at}.{field}"), format!("must be 1 to {max}"));
+        }
+        value
+    };
+    let max_body_bytes = bounded(errs, "maxBodyBytes", spec.max_body_bytes.unwrap_or(64 * 1024), 1 << 20);
+    let max_queued = bounded(errs, "maxQueued", spec.max_queued.unwrap_or(100), 100_000);
+    let max_queued_bytes = bounded(errs, "maxQueuedBytes", spec.max_queued_bytes.unwrap_or(1 << 20), 64 << 20);
+    let max_attempts = bounded(errs, "maxAttempts", spec.max_attempts.unwrap_or(5).into(), 100);
+    let mut duration = |field: &str,
+                        text: Option<&str>,
+                        default: crate::duration::Micros,
+                        range: std::ops::RangeInclusive<crate::duration::Micros>,
+                        words: &str| {
+        match text.map(parse_duration) {
+            None => default,
+            Some(Ok(d)) if range.contains(&d) => d,
+            Some(Ok(_)) => {
+                errs.push(format!("{at}.{field}"), format!("must be from {words}"));
+                default
+            }
+            Some(Err(e)) => {
+                errs.push(format!("{at}.{field}"), e.to_string());
+                default
+            }
+        }
+    };
+    let retry_interval =
+        duration("retryInterval", spec.retry_interval.as_deref(), 5_000_000, 1_000_000..=3_600_000_000, "1s to 1h");
+    let keep_status =
+        duration("keepStatus", spec.keep_status.as_deref(), 3_600_000_000, 60_000_000..=604_800_000_000, "1m to 7d");
+    let mut headers = vec!["content-type".to_string()];
+    if spec.headers.len() > 16 {
+        errs.push(format!("{at}.headers"), "at most 16 headers");
+    }
+    for (i, name) in spec.headers.iter().enumerate() {
+        if !crate::request::names::is_token(name) || name.len() > super::crd::MAX_HEADER_NAME_LEN {
+            errs.push(format!("{at}.headers[{i}]"), format!("invalid header name {name:?}"));
+        } else if crate::request::names::HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+            || name.eq_ignore_ascii_case("host")
+            || name.eq_ignore_ascii_case("content-length")
+        {
+            errs.push(format!("{at}.headers[{i}]"), format!("{name} describes a connection, not the request"));
+        } else if !headers.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+            headers.push(name.to_ascii_lowercase());
+        }
+    }
+    let idempotency_header = spec.idempotency_header.as_ref().map(|name| {
+        if !crate::request::names::is_token(name) || name.len() > super::crd::MAX_HEADER_NAME_LEN {
+            errs.push(format!("{at}.idempotencyHeader"), format!("invalid header name {name:?}"));
+        }
+        name.to_ascii_lowercase()
+    });
+    if let Some(m) = &rule.matches {
+        if !m.descriptor.is_empty() {
+            errs.push(at.clone(), "replays HTTP requests: a rule matching descriptors has none");
+        }
+        if !m.methods.is_empty() && !m.methods.iter().any(|x| WRITE_METHODS.iter().any(|w| x.eq_ignore_ascii_case(w))) {
+            errs.push(at.clone(), "queues writes: match.methods has none of POST, PUT, PATCH or DELETE");
+        }
+    }
+    if rule.algorithm.holds() {
+        errs.push(
+            at.clone(),
+            "a concurrency slot ends with a response, and a replay has no client to answer: remove one of them",
+        );
+    }
+    if rule.response_cost.is_some() {
+        errs.push(at.clone(), "a cost known after the response cannot be checked before a replay: remove one of them");
+    }
+    if rule.mode == super::crd::Mode::Shadow {
+        errs.push(at.clone(), "a shadow rule never refuses, so nothing would be deferred");
+    }
+    if errs.errors.len() > errors_before {
+        return None;
+    }
+    Some(std::sync::Arc::new(super::snapshot::Defer {
+        max_body_bytes: usize::try_from(max_body_bytes).ok()?,
+        headers,
+        idempotency_header,
+        max_queued,
+        max_queued_bytes,
+        max_attempts: u32::try_from(max_attempts).ok()?,
+        retry_interval,
+        keep_status,
+    }))
 }
 
 /// The largest body `staleIfLimited` may keep per response.
@@ -570,6 +680,44 @@ mod tests {
         );
         let policy: RateLimitPolicy = serde_yaml::from_str(&yaml).expect("parses");
         validate(&policy).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defer_if_limited_is_checked_by_field() {
+        assert_eq!(rule("    deferIfLimited: {}\n"), Ok(()));
+        assert_eq!(
+            rule(
+                "    deferIfLimited: {headers: [x-request-id], idempotencyHeader: Idempotency-Key, retryInterval: 2s, keepStatus: 1d}\n"
+            ),
+            Ok(())
+        );
+        let cases = [
+            (
+                "    deferIfLimited: {maxBodyBytes: 0}\n",
+                "spec.rules[0].deferIfLimited.maxBodyBytes: must be 1 to 1048576",
+            ),
+            ("    deferIfLimited: {maxBodyBytes: 2000000}\n", "spec.rules[0].deferIfLimited.maxBodyBytes"),
+            ("    deferIfLimited: {maxQueued: 0}\n", "spec.rules[0].deferIfLimited.maxQueued"),
+            ("    deferIfLimited: {maxAttempts: 101}\n", "spec.rules[0].deferIfLimited.maxAttempts"),
+            (
+                "    deferIfLimited: {retryInterval: 10ms}\n",
+                "spec.rules[0].deferIfLimited.retryInterval: must be from 1s to 1h",
+            ),
+            ("    deferIfLimited: {keepStatus: 30s}\n", "spec.rules[0].deferIfLimited.keepStatus"),
+            (
+                "    deferIfLimited: {headers: [\"bad name\"]}\n",
+                "spec.rules[0].deferIfLimited.headers[0]: invalid header name",
+            ),
+            ("    deferIfLimited: {headers: [Transfer-Encoding]}\n", "describes a connection"),
+            ("    deferIfLimited: {idempotencyHeader: \"a b\"}\n", "spec.rules[0].deferIfLimited.idempotencyHeader"),
+            ("    match: {methods: [GET]}\n    deferIfLimited: {}\n", "queues writes: match.methods has none of POST"),
+            ("    mode: shadow\n    deferIfLimited: {}\n", "a shadow rule never refuses"),
+            ("    match: {descriptor: [{key: k}]}\n    deferIfLimited: {}\n", "a rule matching descriptors has none"),
+        ];
+        for (extra, wanted) in cases {
+            let found = rule(extra).expect_err(extra);
+            assert!(found.contains(wanted), "{wanted}: {found}");
+        }
     }
 
     #[test]

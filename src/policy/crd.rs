@@ -529,6 +529,68 @@ pub struct PolicyRule {
     /// kept, the refusal is answered as always. docs/degradation.md explains it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale_if_limited: Option<StaleIfLimitedSpec>,
+
+    /// Degrade instead of refusing writes: a `POST`, `PUT`, `PATCH` or `DELETE` this rule
+    /// matches that a limit refuses (this rule's or another's) is accepted instead. The sidecar
+    /// stores it in the namespace's queue on Redis (a stream), answers `202 Accepted` with the
+    /// entry's id and a status URL, and the workload's sidecars replay it to the application at
+    /// the rule's rate: replays are checked like live requests, so the application never sees
+    /// more than the limits of both together. At least once; an entry whose delivery keeps
+    /// failing (5xx, 429, no answer) is retried with backoff and dead-lettered after
+    /// `maxAttempts`. Needs the Redis store: without a store that can keep it (memory, or Redis
+    /// unreachable) the write gets the refusal. Not for `concurrency` rules nor costs known after
+    /// the response. docs/degradation.md explains it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defer_if_limited: Option<DeferIfLimitedSpec>,
+}
+
+/// `deferIfLimited`: a limited write is queued and replayed at the rule's rate.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DeferIfLimitedSpec {
+    /// The largest request body queued (bytes, default 65536, at most 1048576); a larger write
+    /// gets 413.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub max_body_bytes: Option<u64>,
+    /// Request headers kept and sent with the replay besides `Content-Type` (at most 16; e.g.
+    /// `x-request-id`). Nothing else of the original head reaches the application: credentials
+    /// that expire are not replayed; the replay carries `Sluice-Deferred-Id` instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub headers: Vec<String>,
+    /// A request header whose value deduplicates re-submissions of one write (e.g.
+    /// `Idempotency-Key`): a second write of one key with the same value gets the first one's
+    /// entry, for as long as `keepStatus`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub idempotency_header: Option<String>,
+    /// The most entries queued per key (default 100, at most 100000); past it the write gets
+    /// the refusal, with `Retry-After` the time the queue needs to drain at the rule's rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_queued: Option<u64>,
+    /// The most bytes queued per key (default 1048576, at most 67108864), as `maxQueued`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 67108864))]
+    pub max_queued_bytes: Option<u64>,
+    /// Deliveries tried before an entry goes to the dead-letter stream (default 5, 1 to 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_attempts: Option<u32>,
+    /// The first wait before a failed delivery is retried, doubled at each attempt (default
+    /// 5s, from 1s to 1h). Also how long an entry a replica took stays its own before another
+    /// replica may deliver it (a replica that died mid-delivery).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = duration_rule("retryInterval"))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub retry_interval: Option<String>,
+    /// How long an entry's status (and its idempotency key) is kept after it was accepted,
+    /// delivered or dead-lettered (default 1h, from 1m to 7d).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = duration_rule("keepStatus"))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub keep_status: Option<String>,
 }
 
 /// `staleIfLimited`: what a limited read may get instead of the refusal.

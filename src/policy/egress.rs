@@ -191,6 +191,7 @@ pub(super) fn compile(
         response_cost: None,
         leasing: None,
         stale: None,
+        defer: None,
     };
     Some(CompiledEgress {
         name: spec.name.clone(),

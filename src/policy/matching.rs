@@ -203,6 +203,15 @@ impl Snapshot {
     }
 }
 
+impl CompiledRule {
+    /// This rule's key for `req`, whether or not the rule matches it (`None`: a `missing: skip`
+    /// part has no value): what a deferred write's status URL is checked against.
+    pub fn key_for(&self, req: &RequestView<'_>) -> Option<String> {
+        let (path, host) = matching_inputs(req);
+        build_key(&self.key, req, path.as_ref(), host).ok()
+    }
+}
+
 fn resolve_policy<'s>(
     policy: &'s CompiledPolicy,
     req: &RequestView<'_>,

@@ -27,6 +27,8 @@ pub struct Snapshot {
     pub(super) sources: Vec<RateLimitPolicy>,
     /// Whether any rule has `staleIfLimited` (the sidecar looks no further when none has).
     pub(super) serves_stale: bool,
+    /// Whether any rule has `deferIfLimited`.
+    pub(super) defers: bool,
 }
 
 /// One namespace's share of a snapshot.
@@ -87,6 +89,25 @@ pub struct CompiledRule {
     pub(super) leasing: Option<crate::rule::Leasing>,
     /// `staleIfLimited`: a limited read gets the last good response kept for its URL.
     pub(super) stale: Option<Stale>,
+    /// `deferIfLimited`: a limited write is queued and replayed at the rule's rate.
+    pub(super) defer: Option<std::sync::Arc<Defer>>,
+}
+
+/// A rule's `deferIfLimited`, compiled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Defer {
+    pub max_body_bytes: usize,
+    /// Lowercase names of the request headers the replay carries, `content-type` first.
+    pub headers: Vec<String>,
+    /// Lowercase.
+    pub idempotency_header: Option<String>,
+    /// Per key: entries, and bytes.
+    pub max_queued: u64,
+    pub max_queued_bytes: u64,
+    pub max_attempts: u32,
+    /// µs.
+    pub retry_interval: Micros,
+    pub keep_status: Micros,
 }
 
 /// A rule's `staleIfLimited`, compiled.
@@ -260,6 +281,10 @@ impl CompiledRule {
     /// `staleIfLimited`, when a limited read may be answered with a kept response.
     pub fn stale(&self) -> Option<Stale> {
         self.stale
+    }
+    /// `deferIfLimited`, when a limited write may be queued.
+    pub fn defer(&self) -> Option<&Defer> {
+        self.defer.as_deref()
     }
     pub fn retry_after_jitter(&self) -> Micros {
         self.retry_after_jitter
@@ -449,6 +474,33 @@ impl Snapshot {
             max_stale: a.max_stale.max(b.max_stale),
             max_entry_bytes: a.max_entry_bytes.max(b.max_entry_bytes),
         })
+    }
+    /// The `deferIfLimited` rule a limited write `req` is queued under: the first rule it
+    /// matches that has it (policies by name, rules as written). `None` for a method that is
+    /// not a write.
+    pub fn defer_for(&self, req: &super::RequestView<'_>) -> Option<&CompiledRule> {
+        if !self.defers || !super::compile::WRITE_METHODS.iter().any(|m| req.method.eq_ignore_ascii_case(m)) {
+            return None;
+        }
+        let mut matched = Vec::new();
+        self.resolve(req, &mut matched);
+        matched.into_iter().map(|m| m.rule).find(|rule| rule.defer.is_some())
+    }
+    /// The `deferIfLimited` rules of the policies selecting a workload of `namespace` with
+    /// `labels`: the queues its sidecars replay.
+    pub fn deferring_rules_for(
+        &self,
+        namespace: &str,
+        labels: &dyn crate::request::names::StrMap,
+    ) -> Vec<&CompiledRule> {
+        if !self.defers {
+            return Vec::new();
+        }
+        self.namespace_policies(namespace)
+            .iter()
+            .filter(|p| super::matching::selector_matches_labels(&p.selector, labels))
+            .flat_map(|p| p.rules.iter().filter(|r| r.defer.is_some()))
+            .collect()
     }
     /// The shaping rules of every policy's `spec.egress` (one per entry; entries naming one
     /// destination in a namespace share their rule's id).

@@ -118,6 +118,8 @@ pub struct Config {
     pub settle_uri: Uri,
     /// `POST /v1/cancel`: an egress request's slot given back when its caller left.
     pub cancel_uri: Uri,
+    /// `POST /v1/deferred`, `…/claim`, `…/done`, `…/status`: `deferIfLimited` writes.
+    pub deferred_uris: [Uri; 4],
     /// `POST /v1/leases`: slices of hot keys' quota for `consistency: leased` rules.
     pub leases_uri: Uri,
     pub snapshot_uri: Uri,
@@ -203,6 +205,12 @@ impl Config {
             checks_uri: endpoint_uri("/v1/checks")?,
             settle_uri: endpoint_uri("/v1/settle")?,
             cancel_uri: endpoint_uri("/v1/cancel")?,
+            deferred_uris: [
+                endpoint_uri("/v1/deferred")?,
+                endpoint_uri("/v1/deferred/claim")?,
+                endpoint_uri("/v1/deferred/done")?,
+                endpoint_uri("/v1/deferred/status")?,
+            ],
             leases_uri: endpoint_uri("/v1/leases")?,
             snapshot_uri: endpoint_uri("/v1/snapshot")?,
             namespace,

@@ -57,6 +57,8 @@ pub struct SidecarMetrics {
     /// Stale-if-limited reads: `served` (a kept response instead of the refusal), `miss`
     /// (limited with nothing to serve: refused), `kept` (a response kept).
     pub stale: Family<ResultLabels, Counter>,
+    /// `deferIfLimited` writes, by what became of them.
+    pub deferred: Family<ResultLabels, Counter>,
     /// Bytes of responses kept for stale-if-limited reads (bounded by `--stale-cache-bytes`).
     pub stale_bytes: Gauge<i64, AtomicI64>,
     /// Overload protection: the adaptive limit, the requests in flight to the application, the
@@ -147,6 +149,12 @@ impl SidecarMetrics {
             "staleIfLimited: limited reads served a kept response (served) or refused with nothing kept (miss), and responses kept (kept)",
             stale.clone(),
         );
+        let deferred = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "deferred_writes",
+            "deferIfLimited: limited writes queued (accepted) or refused (full, too_large, failed: no queue could take it), and replays delivered or to be retried",
+            deferred.clone(),
+        );
         let stale_bytes = Gauge::<i64, AtomicI64>::default();
         registry.register(
             "stale_cache_bytes",
@@ -206,12 +214,19 @@ impl SidecarMetrics {
             batched_checks,
             releases,
             stale,
+            deferred,
             stale_bytes,
         }
     }
 
     pub fn outcome(&self, outcome: &'static str) {
         self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    /// Counts a deferred write's step (one of the bounded names of
+    /// `sluice_sidecar_deferred_writes_total`).
+    pub fn deferred(&self, result: &'static str) {
+        self.deferred.get_or_create(&ResultLabels { result }).inc();
     }
 
     pub fn encode(&self) -> String {

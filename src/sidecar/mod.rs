@@ -11,6 +11,7 @@ mod batch;
 mod config;
 pub mod connect;
 pub mod decide;
+pub mod deferral;
 pub mod egress;
 mod endpoint;
 mod exchange;
@@ -109,10 +110,17 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     });
     let decider = Arc::new(Decider::new(&config, metrics.clone(), on_install)?);
     let egress = egress::Egress::new(decider.clone(), metrics.clone(), config.cancel_uri.clone());
+    let deferral = deferral::Deferral::new(
+        decider.clone(),
+        metrics.clone(),
+        config.deferred_uris.clone(),
+        config.upstream.clone(),
+    );
     let proxy = Arc::new(
         Proxy::new(config.upstream.clone(), decider.clone(), protection.clone(), config.trusted_hops, metrics.clone())
             .with_inbound_ports(&config.inbound_ports)
-            .with_stale_cache_bytes(config.stale_cache_bytes),
+            .with_stale_cache_bytes(config.stale_cache_bytes)
+            .with_deferral(deferral.clone()),
     );
     let app_health = Arc::new(probes::AppHealth::new(config.app_probes.clone()));
 
@@ -139,6 +147,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let pressure = tokio::spawn(protection.clone().watch_pressure(stopped.clone()));
     let lease_keeper = tokio::spawn(decider.clone().keep_leases(stopped.clone()));
     let egress_ports = tokio::spawn(egress.follow(offers, stopped.clone()));
+    let replays = tokio::spawn(deferral.replay(stopped.clone()));
     let admin_server = tokio::spawn(crate::listen::serve(
         admin,
         admin_router(metrics, app_health, protection, decider.snapshots.readiness.clone()),
@@ -153,6 +162,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let _ = stop.send(true);
     let _ = proxy_server.await;
     egress_ports.abort();
+    replays.abort();
     let _ = tokio::join!(poller, sweeper, pressure, lease_keeper);
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),

@@ -23,6 +23,7 @@ use tokio::sync::watch;
 
 use super::connect::{Acknowledger, UpstreamConnector};
 use super::decide::Decider;
+use super::deferral::{self, Deferral, Offered};
 use super::metering::Metering;
 use super::metrics::SidecarMetrics;
 use super::overload::{Protection, Shed, Slot};
@@ -368,6 +369,8 @@ pub struct Proxy {
     read_ahead: Arc<tokio::sync::Semaphore>,
     /// Responses kept for `staleIfLimited` reads.
     stale: Arc<StaleCache>,
+    /// Where `deferIfLimited` writes go, and their status URLs are answered.
+    deferral: Option<Arc<Deferral>>,
 }
 
 impl Proxy {
@@ -388,7 +391,24 @@ impl Proxy {
             .build(UpstreamConnector(connector));
         let read_ahead = Arc::new(tokio::sync::Semaphore::new(READ_AHEAD_BUDGET / BUDGET_UNIT));
         let stale = Arc::new(StaleCache::new(DEFAULT_STALE_CACHE_BYTES));
-        Proxy { upstream, inbound: Vec::new(), client, decider, protection, trusted_hops, metrics, read_ahead, stale }
+        Proxy {
+            upstream,
+            inbound: Vec::new(),
+            client,
+            decider,
+            protection,
+            trusted_hops,
+            metrics,
+            read_ahead,
+            stale,
+            deferral: None,
+        }
+    }
+
+    /// Queues `deferIfLimited` writes there and answers their status URLs.
+    pub fn with_deferral(mut self, deferral: Arc<Deferral>) -> Proxy {
+        self.deferral = Some(deferral);
+        self
     }
 
     /// Keeps at most `bytes` of responses for `staleIfLimited` reads (0: none).
@@ -442,15 +462,27 @@ impl Proxy {
         if let Err(refusal) = check_target(request.uri()) {
             return self.refuse(refusal);
         }
+        // Only the sidecar says a request is a replay.
+        request.headers_mut().remove(deferral::DEFERRED_ID_HEADER);
+        request.headers_mut().remove(deferral::ATTEMPT_HEADER);
         let client_ip = forwarded::client_ip(request.headers(), peer.ip(), self.trusted_hops);
         let host = match host::request_host(request.headers(), request.uri().authority()) {
             Ok(host) => host.map(str::to_string),
             Err(problem) => return self.refuse(Refusal::new(StatusCode::BAD_REQUEST, problem.to_string())),
         };
+        if let Some(deferral) = &self.deferral
+            && let Some(id) = request.uri().path().strip_prefix(deferral::STATUS_PREFIX)
+            && request.method() == Method::GET
+            && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels)
+        {
+            return self.deferred_status(deferral, &request, id, host.as_deref(), client_ip).await;
+        }
         // Taken before the rate-limit check, so a request shed for overload consumes no quota;
         // given back when the application's response head arrives (or the request ends).
         let mut slot: Option<Slot> = None;
         let mut stale_rule = None;
+        // A write a `deferIfLimited` rule matches: its terms and its check, as sent.
+        let mut defer = None;
         let decision = match self.decider.check_headers(request.headers()).await {
             Err(refusal) => return self.refuse(refusal),
             Ok(Some(headers)) => {
@@ -486,6 +518,10 @@ impl Proxy {
                 }
                 if stale::cacheable_request(request.method(), request.headers()) {
                     stale_rule = self.decider.snapshots.stale_for(&input);
+                } else if self.deferral.is_some()
+                    && let Some(terms) = self.decider.snapshots.defer_for(&input)
+                {
+                    defer = serde_json::to_value(&input).ok().map(|check| (terms, check));
                 }
                 let decision = self.decider.decide(&input).await;
                 *request.body_mut() = body;
@@ -496,8 +532,39 @@ impl Proxy {
         // Dropped wherever this request ends from here on, which gives its slots back.
         let held: Option<Release>;
         let (delay, rate_headers) = match decision {
-            Decision::Deny { retry_after_secs, headers, declared } => {
+            Decision::Deny { retry_after_secs, mut headers, declared } => {
                 self.metrics.outcome("limited");
+                let mut retry_after_secs = retry_after_secs;
+                if let (Some(deferral), Some((terms, check))) = (&self.deferral, defer) {
+                    let target = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+                    let (parts, body) = request.into_parts();
+                    match deferral.offer(check, &target, &parts.headers, body, &terms).await {
+                        Offered::Accepted(answer) => {
+                            let (status, mut extra, body) = deferral::accepted(&answer);
+                            extra.extend(headers);
+                            let mut response = Response::new(Either::Right(Full::new(body)));
+                            *response.status_mut() = status;
+                            *response.headers_mut() = extra;
+                            return response;
+                        }
+                        Offered::TooLarge(limit) => {
+                            let detail = format!(
+                                "the write is limited, and its body is larger than the {limit} bytes deferIfLimited queues"
+                            );
+                            return problem(StatusCode::PAYLOAD_TOO_LARGE, "Payload Too Large", &detail, headers);
+                        }
+                        Offered::Full { retry_after_secs: drain } => {
+                            // When the queue will have room, not when the limit would admit.
+                            headers.retain(|(name, _)| name != header::RETRY_AFTER);
+                            retry_after_secs = Some(drain);
+                        }
+                        Offered::Failed => {}
+                    }
+                    return match declared {
+                        Some(declared) => declared_refusal(declared, retry_after_secs, headers),
+                        None => too_many_requests(retry_after_secs, headers),
+                    };
+                }
                 if let Some(rule) = stale_rule {
                     let key = cache_key(host.as_deref(), request.uri());
                     let kept = self.stale.serve(&key, request.headers(), Duration::from_micros(rule.max_stale));
@@ -600,6 +667,48 @@ impl Proxy {
         add_headers(response.headers_mut(), rate_headers);
         let acknowledger = response.extensions_mut().remove::<Acknowledger>();
         response.map(|body| Either::Left(Releasing { inner: body, release: held, metering, acknowledger, capture }))
+    }
+
+    /// Answers `GET <status prefix><id>`: the state of a deferred write, for a request of its
+    /// key (the endpoint checks it; anyone else gets 404).
+    async fn deferred_status(
+        &self,
+        deferral: &Deferral,
+        request: &Request<RequestBody>,
+        id: &str,
+        host: Option<&str>,
+        client_ip: std::net::IpAddr,
+    ) -> Response<ProxyBody> {
+        let headers = match self.decider.check_headers(request.headers()).await {
+            Ok(headers) => headers.unwrap_or_default(),
+            Err(refusal) => return self.refuse(refusal),
+        };
+        let input = CheckInput {
+            request_fields: BTreeMap::new(),
+            namespace: &self.decider.namespace,
+            labels: &self.decider.labels,
+            method: request.method().as_str(),
+            path: request.uri().path(),
+            host,
+            client_ip,
+            headers,
+            egress: None,
+            deadline_ms: None,
+            slot: None,
+        };
+        let (status, body) = deferral.status(&input, id).await;
+        self.metrics.outcome("deferred_status");
+        if status != StatusCode::OK {
+            let detail = if status == StatusCode::NOT_FOUND {
+                "no deferred write of this id for this key"
+            } else {
+                "the deferred write's state cannot be read now"
+            };
+            return problem(status, status.canonical_reason().unwrap_or("Error"), detail, Vec::new());
+        }
+        let mut response = Response::new(Either::Right(Full::new(body)));
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        response
     }
 
     /// Answers a request the limiter cannot decide as sent (400, 414, 431: a path too long, an

@@ -187,6 +187,17 @@ impl SnapshotCache {
         self.local.live().snapshot.stale_for(&input.view())
     }
 
+    /// The `deferIfLimited` of the first rule of the cached snapshot a write matches that has it.
+    pub fn defer_for(&self, input: &CheckInput<'_>) -> Option<crate::policy::Defer> {
+        self.local.live().snapshot.defer_for(&input.view()).and_then(|rule| rule.defer().cloned())
+    }
+
+    /// Whether the cached snapshot gives a workload of `namespace` with `labels` queues of
+    /// deferred writes to deliver.
+    pub fn delivers(&self, namespace: &str, labels: &std::collections::BTreeMap<String, String>) -> bool {
+        !self.local.live().snapshot.deferring_rules_for(namespace, labels).is_empty()
+    }
+
     /// The local fallback's store, for the sweeper that drops idle keys.
     pub fn local_store(&self) -> Arc<MemoryStore> {
         self.local.store().clone()

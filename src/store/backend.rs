@@ -75,6 +75,54 @@ impl Store for Backend {
         }
     }
 
+    async fn defer_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        deferral: &crate::store::queue::Deferral<'_>,
+    ) -> Result<crate::store::queue::Queued, StoreError> {
+        match self {
+            Backend::Memory(store) => store.defer_for(namespace, now, deferral).await,
+            Backend::Redis(store) => Store::defer_for(&**store, namespace, now, deferral).await,
+        }
+    }
+
+    async fn claim_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        claim: &crate::store::queue::Claim<'_>,
+    ) -> Result<crate::store::queue::Claimed, StoreError> {
+        match self {
+            Backend::Memory(store) => store.claim_for(namespace, now, claim).await,
+            Backend::Redis(store) => Store::claim_for(&**store, namespace, now, claim).await,
+        }
+    }
+
+    async fn finish_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        finish: &crate::store::queue::Finish<'_>,
+    ) -> Result<crate::store::queue::Finished, StoreError> {
+        match self {
+            Backend::Memory(store) => store.finish_for(namespace, now, finish).await,
+            Backend::Redis(store) => Store::finish_for(&**store, namespace, now, finish).await,
+        }
+    }
+
+    async fn entry_status_for(
+        &self,
+        namespace: &str,
+        rule: crate::rule::RuleId,
+        id: &str,
+    ) -> Result<Option<crate::store::queue::EntryStatus>, StoreError> {
+        match self {
+            Backend::Memory(store) => store.entry_status_for(namespace, rule, id).await,
+            Backend::Redis(store) => Store::entry_status_for(&**store, namespace, rule, id).await,
+        }
+    }
+
     async fn lease_for(
         &self,
         namespace: &str,

@@ -51,6 +51,26 @@ pub fn state_key(tag: &str, rule: RuleId, key: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The keys of `rule`'s queue of deferred writes in the slot of `tag` (lua/deferred.lua):
+/// the stream, its per-key counts, the namespace's totals and the dead letters. `q`, `k`, `t`
+/// and `d` are no hex digits' places: no state key is ever one of them.
+pub fn queue_keys(tag: &str, rule: RuleId) -> [Vec<u8>; 4] {
+    let mut base = Vec::with_capacity(PREFIX.len() + tag.len() + 24);
+    base.extend_from_slice(PREFIX.as_bytes());
+    base.push(b'{');
+    push_tag(&mut base, tag);
+    base.extend_from_slice(b"}:");
+    let with = |kind: &str, rule: Option<RuleId>| {
+        let mut key = base.clone();
+        key.extend_from_slice(kind.as_bytes());
+        if let Some(rule) = rule {
+            key.extend_from_slice(format!(":{rule:016x}").as_bytes());
+        }
+        key
+    };
+    [with("q", Some(rule)), with("qk", Some(rule)), with("qt", None), with("qd", Some(rule))]
+}
+
 /// Where the reservations against a state key live (lua/reservation.lua derives it the same
 /// way): `sl1:{<tag>}:r:<rule>:<key>`. The `r` is no hex digit, so no state key is ever one.
 pub fn reservation_key(state_key: &[u8]) -> Vec<u8> {

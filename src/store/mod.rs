@@ -10,6 +10,7 @@ pub mod breaker;
 pub mod denials;
 pub mod keys;
 pub mod memory;
+pub mod queue;
 pub mod redis;
 pub mod tenants;
 
@@ -167,10 +168,64 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Ok(vec![LeaseGrant::default(); ops.len()]))
     }
 
+    /// Queues a write a `deferIfLimited` rule accepted instead of refusing, in `namespace`'s
+    /// queue of its rule, within the key's and the namespace's bounds; deduplicated by its
+    /// idempotency value. A store that cannot keep it durably (the default) refuses: a write is
+    /// never accepted that cannot be stored.
+    fn defer_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        deferral: &queue::Deferral<'_>,
+    ) -> impl Future<Output = Result<queue::Queued, StoreError>> + Send {
+        let _ = (namespace, now, deferral);
+        std::future::ready(Err(no_queues()))
+    }
+
+    /// Hands `claim.consumer` entries of a rule's queue in `namespace` to deliver: those whose
+    /// holder went away or whose retry is due first, then new ones.
+    fn claim_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        claim: &queue::Claim<'_>,
+    ) -> impl Future<Output = Result<queue::Claimed, StoreError>> + Send {
+        let _ = (namespace, now, claim);
+        std::future::ready(Err(no_queues()))
+    }
+
+    /// Records how a delivery ended: delivered, to be retried, or dead-lettered after its last
+    /// attempt.
+    fn finish_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        finish: &queue::Finish<'_>,
+    ) -> impl Future<Output = Result<queue::Finished, StoreError>> + Send {
+        let _ = (namespace, now, finish);
+        std::future::ready(Err(no_queues()))
+    }
+
+    /// An entry's state (`None`: unknown, or its status has expired).
+    fn entry_status_for(
+        &self,
+        namespace: &str,
+        rule: RuleId,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<queue::EntryStatus>, StoreError>> + Send {
+        let _ = (namespace, rule, id);
+        std::future::ready(Err(no_queues()))
+    }
+
     /// What the store is and how it is doing, for `/v1/snapshot` and metrics.
     fn status(&self) -> StoreStatus {
         StoreStatus::default()
     }
+}
+
+/// Why a store without queues refuses a deferred write.
+fn no_queues() -> StoreError {
+    StoreError::Unavailable("this store keeps no queue of deferred writes: deferIfLimited needs the Redis store".into())
 }
 
 /// Where quota leases come from: a [`Store`] (the endpoint's Redis), or the endpoint itself for a
@@ -311,6 +366,42 @@ impl<T: Store> Store for std::sync::Arc<T> {
         cancels: &[Cancel<'_>],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send {
         (**self).cancel_for(namespace, now, cancels)
+    }
+
+    fn defer_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        deferral: &queue::Deferral<'_>,
+    ) -> impl Future<Output = Result<queue::Queued, StoreError>> + Send {
+        (**self).defer_for(namespace, now, deferral)
+    }
+
+    fn claim_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        claim: &queue::Claim<'_>,
+    ) -> impl Future<Output = Result<queue::Claimed, StoreError>> + Send {
+        (**self).claim_for(namespace, now, claim)
+    }
+
+    fn finish_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        finish: &queue::Finish<'_>,
+    ) -> impl Future<Output = Result<queue::Finished, StoreError>> + Send {
+        (**self).finish_for(namespace, now, finish)
+    }
+
+    fn entry_status_for(
+        &self,
+        namespace: &str,
+        rule: RuleId,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<queue::EntryStatus>, StoreError>> + Send {
+        (**self).entry_status_for(namespace, rule, id)
     }
 
     fn status(&self) -> StoreStatus {

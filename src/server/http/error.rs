@@ -23,6 +23,10 @@ pub enum ApiError {
     Unauthenticated(AuthError),
     /// 403, or 401 where a denial itself is 403 (nginx): the caller asked about what it may not.
     Forbidden { error: Forbidden, status: StatusCode },
+    /// 404: what the request names is not there (or not the caller's to know of).
+    NotFound(String),
+    /// 413 with a message of its own.
+    TooLargeBecause(String),
     /// 503: the store did not answer; `message` says what did not happen and what to do.
     Store { kind: &'static str, message: String },
     /// 500: an answer could not be encoded.
@@ -54,7 +58,8 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::Bad(_) | ApiError::Unreadable => StatusCode::BAD_REQUEST,
-            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TooLarge { .. } | ApiError::TooLargeBecause(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthenticated(AuthError::Unavailable(_)) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden { status, .. } => *status,
@@ -76,7 +81,11 @@ impl ApiError {
                 metrics.store_errors.get_or_create(&KindLabels { kind }).inc();
                 None
             }
-            ApiError::Bad(_) | ApiError::TooLarge { .. } | ApiError::Unreadable => None,
+            ApiError::Bad(_)
+            | ApiError::TooLarge { .. }
+            | ApiError::TooLargeBecause(_)
+            | ApiError::NotFound(_)
+            | ApiError::Unreadable => None,
         };
         if let Some(reason) = reason {
             metrics.auth_failures.get_or_create(&ReasonLabels { reason }).inc();
@@ -91,7 +100,10 @@ impl ApiError {
             ApiError::Unreadable => "could not read the request body".to_string(),
             ApiError::Unauthenticated(error) => error.to_string(),
             ApiError::Forbidden { error, .. } => error.to_string(),
-            ApiError::Store { message, .. } | ApiError::Encoding(message) => message,
+            ApiError::Store { message, .. }
+            | ApiError::Encoding(message)
+            | ApiError::NotFound(message)
+            | ApiError::TooLargeBecause(message) => message,
         }
     }
 }

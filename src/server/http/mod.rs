@@ -12,6 +12,7 @@
 
 mod authz;
 mod check;
+mod deferred;
 pub mod error;
 mod leases;
 mod settle;
@@ -73,6 +74,13 @@ pub fn router_with<S: Store>(state: ApiState<S>) -> Router {
         .route("/v1/check", post(check::check::<S>))
         .route("/v1/checks", post(check::checks::<S>).layer(DefaultBodyLimit::max(MAX_BATCH_BODY_BYTES)))
         .route("/v1/cancel", post(check::cancel::<S>))
+        .route(
+            "/v1/deferred",
+            post(deferred::defer::<S>).layer(DefaultBodyLimit::max(crate::api::deferred::MAX_DEFER_BODY_BYTES)),
+        )
+        .route("/v1/deferred/claim", post(deferred::claim::<S>))
+        .route("/v1/deferred/done", post(deferred::done::<S>))
+        .route("/v1/deferred/status", post(deferred::status::<S>))
         .route("/v1/release", post(settle::settle::<S>))
         .route("/v1/settle", post(settle::settle::<S>))
         .route("/v1/leases", post(leases::leases::<S>))

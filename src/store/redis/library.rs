@@ -17,6 +17,7 @@ pub const DECISION_CODE: &str = concat!(
     include_str!("../../../lua/concurrency.lua"),
     include_str!("../../../lua/reservation.lua"),
     include_str!("../../../lua/check.lua"),
+    include_str!("../../../lua/deferred.lua"),
 );
 
 /// `sluice_` and 16 hex digits of the code's SHA-256: the library's name and its function's.
@@ -35,6 +36,9 @@ pub static SETTLE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}
 /// [`FUNCTION_NAME`] with `_cancel`: `cancel`, shaped slots whose callers went away given back.
 pub static CANCEL_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_cancel", &*FUNCTION_NAME));
 
+/// [`FUNCTION_NAME`] with `_deferred`: `deferred`, the queues of `deferIfLimited` rules.
+pub static DEFERRED_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_deferred", &*FUNCTION_NAME));
+
 /// [`FUNCTION_NAME`] with `_lease`: `lease`, a holder's quota leases settled and granted.
 pub static LEASE_FUNCTION_NAME: LazyLock<String> = LazyLock::new(|| format!("{}_lease", &*FUNCTION_NAME));
 
@@ -46,8 +50,9 @@ pub static LIBRARY_SOURCE: LazyLock<String> = LazyLock::new(|| {
     let settle = &*SETTLE_FUNCTION_NAME;
     let lease = &*LEASE_FUNCTION_NAME;
     let cancel = &*CANCEL_FUNCTION_NAME;
+    let deferred = &*DEFERRED_FUNCTION_NAME;
     format!(
-        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\nredis.register_function('{lease}', lease)\nredis.register_function('{cancel}', cancel)\n"
+        "#!lua name={name}\n{DECISION_CODE}\nredis.register_function('{name}', decide)\nredis.register_function('{many}', decide_many)\nredis.register_function('{settle}', settle)\nredis.register_function('{lease}', lease)\nredis.register_function('{cancel}', cancel)\nredis.register_function('{deferred}', deferred)\n"
     )
 });
 
@@ -70,6 +75,13 @@ pub static SETTLE_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
 pub static CANCEL_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn cancel(KEYS, ARGV)\n"
+    )
+});
+
+/// `deferred` as a script, for Redis before 7.0.
+pub static DEFERRED_SCRIPT_SOURCE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{DECISION_CODE}\nif redis.replicate_commands then\n  redis.replicate_commands()\nend\nreturn deferred(KEYS, ARGV)\n"
     )
 });
 

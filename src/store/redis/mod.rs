@@ -23,6 +23,7 @@ pub mod codec;
 mod config;
 pub mod library;
 mod primary;
+mod queue;
 mod setup;
 pub mod url;
 pub mod usage;
@@ -41,8 +42,9 @@ use ::redis::{RedisError, Script, Value};
 
 use self::batches::{Batches, Decide, Outcome};
 use self::library::{
-    CANCEL_FUNCTION_NAME, CANCEL_SCRIPT_SOURCE, FUNCTION_NAME, LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE,
-    LIBRARY_SOURCE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME, SETTLE_SCRIPT_SOURCE,
+    CANCEL_FUNCTION_NAME, CANCEL_SCRIPT_SOURCE, DEFERRED_FUNCTION_NAME, DEFERRED_SCRIPT_SOURCE, FUNCTION_NAME,
+    LEASE_FUNCTION_NAME, LEASE_SCRIPT_SOURCE, LIBRARY_SOURCE, SCRIPT_SOURCE, SETTLE_FUNCTION_NAME,
+    SETTLE_SCRIPT_SOURCE,
 };
 use self::library::{function_missing, functions_unsupported};
 pub use self::primary::SentinelEndpoint;
@@ -63,6 +65,7 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SCRIPT_SOURCE));
 static SETTLE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&SETTLE_SCRIPT_SOURCE));
 static LEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&LEASE_SCRIPT_SOURCE));
 static CANCEL_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&CANCEL_SCRIPT_SOURCE));
+static DEFERRED_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&DEFERRED_SCRIPT_SOURCE));
 
 #[derive(Clone)]
 enum Connection {
@@ -377,6 +380,22 @@ impl RedisStore {
         args: &[String],
         what: &str,
     ) -> Result<u64, StoreError> {
+        match self.in_lane(tag, function, script, keys, args).await? {
+            Value::Int(found) => Ok(found.max(0) as u64),
+            other => Err(StoreError::Protocol(format!("{what} answered {}", value_kind(&other)))),
+        }
+    }
+
+    /// Runs a call through the namespace's breaker and lane (one place per key), within the
+    /// store's deadline. A reply that is no error counts as Redis answering, whatever it says.
+    async fn in_lane<A: ::redis::ToRedisArgs + Sync>(
+        &self,
+        tag: &str,
+        function: &str,
+        script: &Script,
+        keys: &[Vec<u8>],
+        args: &[A],
+    ) -> Result<Value, StoreError> {
         let tenant = self.tenants.of(tag, self.clock.now());
         let Some(permit) = tenant.breaker.try_acquire(self.clock.now()) else {
             return Err(StoreError::Unavailable("circuit breaker open".into()));
@@ -393,11 +412,7 @@ impl RedisStore {
                 let now = self.clock.now();
                 (Err(error), if store_down { permit.failure(now) } else { permit.success(now) })
             }
-            Ok(Ok(Value::Int(found))) => (Ok(found.max(0) as u64), permit.success(self.clock.now())),
-            Ok(Ok(other)) => (
-                Err(StoreError::Protocol(format!("{what} answered {}", value_kind(&other)))),
-                permit.success(self.clock.now()),
-            ),
+            Ok(Ok(value)) => (Ok(value), permit.success(self.clock.now())),
         };
         let reported = match &result {
             Err(error) => error.clone(),
@@ -616,12 +631,12 @@ impl RedisStore {
 
     /// One call of the library's `function`: FCALL, loading the library when Redis lacks it;
     /// `script` by EVALSHA on a Redis without Functions.
-    async fn call(
+    async fn call<A: ::redis::ToRedisArgs + Sync>(
         &self,
         function: &str,
         script: &Script,
         keys: &[Vec<u8>],
-        args: &[String],
+        args: &[A],
     ) -> Result<Value, RedisError> {
         use std::sync::atomic::Ordering;
         if self.functions.load(Ordering::Relaxed) {
@@ -788,6 +803,42 @@ impl Store for RedisStore {
         cancels: &[super::Cancel<'_>],
     ) -> Result<u64, StoreError> {
         self.cancel_tagged(namespace, now, cancels).await
+    }
+
+    async fn defer_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        deferral: &super::queue::Deferral<'_>,
+    ) -> Result<super::queue::Queued, StoreError> {
+        self.defer_tagged(namespace, now, deferral).await
+    }
+
+    async fn claim_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        claim: &super::queue::Claim<'_>,
+    ) -> Result<super::queue::Claimed, StoreError> {
+        self.claim_tagged(namespace, now, claim).await
+    }
+
+    async fn finish_for(
+        &self,
+        namespace: &str,
+        now: Option<Micros>,
+        finish: &super::queue::Finish<'_>,
+    ) -> Result<super::queue::Finished, StoreError> {
+        self.finish_tagged(namespace, now, finish).await
+    }
+
+    async fn entry_status_for(
+        &self,
+        namespace: &str,
+        rule: crate::rule::RuleId,
+        id: &str,
+    ) -> Result<Option<super::queue::EntryStatus>, StoreError> {
+        self.entry_status_tagged(namespace, rule, id).await
     }
 
     async fn settle_for(

@@ -76,8 +76,11 @@ fn script_is_one_piece_with_every_algorithm() {
     assert!(SCRIPT_SOURCE.trim_end().ends_with("return decide(KEYS, ARGV)"));
     assert!(LIBRARY_SOURCE.starts_with(&format!("#!lua name={}\n", &*FUNCTION_NAME)));
     assert!(LIBRARY_SOURCE.contains(&format!("\nredis.register_function('{}', decide)\n", &*FUNCTION_NAME)));
+    assert!(LIBRARY_SOURCE.contains(&format!("redis.register_function('{}_cancel', cancel)", &*FUNCTION_NAME)));
     assert!(
-        LIBRARY_SOURCE.trim_end().ends_with(&format!("redis.register_function('{}_cancel', cancel)", &*FUNCTION_NAME))
+        LIBRARY_SOURCE
+            .trim_end()
+            .ends_with(&format!("redis.register_function('{}_deferred', deferred)", &*FUNCTION_NAME))
     );
     assert_eq!(FUNCTION_NAME.len(), "sluice_".len() + 16);
 }

@@ -1,0 +1,314 @@
+//! Deferred writes at the sidecar (`deferIfLimited`): a limited write is handed to the
+//! endpoint's queue and answered `202 Accepted` with its status URL; the status URL is answered
+//! for requests of the write's key; and a loop takes this workload's queued writes and replays
+//! them to the application, each checked like a live request first, so replays and live traffic
+//! together stay within the limits.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HOST, LOCATION, RETRY_AFTER};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::watch;
+
+use super::decide::Decider;
+use super::metrics::SidecarMetrics;
+use super::verdict::Decision;
+use crate::api::check::CheckInput;
+use crate::api::deferred::{
+    ClaimAnswer, ClaimBody, ClaimedEntry, DeferAnswer, DeferBody, DoneBody, FullAnswer, StatusBody,
+};
+
+/// Where the sidecar answers an entry's status: `<prefix><id>`, on the application's own host.
+pub const STATUS_PREFIX: &str = "/.well-known/sluice/deferred/";
+/// Set on every replay: the entry's id. The sidecar removes it from live requests, so the
+/// application can trust it (a replay's original credentials are not replayed).
+pub const DEFERRED_ID_HEADER: HeaderName = HeaderName::from_static("sluice-deferred-id");
+/// Set on every replay: which delivery this is, from 1 (at least once: more than 1 may repeat a
+/// write the application already took).
+pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("sluice-deferred-attempt");
+/// The most entries the loop holds at once.
+const MOST_HELD: usize = 8;
+/// How often the loop asks for entries when it has none.
+const POLL: Duration = Duration::from_millis(250);
+
+/// What became of a limited write offered to the queue.
+pub enum Offered {
+    /// Queued: answer `202` with this body and status URL.
+    Accepted(DeferAnswer),
+    /// The queue is full: refuse, with `Retry-After` its drain time.
+    Full { retry_after_secs: u64 },
+    /// Too large to queue.
+    TooLarge(usize),
+    /// The queue could not take it (no Redis, the endpoint away): the refusal stands.
+    Failed,
+}
+
+pub struct Deferral {
+    decider: Arc<Decider>,
+    metrics: Arc<SidecarMetrics>,
+    uris: [Uri; 4],
+    /// This process, as the queues' consumer.
+    consumer: String,
+    upstream: http::uri::Authority,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Deferral {
+    /// `uris`: the endpoint's `/v1/deferred`, `…/claim`, `…/done` and `…/status`.
+    pub fn new(
+        decider: Arc<Decider>,
+        metrics: Arc<SidecarMetrics>,
+        uris: [Uri; 4],
+        upstream: http::uri::Authority,
+    ) -> Arc<Deferral> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let consumer = format!("{}-{:08x}", host.trim(), rand::random::<u32>());
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        Arc::new(Deferral { decider, metrics, uris, consumer, upstream, client })
+    }
+
+    /// Offers a limited write (`check`: its check, as sent) to the queue: its body read up to
+    /// `max_body_bytes`, the headers
+    /// `kept` and the idempotency header's value taken from `headers`.
+    pub async fn offer<B>(
+        &self,
+        check: serde_json::Value,
+        target: &str,
+        headers: &HeaderMap,
+        body: B,
+        terms: &crate::policy::Defer,
+    ) -> Offered
+    where
+        B: hyper::body::Body<Data = Bytes> + Send,
+        B::Error: std::error::Error + Send + Sync + 'static,
+    {
+        let body = match Limited::new(body, terms.max_body_bytes).collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(error) if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                return Offered::TooLarge(terms.max_body_bytes);
+            }
+            Err(_) => return Offered::Failed,
+        };
+        let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let kept = terms.headers.iter().filter_map(|name| Some((name.clone(), value(name)?))).collect();
+        let idempotency_key = terms.idempotency_header.as_deref().and_then(value);
+        let request =
+            DeferBody { check, target: target.to_string(), headers: kept, body: body.to_vec(), idempotency_key };
+        let Ok(body) = serde_json::to_vec(&request) else { return Offered::Failed };
+        let offered = match self.decider.endpoint().post(&self.uris[0], Bytes::from(body)).await {
+            Ok((StatusCode::ACCEPTED, answer)) => {
+                serde_json::from_slice::<DeferAnswer>(&answer).map_or(Offered::Failed, Offered::Accepted)
+            }
+            Ok((StatusCode::TOO_MANY_REQUESTS, answer)) => match serde_json::from_slice::<FullAnswer>(&answer) {
+                Ok(full) => Offered::Full { retry_after_secs: full.retry_after_ms.div_ceil(1000).max(1) },
+                Err(_) => Offered::Failed,
+            },
+            Ok((status, answer)) => {
+                tracing::warn!(%status, answer = %String::from_utf8_lossy(&answer), "the endpoint did not queue a deferred write");
+                Offered::Failed
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the endpoint did not queue a deferred write");
+                Offered::Failed
+            }
+        };
+        self.metrics.deferred(match &offered {
+            Offered::Accepted(_) => "accepted",
+            Offered::Full { .. } => "full",
+            Offered::TooLarge(_) => "too_large",
+            Offered::Failed => "failed",
+        });
+        offered
+    }
+
+    /// The status of entry `id` for `input`, a request of the same key: the endpoint's answer
+    /// (200 with the state, 404 for anything else), or 503 when it cannot be asked.
+    pub async fn status(&self, input: &CheckInput<'_>, id: &str) -> (StatusCode, Bytes) {
+        let Ok(check) = serde_json::to_value(input) else {
+            return (StatusCode::BAD_REQUEST, Bytes::new());
+        };
+        let Ok(body) = serde_json::to_vec(&StatusBody { check, id: id.to_string() }) else {
+            return (StatusCode::BAD_REQUEST, Bytes::new());
+        };
+        match self.decider.endpoint().post(&self.uris[3], Bytes::from(body)).await {
+            Ok((status, answer)) if status == StatusCode::OK || status == StatusCode::NOT_FOUND => (status, answer),
+            Ok((status, _)) => {
+                tracing::warn!(%status, "the endpoint did not tell a deferred write's status");
+                (StatusCode::SERVICE_UNAVAILABLE, Bytes::new())
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the endpoint did not tell a deferred write's status");
+                (StatusCode::SERVICE_UNAVAILABLE, Bytes::new())
+            }
+        }
+    }
+
+    /// Takes this workload's queued writes and replays them, until `stop`.
+    pub async fn replay(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut held: Vec<ClaimedEntry> = Vec::new();
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let mut pause = POLL;
+            if self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels) {
+                match self.claim(&held).await {
+                    Ok(answer) => {
+                        // One another consumer took (this one was too slow to keep it) is its now.
+                        held.retain(|entry| answer.kept.contains(&entry.id));
+                        held.extend(answer.entries);
+                    }
+                    Err(error) => tracing::debug!(%error, "no deferred writes taken"),
+                }
+                let mut waiting = Vec::new();
+                for entry in std::mem::take(&mut held) {
+                    match self.deliver(&entry).await {
+                        Some(wait) => {
+                            pause = pause.min(wait);
+                            waiting.push(entry);
+                        }
+                        None => pause = Duration::ZERO,
+                    }
+                }
+                held = waiting;
+            }
+            if !pause.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    }
+
+    async fn claim(&self, held: &[ClaimedEntry]) -> Result<ClaimAnswer, String> {
+        let body = ClaimBody {
+            namespace: Some(self.decider.namespace.clone()),
+            labels: self.decider.labels.clone(),
+            consumer: self.consumer.clone(),
+            holding: held.iter().map(|e| e.id.clone()).collect(),
+            most: MOST_HELD.saturating_sub(held.len()) as u64,
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
+        match self.decider.endpoint().post(&self.uris[1], Bytes::from(body)).await {
+            Ok((StatusCode::OK, answer)) => serde_json::from_slice::<ClaimAnswer>(&answer).map_err(|e| e.to_string()),
+            Ok((status, answer)) => Err(format!("{status}: {}", String::from_utf8_lossy(&answer))),
+            Err(error) => Err(error.to_string()),
+        }
+    }
+
+    /// Checks one entry like a live request and, admitted, replays it and says how it went.
+    /// `Some(wait)`: limited, to be tried again after `wait` (it stays this consumer's).
+    async fn deliver(&self, entry: &ClaimedEntry) -> Option<Duration> {
+        let request = &entry.request;
+        let headers: BTreeMap<String, String> = request.checked.iter().cloned().collect();
+        let path = request.path.split('?').next().unwrap_or("/");
+        let input = CheckInput {
+            namespace: &self.decider.namespace,
+            labels: &self.decider.labels,
+            method: &request.method,
+            path,
+            host: request.host.as_deref(),
+            client_ip: request.client_ip.as_deref().and_then(|ip| ip.parse().ok()).unwrap_or([127, 0, 0, 1].into()),
+            headers,
+            request_fields: BTreeMap::new(),
+            egress: None,
+            deadline_ms: None,
+            slot: None,
+        };
+        match self.decider.decide(&input).await {
+            Decision::Deny { retry_after_secs, .. } => {
+                let wait =
+                    Duration::from_secs(retry_after_secs.unwrap_or(1)).clamp(Duration::from_millis(50), POLL * 4);
+                return Some(wait);
+            }
+            Decision::Refuse(refusal) => {
+                tracing::warn!(id = %entry.id, detail = %refusal.detail, "a deferred write cannot be checked as kept");
+                self.finish(entry, false, refusal.status.as_u16()).await;
+            }
+            Decision::Allow { delay, .. } => {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let (delivered, status) = match self.send(entry).await {
+                    Ok(status) => {
+                        (!(status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS), status.as_u16())
+                    }
+                    Err(error) => {
+                        tracing::warn!(id = %entry.id, %error, "a deferred write was not delivered");
+                        (false, 0)
+                    }
+                };
+                self.metrics.deferred(if delivered { "delivered" } else { "retried" });
+                self.finish(entry, delivered, status).await;
+            }
+        }
+        None
+    }
+
+    async fn send(&self, entry: &ClaimedEntry) -> Result<StatusCode, String> {
+        let request = &entry.request;
+        let uri = Uri::builder()
+            .scheme("http")
+            .authority(self.upstream.clone())
+            .path_and_query(request.path.as_str())
+            .build()
+            .map_err(|e| e.to_string())?;
+        let method = Method::from_bytes(request.method.as_bytes()).map_err(|e| e.to_string())?;
+        let mut builder = Request::builder().method(method).uri(uri);
+        for (name, value) in &request.replayed {
+            builder = builder.header(name.as_str(), value.as_str());
+        }
+        if let Some(host) = &request.host {
+            builder = builder.header(HOST, host.as_str());
+        }
+        let builder =
+            builder.header(DEFERRED_ID_HEADER, entry.id.as_str()).header(ATTEMPT_HEADER, entry.attempt.to_string());
+        let request = builder.body(Full::new(Bytes::from(request.body.clone()))).map_err(|e| e.to_string())?;
+        let response = self.client.request(request).await.map_err(|e| super::verdict::error_chain(&e))?;
+        let status = response.status();
+        // Read to the end so the connection is kept; the body itself is not kept.
+        let _ = response.into_body().collect().await;
+        Ok(status)
+    }
+
+    async fn finish(&self, entry: &ClaimedEntry, delivered: bool, status: u16) {
+        let body =
+            DoneBody { namespace: Some(self.decider.namespace.clone()), id: entry.id.clone(), delivered, status };
+        let Ok(body) = serde_json::to_vec(&body) else { return };
+        // Not told, the entry is taken again after its retry interval: at least once.
+        if let Err(error) = self.decider.endpoint().post(&self.uris[2], Bytes::from(body)).await {
+            tracing::warn!(id = %entry.id, %error, "a delivery's end was not recorded; it will be delivered again");
+        }
+    }
+}
+
+/// The `202 Accepted` answer to a deferred write.
+pub fn accepted(answer: &DeferAnswer) -> (StatusCode, HeaderMap, Bytes) {
+    let location = format!("{STATUS_PREFIX}{}", answer.id);
+    let body = serde_json::json!({
+        "id": answer.id,
+        "status": location,
+        "queued": answer.depth,
+        "duplicate": answer.duplicate,
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Ok(value) = HeaderValue::from_str(&location) {
+        headers.insert(LOCATION, value);
+    }
+    headers.insert(HeaderName::from_static("sluice-deferred"), HeaderValue::from_static("limited"));
+    (StatusCode::ACCEPTED, headers, Bytes::from(body.to_string()))
+}
+
+/// `Retry-After` for a full queue.
+pub fn retry_after(secs: u64) -> (HeaderName, HeaderValue) {
+    (RETRY_AFTER, HeaderValue::from(secs))
+}
