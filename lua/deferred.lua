@@ -29,6 +29,8 @@
 --         [6] most attempts, [7] retry interval (ms), [8] status kept (ms).
 --         Returns 0 (no such queued entry), 1 delivered, 2 dead-lettered, 3 to be retried.
 -- status  ARGV[3] id. Returns the status hash as {field, value, …} ({} when unknown or gone).
+-- stats   Returns {entries queued, entries a consumer holds, the oldest entry's id or '',
+--         dead letters}.
 --
 -- Accounting: an entry's bytes are its fields' lengths; per key and per namespace counts rise
 -- at put and fall when the entry is delivered or dead-lettered, in the same call as the stream.
@@ -212,6 +214,14 @@ local function deferred(KEYS, ARGV)
     return claim(KEYS, ARGV, now_ms)
   elseif op == 'done' and #ARGV == 8 then
     return done(KEYS, ARGV, now_ms)
+  elseif op == 'stats' and #ARGV == 2 then
+    local held = 0
+    local pending = redis.pcall('XPENDING', KEYS[1], GROUP)
+    if type(pending) == 'table' and not pending.err then
+      held = pending[1]
+    end
+    local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+    return { redis.call('XLEN', KEYS[1]), held, oldest[1] and oldest[1][1] or '', redis.call('XLEN', KEYS[4]) }
   elseif op == 'status' and #ARGV == 3 then
     return redis.call('HGETALL', status_key(KEYS[1], ARGV[3]))
   end

@@ -26,6 +26,13 @@ pub struct StatusLabels {
     pub status: u16,
 }
 
+/// A rule, named as decisions name it (`policy` is `namespace/name`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub policy: String,
+    pub rule: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
@@ -132,6 +139,10 @@ pub struct Metrics {
     pub slots_given_back: Counter,
     /// `sluice_deferred_writes_total{result}`: deferred writes by what became of them.
     pub deferred_writes: Family<ResultLabels, Counter>,
+    /// Per `deferIfLimited` rule: entries queued, the oldest one's age, dead letters.
+    pub deferred_queued: Family<QueueLabels, Gauge>,
+    pub deferred_oldest_seconds: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    pub deferred_dead_letters: Family<QueueLabels, Gauge>,
     /// Quota leases (`consistency: leased`): requests of leased rules by who decided them
     /// (`admitted_locally`, `refused_locally`, `store`), renewals by outcome (`granted`,
     /// `empty`, `failed`), units by what became of them (`granted`, `spent`, `returned`), and
@@ -300,6 +311,24 @@ impl Metrics {
             "Writes of deferIfLimited rules by what became of them: accepted, duplicate (an idempotency value seen), full (refused), delivered, retried, dead_lettered, unknown (finished twice)",
             deferred_writes.clone(),
         );
+        let deferred_queued = Family::<QueueLabels, Gauge>::default();
+        registry.register(
+            "deferred_queued",
+            "Entries in each deferIfLimited rule's queue, not yet delivered nor dead-lettered (read every few seconds)",
+            deferred_queued.clone(),
+        );
+        let deferred_oldest_seconds = Family::<QueueLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "deferred_oldest_seconds",
+            "Age of the oldest entry in each deferIfLimited rule's queue (0 when empty)",
+            deferred_oldest_seconds.clone(),
+        );
+        let deferred_dead_letters = Family::<QueueLabels, Gauge>::default();
+        registry.register(
+            "deferred_dead_letters",
+            "Entries in each deferIfLimited rule's dead-letter stream (the newest 10000 kept)",
+            deferred_dead_letters.clone(),
+        );
         let holding_rules_skipped = Family::<ApiLabels, Counter>::default();
         registry.register(
             "holding_rules_skipped",
@@ -426,6 +455,9 @@ impl Metrics {
             holding_rules_skipped,
             slots_given_back,
             deferred_writes,
+            deferred_queued,
+            deferred_oldest_seconds,
+            deferred_dead_letters,
             record_lock: parking_lot::Mutex::new(()),
             rule_series: parking_lot::Mutex::new(std::collections::HashSet::new()),
             certificate_expiry_seconds,

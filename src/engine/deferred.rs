@@ -5,12 +5,17 @@
 
 use crate::policy::{CompiledRule, Matched, RequestView};
 use crate::rule::RuleId;
+use crate::store::queue::QueueStatus;
 use crate::store::queue::{
     Claim, Claimed, Deferral, DeferredRequest, EntryStatus, Finish, Finished, Queued, entry_id, parse_entry_id,
 };
 use crate::store::{Store, StoreError};
+use crate::telemetry::QueueLabels;
 
 use super::Engine;
+
+/// How often endpoints read the queues of `deferIfLimited` rules for `/v1/snapshot` and metrics.
+pub const QUEUE_STATS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Why a deferred-write operation was refused.
 #[derive(Debug, thiserror::Error)]
@@ -177,6 +182,73 @@ impl<S: Store> Engine<S> {
             return Err(unknown());
         }
         Ok(status)
+    }
+
+    /// Reads the queue of every `deferIfLimited` rule of the snapshot: kept for `/v1/snapshot`
+    /// and the metrics (`sluice_deferred_queued`, `_oldest_seconds`, `_dead_letters`).
+    pub async fn refresh_queue_stats(&self) {
+        let live = self.live.load();
+        let now_ms = self.clock.now() / 1000;
+        let mut read = Vec::new();
+        let mut labels = std::collections::HashSet::new();
+        for rule in live.snapshot.rules().filter(|rule| rule.defer().is_some()) {
+            let namespace = rule.policy().split_once('/').map_or("", |(namespace, _)| namespace);
+            let (stats, error) = match self.store.queue_stats_for(namespace, rule.id()).await {
+                Ok(stats) => (stats, None),
+                Err(error) => {
+                    // Once per rule while it lasts: with no queue, its limited writes are refused.
+                    let known = self
+                        .queues
+                        .lock()
+                        .iter()
+                        .any(|q| q.error.is_some() && *q.policy == *rule.policy() && *q.rule == *rule.name());
+                    if !known {
+                        tracing::warn!(policy = %rule.policy(), rule = %rule.name(), %error, "deferIfLimited: the rule's queue cannot be read; its limited writes get the refusal");
+                    }
+                    (Default::default(), Some(error.to_string()))
+                }
+            };
+            let label = QueueLabels { policy: rule.policy().to_string(), rule: rule.name().to_string() };
+            let metrics = &self.metrics;
+            metrics.deferred_queued.get_or_create(&label).set(i64::try_from(stats.queued).unwrap_or(i64::MAX));
+            let age = stats.oldest_accepted_ms.map_or(0, |at| now_ms.saturating_sub(at));
+            metrics.deferred_oldest_seconds.get_or_create(&label).set(age as f64 / 1000.0);
+            metrics
+                .deferred_dead_letters
+                .get_or_create(&label)
+                .set(i64::try_from(stats.dead_letters).unwrap_or(i64::MAX));
+            labels.insert(label.clone());
+            read.push(QueueStatus { policy: label.policy, rule: label.rule, stats, error });
+        }
+        // Rules gone from the snapshot leave the metrics.
+        let mut queues = self.queues.lock();
+        for gone in queues.iter().map(|q| QueueLabels { policy: q.policy.clone(), rule: q.rule.clone() }) {
+            if !labels.contains(&gone) {
+                self.metrics.deferred_queued.remove(&gone);
+                self.metrics.deferred_oldest_seconds.remove(&gone);
+                self.metrics.deferred_dead_letters.remove(&gone);
+            }
+        }
+        *queues = read;
+    }
+
+    /// [`Self::refresh_queue_stats`] every `every` until `stop`, while the snapshot has
+    /// `deferIfLimited` rules.
+    pub async fn keep_queue_stats(
+        self: std::sync::Arc<Self>,
+        every: std::time::Duration,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        loop {
+            let deferring = self.live.load().snapshot.rules().any(|rule| rule.defer().is_some());
+            if deferring || !self.queues.lock().is_empty() {
+                self.refresh_queue_stats().await;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.changed() => return,
+            }
+        }
     }
 
     /// The `deferIfLimited` rule of `namespace` entry `id` belongs to, and the entry's id in

@@ -285,6 +285,8 @@ pub struct Engine<S> {
     token_keys: ArcSwap<self::hold::TokenKeys>,
     /// Shaping rules' queue ends, so a store failure neither doubles nor overlaps a queue.
     tails: Mutex<ShapingTails>,
+    /// The queues of `deferIfLimited` rules, as last read ([`Engine::keep_queue_stats`]).
+    queues: Mutex<Vec<crate::store::queue::QueueStatus>>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -303,6 +305,7 @@ impl<S: Store> Engine<S> {
             leases: None,
             token_keys: ArcSwap::from_pointee(self::hold::TokenKeys::random()),
             tails: Mutex::new(ShapingTails::default()),
+            queues: Mutex::new(Vec::new()),
             clock,
             metrics,
         }
@@ -356,6 +359,7 @@ impl<S: Store> Engine<S> {
         if let Some(leases) = &self.leases {
             status.quota_leases = Some(leases.status());
         }
+        status.deferred_queues = self.queues.lock().clone();
         status
     }
 

@@ -363,6 +363,7 @@ pub async fn run(args: OperatorArgs) -> Result<()> {
         _ => tokio::spawn(serve::serve_http(listener, router, limits, stopped.clone())),
     };
     let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
+    tokio::spawn(engine.clone().keep_queue_stats(crate::engine::deferred::QUEUE_STATS_INTERVAL, stopped.clone()));
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped));
 
     shutdown.await;

@@ -363,12 +363,22 @@ impl<'s> Explanation<'s> {
                     .filter(|f| f.policy == r.rule.policy() && f.rule == r.rule.name())
                     .map(LayeringNote::from)
                     .collect();
-                let when_limited = r.rule.stale().map(|stale| {
+                let stale = r.rule.stale().map(|stale| {
                     format!(
                         "a limited GET or HEAD gets the response kept for its URL if at most {} old (else the refusal)",
                         crate::duration::HumanDuration(stale.max_stale)
                     )
                 });
+                let deferred = r.rule.defer().map(|defer| {
+                    format!(
+                        "a limited POST, PUT, PATCH or DELETE is accepted (202, with a status URL) into this rule's queue and replayed within the limits, at most {} tries (else the refusal: queue full at {} per key, or no Redis)",
+                        defer.max_attempts, defer.max_queued
+                    )
+                });
+                let when_limited = match (stale, deferred) {
+                    (Some(stale), Some(deferred)) => Some(format!("{stale}; {deferred}")),
+                    (stale, deferred) => stale.or(deferred),
+                };
                 rules.push(RuleReport {
                     when_limited,
                     layering,
@@ -605,7 +615,8 @@ pub struct RuleReport {
     /// `exact`, or `leased` with its bound and staleness (`consistency`): how its decisions use
     /// the shared store.
     pub consistency: String,
-    /// `staleIfLimited`: what a limited read gets instead of the refusal.
+    /// `staleIfLimited` and `deferIfLimited`: what a limited read or write gets instead of the
+    /// refusal.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub when_limited: Option<String>,
     /// What this rule would decide now (when matched and the store can tell).

@@ -179,6 +179,7 @@ pub async fn run(args: ServeArgs) -> Result<(), ServeError> {
     let sweeper = tokio::spawn(role::sweep_memory(memory, stopped.clone()));
     tokio::spawn(role::follow_lease_keys(args.store.clone(), engine.clone(), stopped.clone()));
     let lease_keeper = tokio::spawn(engine.clone().keep_leases(stopped.clone()));
+    tokio::spawn(engine.clone().keep_queue_stats(crate::engine::deferred::QUEUE_STATS_INTERVAL, stopped.clone()));
     let verifiers: Vec<Arc<dyn Authenticator>> = tokens.into_iter().map(|t| t as Arc<dyn Authenticator>).collect();
     let auth = Auth::new(verifiers);
     let grpc_server = grpc_listener.map(|listener| {

@@ -123,6 +123,17 @@ impl Store for Backend {
         }
     }
 
+    async fn queue_stats_for(
+        &self,
+        namespace: &str,
+        rule: crate::rule::RuleId,
+    ) -> Result<crate::store::queue::QueueStats, StoreError> {
+        match self {
+            Backend::Memory(store) => store.queue_stats_for(namespace, rule).await,
+            Backend::Redis(store) => Store::queue_stats_for(&**store, namespace, rule).await,
+        }
+    }
+
     async fn lease_for(
         &self,
         namespace: &str,

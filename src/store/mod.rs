@@ -206,6 +206,16 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Err(no_queues()))
     }
 
+    /// The state of a rule's queue in `namespace`.
+    fn queue_stats_for(
+        &self,
+        namespace: &str,
+        rule: RuleId,
+    ) -> impl Future<Output = Result<queue::QueueStats, StoreError>> + Send {
+        let _ = (namespace, rule);
+        std::future::ready(Err(no_queues()))
+    }
+
     /// An entry's state (`None`: unknown, or its status has expired).
     fn entry_status_for(
         &self,
@@ -297,6 +307,9 @@ pub struct StoreStatus {
     /// engine).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quota_leases: Option<QuotaLeaseStatus>,
+    /// The queues of `deferIfLimited` rules, as last read (filled by the engine).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deferred_queues: Vec<queue::QueueStatus>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -402,6 +415,14 @@ impl<T: Store> Store for std::sync::Arc<T> {
         id: &str,
     ) -> impl Future<Output = Result<Option<queue::EntryStatus>, StoreError>> + Send {
         (**self).entry_status_for(namespace, rule, id)
+    }
+
+    fn queue_stats_for(
+        &self,
+        namespace: &str,
+        rule: RuleId,
+    ) -> impl Future<Output = Result<queue::QueueStats, StoreError>> + Send {
+        (**self).queue_stats_for(namespace, rule)
     }
 
     fn status(&self) -> StoreStatus {

@@ -139,6 +139,34 @@ pub struct EntryStatus {
     pub path: String,
 }
 
+/// A queue's state, as read now.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueStats {
+    /// Entries not yet delivered nor dead-lettered.
+    pub queued: u64,
+    /// Of those, the ones a consumer holds (delivering, or waiting for the limit).
+    pub held: u64,
+    /// When the oldest was accepted (ms since the epoch); `None` when empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oldest_accepted_ms: Option<u64>,
+    pub dead_letters: u64,
+}
+
+/// One rule's queue in `/v1/snapshot`'s `store.deferredQueues`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueStatus {
+    /// `namespace/name`.
+    pub policy: String,
+    pub rule: String,
+    #[serde(flatten)]
+    pub stats: QueueStats,
+    /// Why it could not be read, when it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// The wire form of an entry's id: the rule's id and the stream's id, so an id names its queue.
 pub fn entry_id(rule: RuleId, stream_id: &str) -> String {
     format!("{rule:016x}-{stream_id}")

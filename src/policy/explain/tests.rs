@@ -17,6 +17,7 @@ spec:
       key: [{header: X-API-Key}]
       algorithm: tokenBucket
       limit: {requests: 10, per: 1s, burst: 5}
+      deferIfLimited: {maxAttempts: 3, maxQueued: 50}
     - name: by-host
       match: {hosts: ["*.example.com"], headers: [{name: X-Tier, exact: gold}]}
       key: [{clientIP: true, missing: skip}, {host: true}]
@@ -146,6 +147,24 @@ fn reasons_name_the_failing_condition() {
     assert!(reason_of(&req, "by-host").starts_with("key[0]: clientIP has no value"));
     req.client_ip = Some("203.0.113.7".parse().unwrap());
     assert_eq!(reason_of(&req, "by-host"), "");
+}
+
+#[test]
+fn a_deferring_rule_says_what_a_limited_write_gets() {
+    let snapshot = snapshot();
+    let labels = map(&[("app", "orders")]);
+    let mut req = RequestView::new("/orders/1");
+    req.namespace = "shop";
+    req.method = "POST";
+    req.labels = &labels;
+    let report = snapshot.explain(&req, 1).report(None);
+    let writes = report.rules.iter().find(|r| r.rule == "writes").unwrap();
+    let said = writes.when_limited.as_deref().unwrap_or_default();
+    assert!(said.contains("accepted (202, with a status URL)") && said.contains("at most 3 tries"), "{said}");
+    assert!(said.contains("50 per key"), "{said}");
+    assert!(report.to_text().contains("    limited: a limited POST, PUT, PATCH or DELETE is accepted"));
+    let all = report.rules.iter().find(|r| r.rule == "all").unwrap();
+    assert_eq!(all.when_limited, None);
 }
 
 #[test]

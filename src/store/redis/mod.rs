@@ -841,6 +841,14 @@ impl Store for RedisStore {
         self.entry_status_tagged(namespace, rule, id).await
     }
 
+    async fn queue_stats_for(
+        &self,
+        namespace: &str,
+        rule: crate::rule::RuleId,
+    ) -> Result<super::queue::QueueStats, StoreError> {
+        self.queue_stats_tagged(namespace, rule).await
+    }
+
     async fn settle_for(
         &self,
         namespace: &str,

@@ -11,7 +11,7 @@ use crate::store::StoreError;
 use crate::store::keys;
 use crate::store::queue::{
     Claim, Claimed, ClaimedEntry, Deferral, DeferredRequest, EntryStatus, Finish, Finished, NAMESPACE_MAX_BYTES,
-    NAMESPACE_MAX_ENTRIES, Queued,
+    NAMESPACE_MAX_ENTRIES, QueueStats, Queued,
 };
 
 fn now_arg(now: Option<Micros>) -> Vec<u8> {
@@ -191,6 +191,21 @@ impl RedisStore {
             }
         }
         Ok(Some(status))
+    }
+}
+
+impl RedisStore {
+    pub(super) async fn queue_stats_tagged(&self, tag: &str, rule: RuleId) -> Result<QueueStats, StoreError> {
+        let reply = self.deferred_call(tag, rule, &[b"stats".to_vec(), Vec::new()]).await?;
+        let Value::Array(items) = &reply else { return Err(protocol("stats", &reply)) };
+        let [queued, held, oldest, dead] = items.as_slice() else { return Err(protocol("stats", &reply)) };
+        let oldest_accepted_ms = text(oldest).and_then(|id| id.split_once('-')?.0.parse().ok());
+        Ok(QueueStats {
+            queued: int(queued).unwrap_or(0),
+            held: int(held).unwrap_or(0),
+            oldest_accepted_ms,
+            dead_letters: int(dead).unwrap_or(0),
+        })
     }
 }
 
