@@ -499,3 +499,38 @@ fn egress_shaping_spaces_the_departures_of_every_caller() {
     assert_eq!(rule.timeline.departed.iter().sum::<u64>(), rule.admitted);
     assert!(report.to_text().contains("departures (what the downstream sees)"));
 }
+
+/// Deferred writes replayed: a burst of 200 writes at once against 10/s with a queue of 150
+/// per key. What the queue takes instead of refusing is replayed at the rule's rate (the key's
+/// windows, replays included, never pass the limit), what it cannot take is refused, the
+/// delays grow as the queue drains, and the timeline draws the queue and the replays.
+#[test]
+fn deferred_writes_drain_at_the_rules_rate() {
+    let yaml = "apiVersion: sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: orders, namespace: shop}\nspec:\n  rules:\n  - name: writes\n    match: {methods: [POST]}\n    key: [{header: x-api-key}]\n    algorithm: fixedWindow\n    limit: {requests: 10, per: 1s}\n    deferIfLimited: {maxQueued: 150}\n";
+    let template = CheckRequest::from_json(
+        br#"{"namespace": "shop", "method": "POST", "path": "/orders", "headers": {"x-api-key": "k"}}"#,
+    )
+    .unwrap();
+    let lines: String = (0..200).map(|i| format!("{:.4} tenant\n", f64::from(i) * 0.0001)).collect();
+    let arrivals = parse_trace(&lines).expect("trace parses");
+    let report = replay(&snapshot(yaml), &template, &arrivals, &ReplayOptions::default()).expect("replays");
+    let rule = only(&report);
+    let deferral = rule.deferral.clone().expect("a deferring rule reports its queue");
+    assert_eq!((rule.admitted, deferral.accepted, deferral.refused_full), (10, 150, 40), "{deferral:?}");
+    assert_eq!((deferral.delivered, deferral.left, deferral.longest_queue), (150, 0, 150));
+    // A fixed window admits up to twice its limit across a boundary (its bound), replays or not.
+    let bound = rule.bound.expect("a fixed window has a bound");
+    assert!(rule.max_admitted_in_any_window <= bound, "replays passed the bound {bound}: {}", rule.max_admitted_in_any_window);
+    // 150 at 10 a second: the last one after 15 windows.
+    let drained = deferral.drained_ms.expect("drained");
+    assert!((14_000.0..=16_000.0).contains(&drained), "{drained}");
+    assert!(deferral.delay_p50_ms < deferral.delay_max_ms && deferral.delay_max_ms <= drained, "{deferral:?}");
+    assert_eq!(rule.timeline.replayed.iter().sum::<u64>(), 150);
+    assert_eq!(rule.timeline.deferred.iter().copied().max(), Some(150));
+    assert!(report.to_text().contains("deferred writes: 150 accepted instead of refused, 40 refused (queue full)"));
+    // A read the rule does not defer: no queue.
+    let read =
+        CheckRequest::from_json(br#"{"namespace": "shop", "path": "/orders", "headers": {"x-api-key": "k"}}"#).unwrap();
+    let report = replay(&snapshot(yaml), &read, &arrivals, &ReplayOptions::default()).expect("replays");
+    assert!(only(&report).deferral.is_none() || only(&report).offered == 0);
+}

@@ -175,6 +175,10 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, rule: &RuleRep
         entries.push((QUEUE, "waiting (line)".to_string()));
         entries.push((DELAY, format!("longest shaping delay (dashed: maxDelay {max_delay} ms)")));
     }
+    if !rule.timeline.deferred.is_empty() {
+        entries.push((DEPARTED, "replayed (line)".to_string()));
+        entries.push((QUEUE, "queued writes (line)".to_string()));
+    }
     let mut x = (LEFT_MARGIN + Y_LABEL_AREA) as i32;
     for (color, name) in entries {
         if color == DEPARTED || color == QUEUE {
@@ -201,9 +205,17 @@ fn draw_requests<DB: DrawingBackend>(
     time: Range<f64>,
 ) -> Result<(), String> {
     let timeline = &rule.timeline;
-    let tallest =
-        timeline.offered.iter().chain(&timeline.departed).chain(&timeline.queue).copied().max().unwrap_or(0).max(1)
-            as f64;
+    let tallest = timeline
+        .offered
+        .iter()
+        .chain(&timeline.departed)
+        .chain(&timeline.queue)
+        .chain(&timeline.replayed)
+        .chain(&timeline.deferred)
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(1) as f64;
     let mut chart = strip(area, time, tallest * 1.15, false)?;
     chart
         .configure_mesh()
@@ -227,8 +239,15 @@ fn draw_requests<DB: DrawingBackend>(
             chart.draw_series([Rectangle::new([(x0, admitted), (x1, offered)], DENIED.filled())]).map_err(error)?;
         }
     }
-    // A shaping rule: when its requests leave (what the downstream sees), and how many wait.
-    for (series, color) in [(&timeline.departed, DEPARTED), (&timeline.queue, QUEUE)] {
+    // A shaping rule: when its requests leave (what the downstream sees), and how many wait; a
+    // deferring rule: its replays, and how many writes are queued.
+    let lines = [
+        (&timeline.departed, DEPARTED),
+        (&timeline.queue, QUEUE),
+        (&timeline.replayed, DEPARTED),
+        (&timeline.deferred, QUEUE),
+    ];
+    for (series, color) in lines {
         if series.is_empty() {
             continue;
         }

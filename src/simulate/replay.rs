@@ -129,6 +129,9 @@ pub struct RuleReport {
     /// in any window of `per`, its bound, and the longest queue.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub departures: Option<Departures>,
+    /// A `deferIfLimited` rule's queue: what was accepted instead of refused, and how it drained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deferral: Option<DeferralReport>,
     /// Most consecutive refusals of one key.
     pub longest_denial_run: u64,
     /// From the first to the last refusal of that run.
@@ -153,6 +156,45 @@ pub struct Departures {
     pub longest_queue: u64,
 }
 
+/// What a `deferIfLimited` rule's queue did with the refused writes of the trace.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DeferralReport {
+    /// Refused arrivals queued instead.
+    pub accepted: u64,
+    /// Refused arrivals the key's queue had no room for (`maxQueued`): refused.
+    pub refused_full: u64,
+    /// Queued writes replayed (each checked like an arrival, and admitted).
+    pub delivered: u64,
+    /// Still queued when the replay stopped (a day after the last arrival).
+    pub left: u64,
+    /// The most queued for one key at once.
+    pub longest_queue: u64,
+    /// From acceptance to replay.
+    pub delay_p50_ms: f64,
+    pub delay_p99_ms: f64,
+    pub delay_max_ms: f64,
+    /// Trace time of the last replay, when everything was delivered.
+    pub drained_ms: Option<f64>,
+}
+
+/// The replay of a `deferIfLimited` rule's queues: per key, the refused arrivals (trace time of
+/// acceptance, arrival index) in order, and when each non-empty queue is tried next.
+struct Deferrals {
+    /// The rule's index in the tallies, and its `maxQueued`.
+    rule: usize,
+    max_queued: u64,
+    queues: HashMap<Option<String>, std::collections::VecDeque<(Micros, usize)>>,
+    /// (simulated time, key) of each non-empty queue's next try.
+    tries: BinaryHeap<Reverse<(Micros, Option<String>)>>,
+    accepted: u64,
+    refused_full: u64,
+    delays: Vec<Micros>,
+    longest_queue: u64,
+    queued: u64,
+    last_delivery: Micros,
+}
+
 /// Per time bucket of the report's `bucketMs`, from trace time 0.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
@@ -175,6 +217,14 @@ pub struct Timeline {
     /// admission in the bucket. Empty for other rules.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub queue: Vec<u64>,
+    /// A `deferIfLimited` rule's writes replayed per bucket (checked like arrivals and
+    /// admitted); replays after the last bucket count in it. Empty for other rules.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replayed: Vec<u64>,
+    /// A `deferIfLimited` rule's queued writes, the most at once in the bucket. Empty for other
+    /// rules.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deferred: Vec<u64>,
 }
 
 /// The template's headers with the keyed headers replaced by the arrival's key value.
@@ -288,6 +338,8 @@ struct RuleTally<'s> {
     bucket_width: Micros,
     /// A shaping rule's departure times, with their costs.
     departures: Vec<(Micros, u64)>,
+    /// A `deferIfLimited` rule's queue, once replayed.
+    deferral: Option<DeferralReport>,
 }
 
 impl RuleTally<'_> {
@@ -323,6 +375,17 @@ impl RuleTally<'_> {
         self.departures.push((at + delay, 1));
         if let Some(most) = self.timeline.queue.get_mut(bucket) {
             *most = (*most).max(self.waiting.len() as u64);
+        }
+    }
+
+    /// A queued write of `key` replayed and admitted at trace time `at`: it counts in the key's
+    /// windows like an admitted arrival (what the application sees is both together).
+    fn replayed(&mut self, key: &str, at: Micros, cost: u64, bucket: Micros) {
+        self.keys.entry(key.to_string()).or_default().admitted.push((at, cost));
+        let series = &mut self.timeline.replayed;
+        let slot = ((at / bucket.max(1)) as usize).min(series.len().saturating_sub(1));
+        if let Some(count) = series.get_mut(slot) {
+            *count += 1;
         }
     }
 
@@ -410,6 +473,7 @@ impl RuleTally<'_> {
             bound: value,
             bound_formula: formula,
             lease_bound: self.rule.leasing().map(|l| l.max_overshoot),
+            deferral: self.deferral,
             longest_denial_run: self.longest_run.0,
             longest_denial_run_ms: ms(self.longest_run.1),
             recovery_ms: self.recovery.map(ms),
@@ -465,6 +529,8 @@ pub fn replay(
     let bucket =
         options.bucket.filter(|&b| b > 0).unwrap_or_else(|| nice_bucket(duration.max(shortest_per).div_ceil(100)));
     let buckets = (duration / bucket) as usize + 1;
+    // A write a `deferIfLimited` rule matches: its refusals are queued and replayed.
+    let deferring = deferring_rule(snapshot, template, namespace).map(|rule| rule.identity());
     let empty_timeline = |rule: &CompiledRule| {
         let shaping = if rule.limit().shapes() { buckets } else { 0 };
         Timeline {
@@ -475,9 +541,26 @@ pub fn replay(
             max_delay_ms: vec![0; buckets],
             departed: vec![0; shaping],
             queue: vec![0; shaping],
+            replayed: vec![0; if deferring == Some(rule.identity()) { buckets } else { 0 }],
+            deferred: vec![0; if deferring == Some(rule.identity()) { buckets } else { 0 }],
         }
     };
     let index: HashMap<&str, usize> = rules.iter().enumerate().map(|(i, r)| (r.identity(), i)).collect();
+    let mut deferrals = deferring.and_then(|identity| {
+        let rule = *index.get(identity)?;
+        Some(Deferrals {
+            rule,
+            max_queued: rules[rule].defer()?.max_queued,
+            queues: HashMap::new(),
+            tries: BinaryHeap::new(),
+            accepted: 0,
+            refused_full: 0,
+            delays: Vec::new(),
+            longest_queue: 0,
+            queued: 0,
+            last_delivery: 0,
+        })
+    });
     let mut tallies: Vec<RuleTally<'_>> = rules
         .iter()
         .map(|&rule| RuleTally {
@@ -499,8 +582,10 @@ pub fn replay(
             waiting: BinaryHeap::new(),
             bucket_width: bucket,
             departures: Vec::new(),
+            deferral: None,
         })
         .collect();
+    let requester = Requester { template, namespace, keyed: &keyed, keys_on_client_ip };
 
     // Every decision passes its simulated `now`; the holders and their grants read `clock`,
     // set to each arrival's time.
@@ -534,25 +619,11 @@ pub fn replay(
                 }
             }
         }
-        let headers = KeyedHeaders { base: &template.headers, keyed: &keyed, value: arrival.key.as_deref() };
-        let client_ip = match (&arrival.key, keys_on_client_ip) {
-            (Some(key), true) => Some(synthetic_client_ip(key)),
-            _ => template.client_ip,
-        };
-        let request = RequestView {
-            namespace,
-            labels: &template.labels,
-            method: &template.method,
-            path: &template.path,
-            host: template.host.as_deref(),
-            client_ip,
-            headers: &headers,
-            cost: arrival.cost.or(template.cost).unwrap_or(1),
-            fields: &template.request_fields,
-            descriptor: None,
-            egress: template.egress.as_deref(),
-            max_wait: template.deadline_ms.map(|ms| ms.saturating_mul(MICROS_PER_MS)),
-        };
+        if let Some(deferrals) = deferrals.as_mut() {
+            deferrals.replay_due(now, start, bucket, &store, snapshot, &requester, arrivals, &index, &mut tallies);
+        }
+        let headers = requester.headers(arrival);
+        let request = requester.view(arrival, &headers);
         snapshot.resolve(&request, &mut matched);
         if matched.is_empty() {
             continue;
@@ -603,6 +674,16 @@ pub fn replay(
             ending.push(Reverse((now + length, hold)));
             holding.insert(hold, held);
         }
+        if !allowed && let Some(deferrals) = deferrals.as_mut() {
+            let retry = decisions.iter().filter(|d| !d.allowed).filter_map(|d| d.retry_after).max();
+            deferrals.offer(arrival, n, now, retry, bucket, &mut tallies);
+        }
+    }
+    // What is still queued drains after the trace, for at most a day.
+    if let Some(deferrals) = deferrals.as_mut() {
+        let until = start + duration + 86_400_000_000;
+        deferrals.replay_due(until, start, bucket, &store, snapshot, &requester, arrivals, &index, &mut tallies);
+        tallies[deferrals.rule].deferral = Some(deferrals.report());
     }
     Ok(SimulationReport {
         start_unix_micros: start,
@@ -623,6 +704,174 @@ pub fn replay(
             }
         }),
     })
+}
+
+/// The first `deferIfLimited` rule the template matches, when it is a write.
+fn deferring_rule<'s>(snapshot: &'s Snapshot, template: &CheckRequest, namespace: &str) -> Option<&'s CompiledRule> {
+    let headers = &template.headers;
+    let request = RequestView {
+        namespace,
+        labels: &template.labels,
+        method: &template.method,
+        path: &template.path,
+        host: template.host.as_deref(),
+        client_ip: template.client_ip,
+        headers,
+        cost: 1,
+        fields: &template.request_fields,
+        descriptor: None,
+        egress: template.egress.as_deref(),
+        max_wait: None,
+    };
+    template.egress.is_none().then(|| snapshot.defer_for(&request)).flatten()
+}
+
+/// Builds each arrival's request: the template with the arrival's key and cost.
+struct Requester<'a> {
+    template: &'a CheckRequest,
+    namespace: &'a str,
+    keyed: &'a [String],
+    keys_on_client_ip: bool,
+}
+
+impl<'a> Requester<'a> {
+    fn headers(&self, arrival: &'a Arrival) -> KeyedHeaders<'a> {
+        KeyedHeaders { base: &self.template.headers, keyed: self.keyed, value: arrival.key.as_deref() }
+    }
+
+    fn view<'r>(&'r self, arrival: &'r Arrival, headers: &'r KeyedHeaders<'r>) -> RequestView<'r> {
+        let template = self.template;
+        let client_ip = match (&arrival.key, self.keys_on_client_ip) {
+            (Some(key), true) => Some(synthetic_client_ip(key)),
+            _ => template.client_ip,
+        };
+        RequestView {
+            namespace: self.namespace,
+            labels: &template.labels,
+            method: &template.method,
+            path: &template.path,
+            host: template.host.as_deref(),
+            client_ip,
+            headers,
+            cost: arrival.cost.or(template.cost).unwrap_or(1),
+            fields: &template.request_fields,
+            descriptor: None,
+            egress: template.egress.as_deref(),
+            max_wait: template.deadline_ms.map(|ms| ms.saturating_mul(MICROS_PER_MS)),
+        }
+    }
+}
+
+impl Deferrals {
+    /// A refused arrival `n` at simulated time `now`: queued when its key has room, tried
+    /// again after `retry` (the refusal's).
+    fn offer(
+        &mut self,
+        arrival: &Arrival,
+        n: usize,
+        now: Micros,
+        retry: Option<Micros>,
+        bucket: Micros,
+        tallies: &mut [RuleTally<'_>],
+    ) {
+        let queue = self.queues.entry(arrival.key.clone()).or_default();
+        if queue.len() as u64 >= self.max_queued {
+            self.refused_full += 1;
+            return;
+        }
+        queue.push_back((arrival.at, n));
+        if queue.len() == 1 {
+            self.tries.push(Reverse((now + retry.unwrap_or(1).max(1), arrival.key.clone())));
+        }
+        self.longest_queue = self.longest_queue.max(queue.len() as u64);
+        self.accepted += 1;
+        self.queued += 1;
+        self.note_depth(arrival.at, bucket, tallies);
+    }
+
+    fn note_depth(&self, at: Micros, bucket: Micros, tallies: &mut [RuleTally<'_>]) {
+        let series = &mut tallies[self.rule].timeline.deferred;
+        let slot = ((at / bucket.max(1)) as usize).min(series.len().saturating_sub(1));
+        if let Some(most) = series.get_mut(slot) {
+            *most = (*most).max(self.queued);
+        }
+    }
+
+    /// Replays what is due up to simulated time `until`, in time order: the head of a key's
+    /// queue is checked like its arrival; admitted, it is delivered (and the next one tried at
+    /// once), refused, tried again after the refusal's `retry_after`.
+    #[allow(clippy::too_many_arguments)]
+    fn replay_due<'s>(
+        &mut self,
+        until: Micros,
+        start: Micros,
+        bucket: Micros,
+        store: &MemoryStore,
+        snapshot: &'s Snapshot,
+        requester: &Requester<'_>,
+        arrivals: &[Arrival],
+        index: &HashMap<&str, usize>,
+        tallies: &mut [RuleTally<'s>],
+    ) {
+        let mut matched: Vec<Matched<'_>> = Vec::new();
+        let mut decisions: Vec<Decision> = Vec::new();
+        while let Some(Reverse((at, _))) = self.tries.peek()
+            && *at <= until
+        {
+            let Some(Reverse((at, key))) = self.tries.pop() else { break };
+            let Some(&(accepted, n)) = self.queues.get(&key).and_then(|q| q.front()) else { continue };
+            let arrival = &arrivals[n];
+            let headers = requester.headers(arrival);
+            let request = requester.view(arrival, &headers);
+            snapshot.resolve(&request, &mut matched);
+            let checks: Vec<RuleCheck<'_>> = matched.iter().map(|m| m.check()).collect();
+            let allowed = store.check_into(at, &checks, &mut decisions);
+            if !allowed {
+                let retry = decisions.iter().filter(|d| !d.allowed).filter_map(|d| d.retry_after).max();
+                self.tries.push(Reverse((at + retry.unwrap_or(1_000_000).max(1), key)));
+                continue;
+            }
+            let trace_at = at.saturating_sub(start);
+            for (m, decision) in matched.iter().zip(&decisions) {
+                let Some(&i) = index.get(m.rule.identity()) else { continue };
+                if decision.allowed {
+                    tallies[i].replayed(&m.key, trace_at, m.cost, bucket);
+                }
+            }
+            if let Some(queue) = self.queues.get_mut(&key) {
+                queue.pop_front();
+                if queue.is_empty() {
+                    self.queues.remove(&key);
+                } else {
+                    self.tries.push(Reverse((at, key)));
+                }
+            }
+            self.queued -= 1;
+            self.delays.push(trace_at.saturating_sub(accepted));
+            self.last_delivery = trace_at;
+            self.note_depth(trace_at, bucket, tallies);
+        }
+    }
+
+    fn report(&mut self) -> DeferralReport {
+        self.delays.sort_unstable();
+        let ms = |micros: Micros| micros as f64 / MICROS_PER_MS as f64;
+        let at = |q: f64| {
+            let last = self.delays.len().saturating_sub(1);
+            self.delays.get(((last as f64) * q).round() as usize).copied().map_or(0.0, ms)
+        };
+        DeferralReport {
+            accepted: self.accepted,
+            refused_full: self.refused_full,
+            delivered: self.delays.len() as u64,
+            left: self.queued,
+            longest_queue: self.longest_queue,
+            delay_p50_ms: at(0.5),
+            delay_p99_ms: at(0.99),
+            delay_max_ms: self.delays.last().copied().map_or(0.0, ms),
+            drained_ms: (self.queued == 0 && !self.delays.is_empty()).then(|| ms(self.last_delivery)),
+        }
+    }
 }
 
 /// The replay's store as the holders see it: the memory store, its calls counted.
@@ -702,6 +951,27 @@ impl SimulationReport {
                     out,
                     "{}/{}: departures (what the downstream sees): most in any {} ms {} against {} (one per interval); longest queue {}",
                     r.policy, r.rule, r.per_ms, d.most_in_any_window, d.bound, d.longest_queue
+                );
+            }
+        }
+        for r in &self.rules {
+            if let Some(d) = &r.deferral {
+                let drained = match d.drained_ms {
+                    Some(ms) => format!("drained at {:.3} s", ms / 1000.0),
+                    None => format!("{} still queued", d.left),
+                };
+                let _ = writeln!(
+                    out,
+                    "{}/{}: deferred writes: {} accepted instead of refused, {} refused (queue full); {} replayed within the limits, {:.0} ms after acceptance at the median, {:.0} ms at p99, {:.0} ms at most; longest queue {}; {drained}",
+                    r.policy,
+                    r.rule,
+                    d.accepted,
+                    d.refused_full,
+                    d.delivered,
+                    d.delay_p50_ms,
+                    d.delay_p99_ms,
+                    d.delay_max_ms,
+                    d.longest_queue
                 );
             }
         }
