@@ -32,6 +32,7 @@ RUNS=(
   "scripts/bench/check-instructions.sh|scripts/bench/check-instructions.sh"
   "scripts/bench/check-load.sh|scripts/bench/check-load.sh"
   "scripts/bench/checks-memory.sh|scripts/bench/checks-memory.sh"
+  "scripts/bench/defer.sh|scripts/bench/defer.sh"
   "scripts/bench/degrade.sh|scripts/bench/degrade.sh"
   "scripts/bench/egress.sh|scripts/bench/egress.sh"
   "scripts/bench/envoy-ratelimit.sh|peer envoy-ratelimit"

@@ -520,7 +520,11 @@ fn deferred_writes_drain_at_the_rules_rate() {
     assert_eq!((deferral.delivered, deferral.left, deferral.longest_queue), (150, 0, 150));
     // A fixed window admits up to twice its limit across a boundary (its bound), replays or not.
     let bound = rule.bound.expect("a fixed window has a bound");
-    assert!(rule.max_admitted_in_any_window <= bound, "replays passed the bound {bound}: {}", rule.max_admitted_in_any_window);
+    assert!(
+        rule.max_admitted_in_any_window <= bound,
+        "replays passed the bound {bound}: {}",
+        rule.max_admitted_in_any_window
+    );
     // 150 at 10 a second: the last one after 15 windows.
     let drained = deferral.drained_ms.expect("drained");
     assert!((14_000.0..=16_000.0).contains(&drained), "{drained}");

@@ -58,6 +58,8 @@ pub struct Deferral {
     consumer: String,
     upstream: http::uri::Authority,
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Deliveries whose end the queue could not be told yet (the endpoint or Redis away).
+    unfinished: parking_lot::Mutex<Vec<DoneBody>>,
 }
 
 impl Deferral {
@@ -71,7 +73,7 @@ impl Deferral {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let consumer = format!("{}-{:08x}", host.trim(), rand::random::<u32>());
         let client = Client::builder(TokioExecutor::new()).build_http();
-        Arc::new(Deferral { decider, metrics, uris, consumer, upstream, client })
+        Arc::new(Deferral { decider, metrics, uris, consumer, upstream, client, unfinished: Default::default() })
     }
 
     /// Offers a limited write (`check`: its check, as sent) to the queue: its body read up to
@@ -158,7 +160,18 @@ impl Deferral {
                 return;
             }
             let mut pause = POLL;
-            if self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels) {
+            // Deliveries whose end the queue has not heard of go first: told late, an entry is
+            // not delivered again; not told at all, it is after its retry interval.
+            let unfinished = std::mem::take(&mut *self.unfinished.lock());
+            let mut still = Vec::new();
+            for done in unfinished {
+                if !self.tell(&done).await {
+                    still.push(done);
+                }
+            }
+            let waiting = !still.is_empty();
+            self.unfinished.lock().extend(still);
+            if !waiting && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels) {
                 match self.claim(&held).await {
                     Ok(answer) => {
                         // One another consumer took (this one was too slow to keep it) is its now.
@@ -168,11 +181,20 @@ impl Deferral {
                     Err(error) => tracing::debug!(%error, "no deferred writes taken"),
                 }
                 let mut waiting = Vec::new();
-                for entry in std::mem::take(&mut held) {
-                    match self.deliver(&entry).await {
+                // One refusal a round per request shape: the entries behind it, of the same key,
+                // would be refused too, and asking costs the endpoint a check each.
+                let mut refused: Vec<&crate::api::deferred::DeferredRequest> = Vec::new();
+                let entries = std::mem::take(&mut held);
+                for entry in &entries {
+                    if refused.iter().any(|r| same_check(r, &entry.request)) {
+                        waiting.push(entry.clone());
+                        continue;
+                    }
+                    match self.deliver(entry).await {
                         Some(wait) => {
                             pause = pause.min(wait);
-                            waiting.push(entry);
+                            refused.push(&entry.request);
+                            waiting.push(entry.clone());
                         }
                         None => pause = Duration::ZERO,
                     }
@@ -224,9 +246,10 @@ impl Deferral {
             slot: None,
         };
         match self.decider.decide(&input).await {
-            Decision::Deny { retry_after_secs, .. } => {
-                let wait =
-                    Duration::from_secs(retry_after_secs.unwrap_or(1)).clamp(Duration::from_millis(50), POLL * 4);
+            Decision::Deny { retry_after_ms, .. } => {
+                // Asked again when the limit says, but within a quarter of the shortest retry
+                // interval (1 s), so the entry stays this consumer's.
+                let wait = Duration::from_millis(retry_after_ms.unwrap_or(1000)).clamp(Duration::from_millis(1), POLL);
                 return Some(wait);
             }
             Decision::Refuse(refusal) => {
@@ -280,14 +303,36 @@ impl Deferral {
     }
 
     async fn finish(&self, entry: &ClaimedEntry, delivered: bool, status: u16) {
-        let body =
+        let done =
             DoneBody { namespace: Some(self.decider.namespace.clone()), id: entry.id.clone(), delivered, status };
-        let Ok(body) = serde_json::to_vec(&body) else { return };
-        // Not told, the entry is taken again after its retry interval: at least once.
-        if let Err(error) = self.decider.endpoint().post(&self.uris[2], Bytes::from(body)).await {
-            tracing::warn!(id = %entry.id, %error, "a delivery's end was not recorded; it will be delivered again");
+        if !self.tell(&done).await {
+            self.unfinished.lock().push(done);
         }
     }
+
+    /// Tells the queue how a delivery ended; `false` when it could not be told (kept to tell
+    /// again).
+    async fn tell(&self, done: &DoneBody) -> bool {
+        let Ok(body) = serde_json::to_vec(done) else { return true };
+        match self.decider.endpoint().post(&self.uris[2], Bytes::from(body)).await {
+            Ok((StatusCode::OK, _)) => true,
+            Ok((status, answer)) => {
+                tracing::warn!(id = %done.id, %status, answer = %String::from_utf8_lossy(&answer), "a delivery's end was not recorded yet");
+                // A 4xx will not change by asking again: the entry is delivered again instead.
+                !status.is_server_error()
+            }
+            Err(error) => {
+                tracing::warn!(id = %done.id, %error, "a delivery's end was not recorded yet");
+                false
+            }
+        }
+    }
+}
+
+/// Whether two kept writes are checked alike (the same rules, the same keys).
+fn same_check(a: &crate::api::deferred::DeferredRequest, b: &crate::api::deferred::DeferredRequest) -> bool {
+    (&a.method, a.path.split('?').next(), &a.host, &a.checked, &a.client_ip)
+        == (&b.method, b.path.split('?').next(), &b.host, &b.checked, &b.client_ip)
 }
 
 /// The `202 Accepted` answer to a deferred write.

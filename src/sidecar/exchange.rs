@@ -142,9 +142,12 @@ impl EndpointExchange {
     pub fn failure_mode(&self) -> Decision {
         match self.on_failure {
             OnFailure::Allow => Decision::Allow { delay: Duration::ZERO, headers: Vec::new(), lease: None },
-            OnFailure::Deny => {
-                Decision::Deny { retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS), headers: Vec::new(), declared: None }
-            }
+            OnFailure::Deny => Decision::Deny {
+                retry_after_secs: Some(FAILURE_RETRY_AFTER_SECS),
+                retry_after_ms: Some(FAILURE_RETRY_AFTER_SECS * 1000),
+                headers: Vec::new(),
+                declared: None,
+            },
         }
     }
 

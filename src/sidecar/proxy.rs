@@ -532,7 +532,7 @@ impl Proxy {
         // Dropped wherever this request ends from here on, which gives its slots back.
         let held: Option<Release>;
         let (delay, rate_headers) = match decision {
-            Decision::Deny { retry_after_secs, mut headers, declared } => {
+            Decision::Deny { retry_after_secs, mut headers, declared, .. } => {
                 self.metrics.outcome("limited");
                 let mut retry_after_secs = retry_after_secs;
                 if let (Some(deferral), Some((terms, check))) = (&self.deferral, defer) {

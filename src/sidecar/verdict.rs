@@ -19,6 +19,8 @@ pub enum Decision {
     },
     Deny {
         retry_after_secs: Option<u64>,
+        /// The same, exact: when a replay of a deferred write may be checked again.
+        retry_after_ms: Option<u64>,
         headers: HeaderList,
         /// The refusing rule's declared `refusal` (status and body) instead of the default 429.
         declared: Option<Declared>,
@@ -101,7 +103,7 @@ pub fn decision_of<'a>(
         .then(|| http::StatusCode::from_u16(status).ok())
         .flatten()
         .map(|status| Declared { status, body: bytes::Bytes::from(body.unwrap_or("").to_string()) });
-    Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), headers, declared }
+    Decision::Deny { retry_after_secs: retry_after_ms.map(|ms| ms.div_ceil(1000)), retry_after_ms, headers, declared }
 }
 
 /// The names the engine answers with, parsed once (a name outside the standard set is otherwise
