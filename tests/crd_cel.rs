@@ -246,3 +246,27 @@ fn egress_passes_cel_and_its_mistakes_are_caught() {
         assert!(cel_errors(&spec).contains(message), "{message}: {}", cel_errors(&spec));
     }
 }
+
+/// `deferIfLimited`: a writing rule passes; a concurrency, response-cost, shadow or read-only rule
+/// is caught by the rule meant for it, as the webhook's compile catches it.
+#[test]
+fn deferring_rules_pass_cel_and_their_mistakes_are_caught() {
+    let rule = |algorithm: &str, extra: &str| {
+        format!(
+            "  rules:\n  - name: w\n    algorithm: {algorithm}\n    limit: {{requests: 10, per: 1s}}\n    deferIfLimited: {{maxQueued: 50}}\n{extra}"
+        )
+    };
+    assert_eq!(cel_errors(&rule("gcra", "    match: {methods: [post, GET]}\n")), "");
+    assert_eq!(cel_errors(&rule("fixedWindow", "")), "");
+    assert!(cel_errors(&rule("concurrency", "")).contains("a concurrency slot ends with a response"));
+    assert!(cel_errors(&rule("gcra", "    mode: shadow\n")).contains("a shadow rule never refuses"));
+    assert!(
+        cel_errors(&rule("gcra", "    match: {methods: [GET, HEAD]}\n")).contains("none of POST, PUT, PATCH or DELETE")
+    );
+    let response_cost = "    responseCost: {fields: [usage.total_tokens], estimate: {constant: 10}}\n";
+    assert!(
+        cel_errors(&rule("tokenBucket", response_cost)).contains("a cost known after the response"),
+        "{}",
+        cel_errors(&rule("tokenBucket", response_cost))
+    );
+}
