@@ -335,3 +335,43 @@ async fn without_a_store_that_keeps_queues_a_limited_write_is_refused() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// The queue's API refuses what it cannot keep with a 4xx naming the field, before any store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_api_names_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), POLICY).unwrap();
+    let endpoint = serve(dir.path(), None);
+    let client = reqwest::Client::new();
+    let check =
+        serde_json::json!({"namespace": "shop", "method": "POST", "path": "/orders", "headers": {"x-api-key": "k"}});
+    let cases = [
+        (serde_json::json!({"check": check, "target": "/other"}), 400, "target"),
+        (
+            serde_json::json!({"check": check, "target": "/orders", "idempotencyKey": "k".repeat(300)}),
+            400,
+            "idempotencyKey",
+        ),
+        (serde_json::json!({"check": check, "target": "/orders", "extra": 1}), 400, "unknown field `extra`"),
+        (serde_json::json!({"check": {"path": "/orders", "bogus": 1}, "target": "/orders"}), 400, "check:"),
+        (
+            serde_json::json!({"check": {"namespace": "shop", "method": "GET", "path": "/orders"}, "target": "/orders"}),
+            400,
+            "no deferIfLimited rule",
+        ),
+        (serde_json::json!({"check": check, "target": "/orders", "body": "not base64!"}), 400, "deferred-write body"),
+        (serde_json::json!({"check": check, "target": "/orders"}), 503, "deferIfLimited needs the Redis store"),
+    ];
+    for (body, status, named) in cases {
+        let response = client.post(endpoint.url("/v1/deferred")).json(&body).send().await.unwrap();
+        let got = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        assert!(got == status && text.contains(named), "{body}: {got} {text}");
+    }
+    let status = serde_json::json!({"check": check, "id": "not-an-id"});
+    let response = client.post(endpoint.url("/v1/deferred/status")).json(&status).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    let done = serde_json::json!({"namespace": "shop", "id": "0000000000000001-1-1", "delivered": true});
+    let response = client.post(endpoint.url("/v1/deferred/done")).json(&done).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 404, "an entry of no deferring rule");
+}

@@ -23,6 +23,13 @@ use crate::server::auth::Caller;
 use crate::store::Store;
 use crate::store::queue::Finished;
 
+/// The longest path with query a deferred write may have.
+const MAX_TARGET_BYTES: usize = 8 * 1024;
+/// The longest idempotency value: it is part of a Redis key.
+const MAX_IDEMPOTENCY_BYTES: usize = 256;
+/// The most header bytes kept for a replay.
+const MAX_HEADER_BYTES: usize = 16 * 1024;
+
 async fn caller_and_body<S: Store, B: DeserializeOwned>(
     state: &ApiState<S>,
     headers: &HeaderMap,
@@ -60,6 +67,15 @@ async fn queue<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -
     let (caller, body): (Caller, DeferBody) = caller_and_body(state, headers, body, MAX_DEFER_BODY_BYTES).await?;
     let check = check_of(&body.check)?;
     let view = check.view(&caller).map_err(ApiError::forbidden)?;
+    if body.target.len() > MAX_TARGET_BYTES {
+        return Err(ApiError::bad(format!("target: at most {MAX_TARGET_BYTES} bytes")));
+    }
+    if body.idempotency_key.as_ref().is_some_and(|k| k.len() > MAX_IDEMPOTENCY_BYTES) {
+        return Err(ApiError::bad(format!("idempotencyKey: at most {MAX_IDEMPOTENCY_BYTES} bytes")));
+    }
+    if body.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() > MAX_HEADER_BYTES {
+        return Err(ApiError::bad(format!("headers: at most {MAX_HEADER_BYTES} bytes in all")));
+    }
     if body.target.split('?').next() != Some(check.path.as_str()) {
         return Err(ApiError::bad(format!("target: {:?} is not a target of check.path {:?}", body.target, check.path)));
     }
