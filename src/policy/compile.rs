@@ -544,7 +544,18 @@ fn compile_stale(
     if rule.response_cost.is_some() {
         errs.push(at.clone(), "a cost known after the response is charged by the response served: remove one of them");
     }
-    Some(super::snapshot::Stale { max_stale: max_stale?, max_entry_bytes: usize::try_from(max_entry_bytes).ok()? })
+    let revalidate_every = match spec.revalidate_every.as_deref().map(parse_duration) {
+        None => Ok(None),
+        Some(Ok(d)) if (1_000_000..=3_600_000_000).contains(&d) => Ok(Some(d)),
+        Some(Ok(_)) => Err("must be from 1s to 1h".to_string()),
+        Some(Err(e)) => Err(e.to_string()),
+    };
+    let revalidate_every = revalidate_every.map_err(|e| errs.push(format!("{at}.revalidateEvery"), e)).ok()?;
+    Some(super::snapshot::Stale {
+        max_stale: max_stale?,
+        max_entry_bytes: usize::try_from(max_entry_bytes).ok()?,
+        revalidate_every,
+    })
 }
 
 /// A value test of a header or descriptor entry condition: exact, prefix, its regex, or
@@ -727,6 +738,14 @@ mod tests {
             ("    staleIfLimited: {maxStale: 10ms}\n", "spec.rules[0].staleIfLimited.maxStale"),
             ("    staleIfLimited: {maxStale: 2d}\n", "spec.rules[0].staleIfLimited.maxStale"),
             ("    staleIfLimited: {maxStale: 1m, maxEntryBytes: 0}\n", "spec.rules[0].staleIfLimited.maxEntryBytes"),
+            (
+                "    staleIfLimited: {maxStale: 1m, revalidateEvery: 2h}\n",
+                "spec.rules[0].staleIfLimited.revalidateEvery: must be from 1s to 1h",
+            ),
+            (
+                "    staleIfLimited: {maxStale: 1m, revalidateEvery: soon}\n",
+                "spec.rules[0].staleIfLimited.revalidateEvery",
+            ),
             (
                 "    match: {methods: [POST]}\n    staleIfLimited: {maxStale: 1m}\n",
                 "match.methods has neither GET nor HEAD",

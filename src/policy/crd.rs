@@ -610,6 +610,15 @@ pub struct StaleIfLimitedSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 8388608))]
     pub max_entry_bytes: Option<u64>,
+    /// Stale-while-revalidate at the limiter: while limited reads of a URL are answered with
+    /// its kept response, at most one read of it per `revalidateEvery` (a duration from 1s to
+    /// 1h) goes on to the application in the background, and its response replaces the kept
+    /// one. The application then sees the limit plus one read per URL per interval. Absent:
+    /// the kept response only ages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = duration_rule("revalidateEvery"))]
+    #[schemars(length(min = 1, max = MAX_DURATION_LEN))]
+    pub revalidate_every: Option<String>,
 }
 
 /// Exact or leased decisions, and the bound of a leased rule.

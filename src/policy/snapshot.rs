@@ -117,6 +117,8 @@ pub struct Stale {
     pub max_stale: Micros,
     /// The largest response body kept.
     pub max_entry_bytes: usize,
+    /// At most one read per URL per this (µs) refreshes the kept response while limited.
+    pub revalidate_every: Option<Micros>,
 }
 
 #[derive(Debug, Default)]
@@ -473,6 +475,11 @@ impl Snapshot {
         matched.iter().filter_map(|m| m.rule.stale).reduce(|a, b| Stale {
             max_stale: a.max_stale.max(b.max_stale),
             max_entry_bytes: a.max_entry_bytes.max(b.max_entry_bytes),
+            // The least often: each rule's interval is a bound on what reaches the application.
+            revalidate_every: match (a.revalidate_every, b.revalidate_every) {
+                (Some(x), Some(y)) => Some(x.max(y)),
+                _ => None,
+            },
         })
     }
     /// The `deferIfLimited` rule a limited write `req` is queued under: the first rule it

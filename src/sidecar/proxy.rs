@@ -571,6 +571,11 @@ impl Proxy {
                     let result = if kept.is_some() { "served" } else { "miss" };
                     self.metrics.stale.get_or_create(&super::metrics::ResultLabels { result }).inc();
                     if let Some((kept, age)) = kept {
+                        if let Some(every) = rule.revalidate_every
+                            && self.stale.claim_revalidation(&key, Duration::from_micros(every))
+                        {
+                            self.revalidate(&request, key, upstream, peer, host.as_deref(), rule.max_entry_bytes);
+                        }
                         return stale_answer(kept, age, request.method() == Method::HEAD, headers);
                     }
                 }
@@ -667,6 +672,41 @@ impl Proxy {
         add_headers(response.headers_mut(), rate_headers);
         let acknowledger = response.extensions_mut().remove::<Acknowledger>();
         response.map(|body| Either::Left(Releasing { inner: body, release: held, metering, acknowledger, capture }))
+    }
+
+    /// Sends a limited read on to the application in the background (`revalidateEvery`) and
+    /// keeps its response in place of the stale one, when it may be kept.
+    fn revalidate(
+        &self,
+        request: &Request<RequestBody>,
+        key: stale::CacheKey,
+        upstream: &Authority,
+        peer: SocketAddr,
+        host: Option<&str>,
+        limit: usize,
+    ) {
+        let mut read = Request::new(RequestBody::empty());
+        *read.uri_mut() = request.uri().clone();
+        *read.headers_mut() = request.headers().clone();
+        read.headers_mut().remove(header::CONTENT_LENGTH);
+        if self.prepare(&mut read, upstream, peer, host, false).is_err() {
+            return;
+        }
+        let request_headers = request.headers().clone();
+        let (client, cache, metrics) = (self.client.clone(), self.stale.clone(), self.metrics.clone());
+        tokio::spawn(async move {
+            let Ok(response) = client.request(read).await else { return };
+            let (parts, body) = response.into_parts();
+            let Some(vary) = stale::keepable_response(parts.status, &parts.headers) else { return };
+            let Ok(body) = http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await else {
+                return;
+            };
+            let mut headers = parts.headers;
+            headers::strip_hop_by_hop(&mut headers, false);
+            cache.keep(key, &request_headers, parts.status, headers, vary, body.to_bytes());
+            metrics.stale.get_or_create(&super::metrics::ResultLabels { result: "revalidated" }).inc();
+            metrics.stale_bytes.set(cache.bytes() as i64);
+        });
     }
 
     /// Answers `GET <status prefix><id>`: the state of a deferred write, for a request of its

@@ -29,6 +29,8 @@ pub struct Kept {
     pub stored: Instant,
     /// The request headers the response varies on, with the values it was made for.
     vary: Vec<(HeaderName, Option<HeaderValue>)>,
+    /// When a read last went on to refresh it (`revalidateEvery`).
+    revalidated: Option<Instant>,
 }
 
 impl Kept {
@@ -106,7 +108,7 @@ impl StaleCache {
         body: Bytes,
     ) {
         let vary = vary.into_iter().map(|name| (name.clone(), request_headers.get(&name).cloned())).collect();
-        let kept = Kept { status, headers, body, stored: Instant::now(), vary };
+        let kept = Kept { status, headers, body, stored: Instant::now(), vary, revalidated: None };
         let size = kept.bytes();
         if size > self.budget {
             return;
@@ -146,6 +148,20 @@ impl StaleCache {
         Some((kept.clone(), age))
     }
 
+    /// Whether a read of `key` may go on to the application now to refresh its kept response:
+    /// yes once per `every` (counted from when it was kept or last refreshed), and the time is
+    /// taken at once, so concurrent reads send one.
+    pub fn claim_revalidation(&self, key: &CacheKey, every: Duration) -> bool {
+        let mut inner = self.inner.lock();
+        let Some((kept, _)) = inner.entries.get_mut(key) else { return false };
+        let last = kept.revalidated.map_or(kept.stored, |at| at.max(kept.stored));
+        if last.elapsed() < every {
+            return false;
+        }
+        kept.revalidated = Some(Instant::now());
+        true
+    }
+
     /// Bytes kept now.
     pub fn bytes(&self) -> usize {
         self.inner.lock().bytes
@@ -182,6 +198,17 @@ mod tests {
             keepable_response(StatusCode::OK, &headers(&[("vary", "Accept-Language, accept-encoding")])),
             Some(vec![HeaderName::from_static("accept-language"), HeaderName::from_static("accept-encoding")])
         );
+    }
+
+    #[test]
+    fn one_revalidation_per_interval_is_claimed() {
+        let cache = StaleCache::new(1 << 20);
+        let key: CacheKey = ("h".into(), "/a".into());
+        assert!(!cache.claim_revalidation(&key, Duration::ZERO), "nothing kept");
+        cache.keep(key.clone(), &HeaderMap::new(), StatusCode::OK, HeaderMap::new(), Vec::new(), Bytes::from("x"));
+        assert!(!cache.claim_revalidation(&key, Duration::from_secs(60)), "kept just now");
+        assert!(cache.claim_revalidation(&key, Duration::ZERO));
+        assert!(!cache.claim_revalidation(&key, Duration::from_secs(60)), "claimed just now");
     }
 
     #[test]
