@@ -2,17 +2,18 @@
 # Reads that degrade instead of failing (issue 43 item 1; docs/degradation.md): a catalogue
 # origin behind one `sluice sidecar` (its endpoint `sluice serve`, memory store), a rule letting
 # LIMIT reads a second through to the origin with `staleIfLimited`, and readers offering
-# RATE (10 × LIMIT) reads a second over ITEMS items (a few hot ones, a long tail). Runs twice,
-# side by side: without staleIfLimited (every limited read refused) and with it. Prints: reads
-# answered fresh, answered stale, refused, the origin's most hits in a second (must stay at the
-# limit), and the sidecar's resident memory against its cache bound.
+# RATE (10 × LIMIT) reads a second over ITEMS items (a few hot ones, a long tail). Runs three
+# times, side by side: without staleIfLimited (every limited read refused), with it, and with it and
+# `revalidateEvery: REVALIDATE` seconds (stale-while-revalidate at the limiter). Prints: reads
+# answered fresh, answered stale, refused, the origin's most hits in a second (the limit, plus
+# the revalidations in the third run), and the sidecar's resident memory against its cache bound.
 #
 #   scripts/bench/degrade.sh
 #   RATE=400 LIMIT=40 DURATION=20 scripts/bench/degrade.sh
 #
-# Env: LIMIT (20), RATE (10 × LIMIT), DURATION (15 s), ITEMS (500), BODY (2048 bytes), CACHE
-# (the sidecar's --stale-cache-bytes, 262144: smaller than the catalogue, so the bound binds),
-# SLUICE_BIN. A read that fails (no answer, a status other than 200 or 429) fails the script.
+# Env: LIMIT (20), RATE (10 × LIMIT), DURATION (15 s), ITEMS (500), BODY (2048 bytes), REVALIDATE
+# (10 s), CACHE (the sidecar's --stale-cache-bytes, 262144: smaller than the catalogue, so the
+# bound binds), SLUICE_BIN. A read that fails (no answer, a status other than 200 or 429) fails the script.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -27,6 +28,7 @@ DURATION="${DURATION:-15}"
 ITEMS="${ITEMS:-500}"
 BODY="${BODY:-2048}"
 CACHE="${CACHE:-262144}"
+REVALIDATE="${REVALIDATE:-10}"
 
 install_missing python3:python3 curl:curl
 SLUICE="${SLUICE_BIN:-}"
@@ -51,9 +53,10 @@ pids+=($!)
 wait_for_port "$origin" "the origin"
 
 printf '%-16s %8s %8s %8s %8s %14s %14s %13s %10s\n' run offered fresh stale refused 'origin max/s' 'stale share' 'sidecar RSS' 'kept bytes'
-run() { # NAME STALE(0|1)
+run() { # NAME STALE(0|1|2: with revalidateEvery)
     local name="$1" stale="" endpoint proxy admin sidecar out
     [ "$2" = 1 ] && stale="    staleIfLimited: {maxStale: 5m}"
+    [ "$2" = 2 ] && stale="    staleIfLimited: {maxStale: 5m, revalidateEvery: ${REVALIDATE}s}"
     cat >"$work/policy.yaml" <<YAML
 apiVersion: sluice.dev/v1alpha1
 kind: RateLimitPolicy
@@ -104,4 +107,5 @@ PY
 }
 run refuse 0
 run staleIfLimited 1
+run revalidate 2
 log "limit $LIMIT/s, $RATE reads/s offered over $ITEMS items, ${DURATION}s per run, cache bound $CACHE bytes of ${BODY}-byte bodies; load $(cut -d' ' -f1-3 /proc/loadavg)"
