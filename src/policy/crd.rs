@@ -421,7 +421,6 @@ fn default_critical_queue() -> u32 {
 #[x_kube(validation = CelRule::new("!has(self.deferIfLimited) || self.algorithm != 'concurrency'").message("deferIfLimited: a concurrency slot ends with a response, and a replay has no client to answer").field_path(".deferIfLimited"))]
 #[x_kube(validation = CelRule::new("!has(self.deferIfLimited) || !has(self.responseCost)").message("deferIfLimited: a cost known after the response cannot be checked before a replay").field_path(".deferIfLimited"))]
 #[x_kube(validation = CelRule::new("!has(self.deferIfLimited) || !has(self.mode) || self.mode != 'shadow'").message("deferIfLimited: a shadow rule never refuses, so nothing would be deferred").field_path(".deferIfLimited"))]
-#[x_kube(validation = CelRule::new("!has(self.deferIfLimited) || !has(self.match) || !has(self.match.methods) || size(self.match.methods) == 0 || self.match.methods.exists(m, m.upperAscii() in ['POST', 'PUT', 'PATCH', 'DELETE'])").message("deferIfLimited queues writes: match.methods has none of POST, PUT, PATCH or DELETE").field_path(".deferIfLimited"))]
 #[serde(rename_all = "camelCase")]
 pub struct PolicyRule {
     /// Name of the rule, unique within the policy: lowercase letters, digits and '-', at most
