@@ -247,8 +247,8 @@ fn egress_passes_cel_and_its_mistakes_are_caught() {
     }
 }
 
-/// `deferIfLimited`: a writing rule passes; a concurrency, response-cost, shadow or read-only rule
-/// is caught by the rule meant for it, as the webhook's compile catches it.
+/// `deferIfLimited`: a writing rule passes; a concurrency, response-cost or shadow rule is caught
+/// by the rule meant for it, as the webhook's compile catches it.
 #[test]
 fn deferring_rules_pass_cel_and_their_mistakes_are_caught() {
     let rule = |algorithm: &str, extra: &str| {
@@ -260,9 +260,9 @@ fn deferring_rules_pass_cel_and_their_mistakes_are_caught() {
     assert_eq!(cel_errors(&rule("fixedWindow", "")), "");
     assert!(cel_errors(&rule("concurrency", "")).contains("a concurrency slot ends with a response"));
     assert!(cel_errors(&rule("gcra", "    mode: shadow\n")).contains("a shadow rule never refuses"));
-    assert!(
-        cel_errors(&rule("gcra", "    match: {methods: [GET, HEAD]}\n")).contains("none of POST, PUT, PATCH or DELETE")
-    );
+    // Methods are checked by the webhook alone: a case-insensitive test of each would cost CEL
+    // more than the API server allows for strings of unbounded length.
+    assert_eq!(cel_errors(&rule("gcra", "    match: {methods: [GET, HEAD]}\n")), "");
     let response_cost = "    responseCost: {fields: [usage.total_tokens], estimate: {constant: 10}}\n";
     assert!(
         cel_errors(&rule("tokenBucket", response_cost)).contains("a cost known after the response"),
