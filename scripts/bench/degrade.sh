@@ -52,7 +52,7 @@ python3 "$DRIVER" origin "$origin" "$BODY" &
 pids+=($!)
 wait_for_port "$origin" "the origin"
 
-printf '%-16s %8s %8s %8s %8s %14s %14s %13s %10s\n' run offered fresh stale refused 'origin max/s' 'stale share' 'sidecar RSS' 'kept bytes'
+printf '%-16s %8s %8s %8s %8s %13s %13s %12s %13s %10s\n' run offered fresh stale refused 'origin total' 'origin max/s' 'stale share' 'sidecar RSS' 'kept bytes'
 run() { # NAME STALE(0|1|2: with revalidateEvery)
     local name="$1" stale="" endpoint proxy admin sidecar out
     [ "$2" = 1 ] && stale="    staleIfLimited: {maxStale: 5m}"
@@ -100,7 +100,7 @@ if c["failed"]:
 offered = c["fresh"] + c["stale"] + c["refused"]
 limited = c["stale"] + c["refused"]
 share = f"{100 * c['stale'] / limited:.1f}%" if limited else "-"
-print(f"{name:<16} {offered:8d} {c['fresh']:8d} {c['stale']:8d} {c['refused']:8d} {c['origin_max_per_s']:14d} {share:>14} {rss_kib / 1024:9.1f} MiB {kept:>10d}")
+print(f"{name:<16} {offered:8d} {c['fresh']:8d} {c['stale']:8d} {c['refused']:8d} {c['origin_total']:13d} {c['origin_max_per_s']:13d} {share:>12} {rss_kib / 1024:9.1f} MiB {kept:>10d}")
 PY
     kill "$sidecar" "$serve_pid" 2>/dev/null
     wait "$sidecar" "$serve_pid" 2>/dev/null || true
