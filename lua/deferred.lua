@@ -8,29 +8,34 @@
 --          entry id is `KEYS[1]:i:<len(key)>:<key><value>` (same hash tag: same slot).
 -- KEYS[2]  the queue's per-key counts: a hash, fields `n:<key>` (entries) and `b:<key>` (bytes).
 -- KEYS[3]  the namespace's totals over all its queues: a hash, fields `n` and `b`.
--- KEYS[4]  the rule's dead letters: a stream, trimmed to about 10000 entries.
+-- KEYS[4]  the rule's dead letters: a stream, trimmed to about 1000 entries.
 -- ARGV[1]  the operation: put, claim, done or status. ARGV[2]  now in µs, or "" (Redis's clock).
 --
 -- put     ARGV[3] key, [4] idempotency value or "", [5] most entries per key, [6] most bytes
 --         per key, [7] most entries in the namespace, [8] most bytes in the namespace, [9] the
 --         request: method, [10] path, [11] host, [12] the checked headers, [13] the replayed
---         headers (both opaque text), [14] client IP, [15] body.
---         Returns {1, id, entries of the key} accepted; {2, id, entries} the idempotency value
---         was seen (nothing written); {0, 'key' or 'namespace', entries of the key} full.
+--         headers (both opaque text), [14] client IP, [15] body, [16] the entry's status token
+--         (random: only who holds it reads the status).
+--         Returns {1, id, entries of the key, token} accepted; {2, id, entries, token} the
+--         idempotency value was seen (nothing written: the first entry's id and token);
+--         {0, 'key' or 'namespace', entries of the key} full.
 -- claim   ARGV[3] consumer, [4] retry interval (ms), [5] most entries, [6] most attempts,
 --         [7] how long an ended entry's status is kept (ms), ARGV[8..] ids the consumer still
 --         holds (their idle time restarts). First entries idle for a retry interval and due
---         (another consumer's that died, or a failed delivery whose backoff is over), then new
+--         (another consumer's that died, or a failed delivery whose backoff is over; the
+--         pending list is walked past entries still in backoff, at most 1000 a call), then new
 --         ones; each counts an attempt, and one past the most attempts is dead-lettered
 --         instead. Returns { { {id, attempts, field, value, …}, … }, {ids still held} }: a held
 --         id missing from the second list was taken by another consumer (it had been idle a
 --         retry interval) and is no longer this one's to deliver.
 -- done    ARGV[3] id, [4] 'delivered' or 'failed', [5] the application's status (0 for none),
---         [6] most attempts, [7] retry interval (ms), [8] status kept (ms).
---         Returns 0 (no such queued entry), 1 delivered, 2 dead-lettered, 3 to be retried.
--- status  ARGV[3] id. Returns the status hash as {field, value, …} ({} when unknown or gone).
+--         [6] most attempts, [7] retry interval (ms), [8] status kept (ms), [9] the consumer.
+--         Returns 0 (no such queued entry, or another consumer holds it now), 1 delivered,
+--         2 dead-lettered, 3 to be retried.
+-- status  ARGV[3] id, [4] its token. Returns the status hash as {field, value, …} ({} when
+--         unknown, gone, or the token is not the entry's).
 -- stats   Returns {entries queued, entries a consumer holds, the oldest entry's id or '',
---         dead letters}.
+--         dead letters}; consumers idle an hour with nothing pending are deleted.
 --
 -- Accounting: an entry's bytes are its fields' lengths; per key and per namespace counts rise
 -- at put and fall when the entry is delivered or dead-lettered, in the same call as the stream.
@@ -62,7 +67,7 @@ local function finish(KEYS, id, state, code, now_ms, keep_ms)
   if state == 'dead' then
     local entry = redis.call('XRANGE', KEYS[1], id, id)
     if entry[1] then
-      redis.call('XADD', KEYS[4], 'MAXLEN', '~', '10000', '*', 'id', id, unpack(entry[1][2]))
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'id', id, unpack(entry[1][2]))
     end
   end
   redis.call('XACK', KEYS[1], GROUP, id)
@@ -82,7 +87,8 @@ local function put(KEYS, ARGV, now_ms)
     idem_key = KEYS[1] .. ':i:' .. #key .. ':' .. key .. idem
     local seen = redis.call('GET', idem_key)
     if seen then
-      return { 2, seen, tonumber(redis.call('HGET', KEYS[2], 'n:' .. key)) or 0 }
+      local token = redis.call('HGET', status_key(KEYS[1], seen), 'tok') or ''
+      return { 2, seen, tonumber(redis.call('HGET', KEYS[2], 'n:' .. key)) or 0, token }
     end
   end
   local size = 0
@@ -106,11 +112,11 @@ local function put(KEYS, ARGV, now_ms)
   redis.call('HINCRBY', KEYS[3], 'b', size)
   -- Kept while queued; finish() gives it (and the idempotency value) its lifetime.
   redis.call('HSET', status_key(KEYS[1], id), 'state', 'queued', 'k', key, 'm', ARGV[9], 'p', ARGV[10],
-    'accepted', fmt(now_ms), 'a', '0', 'sz', fmt(size), 'i', idem_key)
+    'accepted', fmt(now_ms), 'a', '0', 'sz', fmt(size), 'i', idem_key, 'tok', ARGV[16])
   if idem_key ~= '' then
     redis.call('SET', idem_key, id)
   end
-  return { 1, id, n + 1 }
+  return { 1, id, n + 1, ARGV[16] }
 end
 
 -- Counts an attempt at `entry` ({id, fields}) and adds it to `out`, or dead-letters it when
@@ -153,19 +159,30 @@ local function claim(KEYS, ARGV, now_ms)
   if most == 0 then
     return { out, kept }
   end
-  local reclaimed = redis.call('XAUTOCLAIM', KEYS[1], GROUP, consumer, idle, '0-0', 'COUNT', most)
-  for _, entry in ipairs(reclaimed[2]) do
-    if #out >= most then
+  -- Entries idle a retry interval, walked in pages past those still in backoff (which stay
+  -- their holder's, idle, until due): another consumer's that died, or a failed delivery
+  -- whose backoff is over.
+  local start, scanned = '-', 0
+  while #out < most and scanned < 1000 do
+    local page = redis.call('XPENDING', KEYS[1], GROUP, 'IDLE', idle, start, '+', 100)
+    for _, p in ipairs(page) do
+      if #out >= most then
+        break
+      end
+      local not_before = tonumber(redis.call('HGET', status_key(KEYS[1], p[1]), 'nb')) or 0
+      if not_before <= now_ms then
+        local taken = redis.call('XCLAIM', KEYS[1], GROUP, consumer, idle, p[1])
+        -- A deleted entry comes back without fields (or not at all): nothing to deliver.
+        if taken[1] and taken[1][2] then
+          take(KEYS, taken[1], out, max_attempts, now_ms, keep_ms)
+        end
+      end
+    end
+    scanned = scanned + #page
+    if #page < 100 then
       break
     end
-    -- A deleted entry comes back as nil fields (Redis 6.2) or not at all (7.0).
-    if entry and entry[2] then
-      local not_before = tonumber(redis.call('HGET', status_key(KEYS[1], entry[1]), 'nb')) or 0
-      if not_before <= now_ms then
-        take(KEYS, entry, out, max_attempts, now_ms, keep_ms)
-      end
-      -- Not yet due: it stays this consumer's, idle again from now, until a later claim.
-    end
+    start = '(' .. page[#page][1]
   end
   if #out < most then
     local fresh = redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', most - #out, 'STREAMS', KEYS[1], '>')
@@ -184,6 +201,11 @@ local function done(KEYS, ARGV, now_ms)
   local st = status_key(KEYS[1], id)
   local fields = redis.call('HMGET', st, 'state', 'a')
   if fields[1] ~= 'queued' then
+    return 0
+  end
+  -- Only its holder ends it: one that lost it (too slow, taken by another) is not heard.
+  local pending = redis.call('XPENDING', KEYS[1], GROUP, id, id, 1)
+  if not pending[1] or pending[1][2] ~= ARGV[9] then
     return 0
   end
   if outcome == 'delivered' then
@@ -208,22 +230,37 @@ local function deferred(KEYS, ARGV)
   end
   local now_ms = math.floor(now / 1000)
   local op = ARGV[1]
-  if op == 'put' and #ARGV == 15 then
+  if op == 'put' and #ARGV == 16 then
     return put(KEYS, ARGV, now_ms)
   elseif op == 'claim' and #ARGV >= 7 then
     return claim(KEYS, ARGV, now_ms)
-  elseif op == 'done' and #ARGV == 8 then
+  elseif op == 'done' and #ARGV == 9 then
     return done(KEYS, ARGV, now_ms)
   elseif op == 'stats' and #ARGV == 2 then
     local held = 0
     local pending = redis.pcall('XPENDING', KEYS[1], GROUP)
     if type(pending) == 'table' and not pending.err then
       held = pending[1]
+      -- Every sidecar start is a new consumer: the idle ones holding nothing go.
+      for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], GROUP)) do
+        local info = {}
+        for i = 1, #c, 2 do
+          info[c[i]] = c[i + 1]
+        end
+        if info['pending'] == 0 and (info['idle'] or 0) > 3600000 then
+          redis.call('XGROUP', 'DELCONSUMER', KEYS[1], GROUP, info['name'])
+        end
+      end
     end
     local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
     return { redis.call('XLEN', KEYS[1]), held, oldest[1] and oldest[1][1] or '', redis.call('XLEN', KEYS[4]) }
-  elseif op == 'status' and #ARGV == 3 then
-    return redis.call('HGETALL', status_key(KEYS[1], ARGV[3]))
+  elseif op == 'status' and #ARGV == 4 then
+    local st = status_key(KEYS[1], ARGV[3])
+    local token = redis.call('HGET', st, 'tok')
+    if not token or token ~= ARGV[4] then
+      return {}
+    end
+    return redis.call('HGETALL', st)
   end
   return redis.error_reply('ERR sluice deferred: unknown operation or argument count')
 end

@@ -166,8 +166,13 @@ async fn limited_writes_are_accepted_and_replayed_once_each_within_the_limit() {
             201 => {}
             202 => {
                 let id = answer.json["id"].as_str().unwrap().to_string();
-                assert_eq!(answer.location.as_deref(), Some(format!("/.well-known/sluice/deferred/{id}").as_str()));
-                queued.push((i, id));
+                let url = answer.json["status"].as_str().unwrap().to_string();
+                assert_eq!(answer.location.as_deref(), Some(url.as_str()));
+                // The status URL names the entry and a token only the writer got.
+                let token = url.strip_prefix(&format!("/.well-known/sluice/deferred/{id}.")).expect(&url);
+                assert_eq!(token.len(), 32, "{url}");
+                assert_eq!(answer.retry_after, None, "a 202 asks for no retry");
+                queued.push((i, id, url));
             }
             other => panic!("write {i}: {other} {:?}", answer.json),
         }
@@ -175,7 +180,7 @@ async fn limited_writes_are_accepted_and_replayed_once_each_within_the_limit() {
     assert!(queued.len() >= 10, "only {} of 30 writes were queued", queued.len());
 
     // A re-submission of a queued write: the same entry, queued once.
-    let (i, first_id) = &queued[0];
+    let (i, first_id, first_url) = &queued[0];
     let again = post(
         &client,
         sidecars[1].url("/orders?from=test"),
@@ -185,8 +190,8 @@ async fn limited_writes_are_accepted_and_replayed_once_each_within_the_limit() {
     )
     .await;
     assert_eq!(
-        (again.status, again.json["id"].as_str(), again.json["duplicate"].as_bool()),
-        (202, Some(first_id.as_str()), Some(true))
+        (again.status, again.json["id"].as_str(), again.json["status"].as_str(), again.json["duplicate"].as_bool()),
+        (202, Some(first_id.as_str()), Some(first_url.as_str()), Some(true))
     );
 
     // Every write reaches the application exactly once.
@@ -197,7 +202,7 @@ async fn limited_writes_are_accepted_and_replayed_once_each_within_the_limit() {
     bodies.sort_unstable();
     bodies.dedup();
     assert_eq!((seen.len(), bodies.len()), (30, 30), "a write lost or delivered twice: {seen:?}");
-    for (i, id) in &queued {
+    for (i, id, _) in &queued {
         let replay = seen.iter().find(|a| a.body == format!("{{\"order\": {i}}}")).unwrap();
         assert_eq!(replay.deferred_id.as_deref(), Some(id.as_str()));
         assert_eq!(replay.attempt, Some(1));
@@ -215,22 +220,24 @@ async fn limited_writes_are_accepted_and_replayed_once_each_within_the_limit() {
 
     // The status URL: for the same key, the state and the application's status; for another
     // key, nothing at all.
-    let status = |key: &'static str, id: String, sidecar: usize| {
-        let request =
-            client.get(sidecars[sidecar].url(&format!("/.well-known/sluice/deferred/{id}"))).header("x-api-key", key);
+    let status = |key: &'static str, url: String, sidecar: usize| {
+        let request = client.get(sidecars[sidecar].url(&url)).header("x-api-key", key);
         async move {
             let response = request.send().await.unwrap();
             (response.status().as_u16(), response.json::<serde_json::Value>().await.unwrap_or_default())
         }
     };
-    let (code, state) = status("tenant-a", first_id.clone(), 0).await;
+    let (code, state) = status("tenant-a", first_url.clone(), 0).await;
     assert_eq!(
         (code, state["state"].as_str(), state["status"].as_u64()),
         (200, Some("delivered"), Some(201)),
         "{state}"
     );
-    assert_eq!(status("tenant-b", first_id.clone(), 1).await.0, 404, "another key read the status");
-    assert_eq!(status("tenant-a", "0000000000000001-1-1".into(), 0).await.0, 404);
+    assert_eq!(status("tenant-b", first_url.clone(), 1).await.0, 404, "another key read the status");
+    let guessed = format!("/.well-known/sluice/deferred/{first_id}.{}", "0".repeat(32));
+    assert_eq!(status("tenant-a", guessed, 0).await.0, 404, "the id without its token read the status");
+    let bare = format!("/.well-known/sluice/deferred/{first_id}");
+    assert_eq!(status("tenant-a", bare, 0).await.0, 404);
 
     // A full queue: 40 per key; the refusal carries the drain time.
     let mut full = None;
@@ -273,15 +280,18 @@ async fn a_delivery_that_keeps_failing_is_retried_with_backoff_then_dead_lettere
     let sidecar = SluiceProcess::sidecar(&app.to_string(), &endpoint.url(""), "shop", &[]);
     let client = reqwest::Client::new();
     // Spend the key's burst, then a write to /fail is queued.
-    let mut id = None;
+    let mut queued = None;
     for i in 0..5 {
         let answer = post(&client, sidecar.url("/fail"), "tenant-f", format!("{i}"), None).await;
         if answer.status == 202 {
-            id = answer.json["id"].as_str().map(str::to_string);
+            queued = Some((
+                answer.json["id"].as_str().unwrap().to_string(),
+                answer.json["status"].as_str().unwrap().to_string(),
+            ));
             break;
         }
     }
-    let id = id.expect("no write was queued");
+    let (id, url) = queued.expect("no write was queued");
     let attempts = || {
         arrivals.lock().unwrap().iter().filter(|a| a.deferred_id.as_deref() == Some(&id)).cloned().collect::<Vec<_>>()
     };
@@ -291,12 +301,7 @@ async fn a_delivery_that_keeps_failing_is_retried_with_backoff_then_dead_lettere
     assert_eq!(tried.iter().map(|a| a.attempt).collect::<Vec<_>>(), [Some(1), Some(2)], "maxAttempts 2");
     let gap = tried[1].at - tried[0].at;
     assert!(gap >= Duration::from_millis(900), "retried after {gap:?}, before its 1 s backoff");
-    let response = client
-        .get(sidecar.url(&format!("/.well-known/sluice/deferred/{id}")))
-        .header("x-api-key", "tenant-f")
-        .send()
-        .await
-        .unwrap();
+    let response = client.get(sidecar.url(&url)).header("x-api-key", "tenant-f").send().await.unwrap();
     let state: serde_json::Value = response.json().await.unwrap();
     assert_eq!(
         (state["state"].as_str(), state["status"].as_u64(), state["attempts"].as_u64()),
@@ -368,10 +373,11 @@ async fn the_queue_api_names_what_is_wrong() {
         let text = response.text().await.unwrap();
         assert!(got == status && text.contains(named), "{body}: {got} {text}");
     }
-    let status = serde_json::json!({"check": check, "id": "not-an-id"});
+    let status = serde_json::json!({"check": check, "id": "0000000000000001-1-1.00ff"});
     let response = client.post(endpoint.url("/v1/deferred/status")).json(&status).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 404);
-    let done = serde_json::json!({"namespace": "shop", "id": "0000000000000001-1-1", "delivered": true});
+    let done =
+        serde_json::json!({"namespace": "shop", "consumer": "c", "id": "0000000000000001-1-1", "delivered": true});
     let response = client.post(endpoint.url("/v1/deferred/done")).json(&done).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 404, "an entry of no deferring rule");
 }

@@ -40,7 +40,10 @@ pub struct DeferBody {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeferAnswer {
+    /// The entry (what the replay's `Sluice-Deferred-Id` says).
     pub id: String,
+    /// What its status URL names: the id and a random token.
+    pub status_id: String,
     /// Entries queued for the key, this one included.
     pub depth: u64,
     /// The idempotency value was seen: `id` is the first write's.
@@ -91,6 +94,8 @@ pub struct ClaimAnswer {
 pub struct DoneBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Who delivered (as it claimed): only the entry's holder is heard.
+    pub consumer: String,
     pub id: String,
     /// The application answered, with anything but a 5xx or 429.
     pub delivered: bool,
@@ -112,6 +117,7 @@ pub struct DoneAnswer {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StatusBody {
     pub check: serde_json::Value,
+    /// The status URL's id: the entry's and its token.
     pub id: String,
 }
 

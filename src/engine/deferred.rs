@@ -7,7 +7,8 @@ use crate::policy::{CompiledRule, Matched, RequestView};
 use crate::rule::RuleId;
 use crate::store::queue::QueueStatus;
 use crate::store::queue::{
-    Claim, Claimed, Deferral, DeferredRequest, EntryStatus, Finish, Finished, Queued, entry_id, parse_entry_id,
+    Claim, Claimed, Deferral, DeferredRequest, EntryStatus, Finish, Finished, Queued, entry_id, new_token,
+    parse_entry_id, parse_status_id, status_id,
 };
 use crate::store::{Store, StoreError};
 use crate::telemetry::QueueLabels;
@@ -33,9 +34,9 @@ pub enum DeferError {
 /// What became of a write offered to a queue, as the check API answers it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeferOutcome {
-    /// Queued (or, `duplicate`, queued before under the same idempotency value) as `id`; the
-    /// key has `depth` entries.
-    Accepted { id: String, depth: u64, duplicate: bool },
+    /// Queued (or, `duplicate`, queued before under the same idempotency value) as `id`; its
+    /// status is read as `status_id` (the id and a random token); the key has `depth` entries.
+    Accepted { id: String, status_id: String, depth: u64, duplicate: bool },
     /// The queue is full: try again after `retry_after_ms`, the time the key's queue needs to
     /// drain at the rule's rate.
     Full { scope: &'static str, retry_after_ms: u64 },
@@ -66,6 +67,7 @@ impl<S: Store> Engine<S> {
         }
         request.replayed.retain(|(name, _)| defer.headers.iter().any(|kept| kept.eq_ignore_ascii_case(name)));
         let idempotency = idempotency.filter(|_| defer.idempotency_header.is_some()).filter(|v| !v.is_empty());
+        let token = new_token();
         let deferral = Deferral {
             rule: rule.id(),
             key: key.as_bytes(),
@@ -73,15 +75,16 @@ impl<S: Store> Engine<S> {
             max_queued: defer.max_queued,
             max_queued_bytes: defer.max_queued_bytes,
             request: &request,
+            token: &token,
         };
         let queued = self.store.defer_for(view.namespace, None, &deferral).await?;
+        let accepted = |id: &str, token: &str, depth, duplicate| {
+            let id = entry_id(rule.id(), id);
+            DeferOutcome::Accepted { status_id: status_id(&id, token), id, depth, duplicate }
+        };
         let outcome = match queued {
-            Queued::Accepted { id, depth } => {
-                DeferOutcome::Accepted { id: entry_id(rule.id(), &id), depth, duplicate: false }
-            }
-            Queued::Duplicate { id, depth } => {
-                DeferOutcome::Accepted { id: entry_id(rule.id(), &id), depth, duplicate: true }
-            }
+            Queued::Accepted { id, depth, token } => accepted(&id, &token, depth, false),
+            Queued::Duplicate { id, depth, token } => accepted(&id, &token, depth, true),
             Queued::Full { scope, depth } => {
                 let limit = rule.limit();
                 let drain = limit.per().saturating_mul(depth.max(1)) / limit.requests().max(1);
@@ -139,10 +142,12 @@ impl<S: Store> Engine<S> {
         Ok(Claimed { entries: out, kept })
     }
 
-    /// Records how the delivery of entry `id` of `namespace` ended.
+    /// Records how the delivery of entry `id` of `namespace` by `consumer` ended (unheard when
+    /// another consumer holds it now).
     pub async fn finish_deferred(
         &self,
         namespace: &str,
+        consumer: &str,
         id: &str,
         delivered: bool,
         status: u16,
@@ -158,6 +163,7 @@ impl<S: Store> Engine<S> {
             max_attempts: defer.max_attempts,
             retry_interval: defer.retry_interval,
             keep_status: defer.keep_status,
+            consumer,
         };
         let finished = self.store.finish_for(namespace, None, &finish).await?;
         self.metrics.deferred(match finished {
@@ -169,14 +175,17 @@ impl<S: Store> Engine<S> {
         Ok(finished)
     }
 
-    /// The state of entry `id`, for `view`, a request of the same key (the rule's key of `view`
-    /// with the original's method and path equals the entry's): anyone else learns nothing, not
-    /// even that it exists.
-    pub async fn deferred_status(&self, view: &RequestView<'_>, id: &str) -> Result<EntryStatus, DeferError> {
+    /// The state of the entry `status_id` names (its id and token), for `view`, a request of
+    /// the same key (the rule's key of `view` with the original's method and path equals the
+    /// entry's): anyone else learns nothing, not even that it exists.
+    pub async fn deferred_status(&self, view: &RequestView<'_>, status_id: &str) -> Result<EntryStatus, DeferError> {
         let live = self.live.load();
+        let unknown = || DeferError::Unknown(status_id.to_string());
+        let (_, _, token) = parse_status_id(status_id).ok_or_else(unknown)?;
+        let id = status_id.split_once('.').map_or(status_id, |(id, _)| id);
         let (rule, stream_id) = self.deferring_rule(&live.snapshot, view.namespace, id)?;
-        let unknown = || DeferError::Unknown(id.to_string());
-        let status = self.store.entry_status_for(view.namespace, rule.id(), stream_id).await?.ok_or_else(unknown)?;
+        let status =
+            self.store.entry_status_for(view.namespace, rule.id(), stream_id, token).await?.ok_or_else(unknown)?;
         let original = RequestView { method: &status.method, path: &status.path, ..*view };
         if rule.key_for(&original).is_none_or(|key| key.as_bytes() != status.key.as_slice()) {
             return Err(unknown());

@@ -454,6 +454,8 @@ fn compile_defer(
     for (i, name) in spec.headers.iter().enumerate() {
         if !crate::request::names::is_token(name) || name.len() > super::crd::MAX_HEADER_NAME_LEN {
             errs.push(format!("{at}.headers[{i}]"), format!("invalid header name {name:?}"));
+        } else if name.to_ascii_lowercase().starts_with("sluice-") {
+            errs.push(format!("{at}.headers[{i}]"), format!("{name}: the sidecar's own headers are never kept"));
         } else if crate::request::names::HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
             || name.eq_ignore_ascii_case("host")
             || name.eq_ignore_ascii_case("content-length")
@@ -720,6 +722,7 @@ mod tests {
                 "spec.rules[0].deferIfLimited.headers[0]: invalid header name",
             ),
             ("    deferIfLimited: {headers: [Transfer-Encoding]}\n", "describes a connection"),
+            ("    deferIfLimited: {headers: [Sluice-Deferred-Id]}\n", "the sidecar's own headers are never kept"),
             ("    deferIfLimited: {idempotencyHeader: \"a b\"}\n", "spec.rules[0].deferIfLimited.idempotencyHeader"),
             ("    match: {methods: [GET]}\n    deferIfLimited: {}\n", "queues writes: match.methods has none of POST"),
             ("    mode: shadow\n    deferIfLimited: {}\n", "a shadow rule never refuses"),

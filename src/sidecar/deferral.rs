@@ -33,8 +33,22 @@ pub const DEFERRED_ID_HEADER: HeaderName = HeaderName::from_static("sluice-defer
 /// Set on every replay: which delivery this is, from 1 (at least once: more than 1 may repeat a
 /// write the application already took).
 pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("sluice-deferred-attempt");
-/// The most entries the loop holds at once.
-const MOST_HELD: usize = 8;
+/// The most entries the loop holds at once (waiting for their keys' limits).
+const MOST_HELD: usize = 32;
+/// The most it takes in one claim.
+const MOST_TAKEN: usize = 8;
+/// The longest a replay waits for the application's answer; then it is tried again later.
+const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What became of one held entry this round.
+enum Delivery {
+    /// Refused by a limit: checked again after this.
+    Limited(Duration),
+    /// Another consumer holds it now.
+    Lost,
+    /// Delivered, or failed and left to its retry.
+    Done,
+}
 /// How often the loop asks for entries when it has none.
 const POLL: Duration = Duration::from_millis(250);
 
@@ -156,50 +170,25 @@ impl Deferral {
     pub async fn replay(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut held: Vec<ClaimedEntry> = Vec::new();
         loop {
+            // Deliveries whose end the queue has not heard of go first: told late, an entry is
+            // not delivered again; not told at all, it is after its retry interval.
+            let told = self.tell_unfinished().await;
             if *stop.borrow() {
                 return;
             }
             let mut pause = POLL;
-            // Deliveries whose end the queue has not heard of go first: told late, an entry is
-            // not delivered again; not told at all, it is after its retry interval.
-            let unfinished = std::mem::take(&mut *self.unfinished.lock());
-            let mut still = Vec::new();
-            for done in unfinished {
-                if !self.tell(&done).await {
-                    still.push(done);
-                }
-            }
-            let waiting = !still.is_empty();
-            self.unfinished.lock().extend(still);
-            if !waiting && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels) {
-                match self.claim(&held).await {
+            if told && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels) {
+                let most = MOST_HELD.saturating_sub(held.len()).min(MOST_TAKEN);
+                match self.claim(&held, most).await {
                     Ok(answer) => {
                         // One another consumer took (this one was too slow to keep it) is its now.
                         held.retain(|entry| answer.kept.contains(&entry.id));
                         held.extend(answer.entries);
+                        pause = self.deliver_round(&mut held).await.map_or(Duration::ZERO, |wait| wait.min(POLL));
                     }
+                    // What it holds cannot be kept now: nothing is delivered until it can.
                     Err(error) => tracing::debug!(%error, "no deferred writes taken"),
                 }
-                let mut waiting = Vec::new();
-                // One refusal a round per request shape: the entries behind it, of the same key,
-                // would be refused too, and asking costs the endpoint a check each.
-                let mut refused: Vec<&crate::api::deferred::DeferredRequest> = Vec::new();
-                let entries = std::mem::take(&mut held);
-                for entry in &entries {
-                    if refused.iter().any(|r| same_check(r, &entry.request)) {
-                        waiting.push(entry.clone());
-                        continue;
-                    }
-                    match self.deliver(entry).await {
-                        Some(wait) => {
-                            pause = pause.min(wait);
-                            refused.push(&entry.request);
-                            waiting.push(entry.clone());
-                        }
-                        None => pause = Duration::ZERO,
-                    }
-                }
-                held = waiting;
             }
             if !pause.is_zero() {
                 tokio::select! {
@@ -210,13 +199,55 @@ impl Deferral {
         }
     }
 
-    async fn claim(&self, held: &[ClaimedEntry]) -> Result<ClaimAnswer, String> {
+    /// Tells the queue of the deliveries it has not heard of; whether it heard of all.
+    async fn tell_unfinished(&self) -> bool {
+        let unfinished = std::mem::take(&mut *self.unfinished.lock());
+        let mut still = Vec::new();
+        for done in unfinished {
+            if !self.tell(&done).await {
+                still.push(done);
+            }
+        }
+        let told = still.is_empty();
+        self.unfinished.lock().extend(still);
+        told
+    }
+
+    /// One pass over the entries held: each is checked (one refusal a round per request shape:
+    /// the entries behind it, of the same key, would be refused too, and asking costs the
+    /// endpoint a check each) and, admitted, delivered. The delivered leave `held`. The wait
+    /// until the next pass: `None` when something was delivered (at once), else the shortest
+    /// the limits asked for.
+    async fn deliver_round(&self, held: &mut Vec<ClaimedEntry>) -> Option<Duration> {
+        let mut wait: Option<Duration> = Some(POLL);
+        let mut refused: Vec<crate::api::deferred::DeferredRequest> = Vec::new();
+        let mut waiting = Vec::new();
+        for entry in std::mem::take(held) {
+            if refused.iter().any(|r| same_check(r, &entry.request)) {
+                waiting.push(entry);
+                continue;
+            }
+            match self.deliver(&entry).await {
+                Delivery::Limited(after) => {
+                    wait = wait.map(|w| w.min(after));
+                    refused.push(entry.request.clone());
+                    waiting.push(entry);
+                }
+                Delivery::Lost => {}
+                Delivery::Done => wait = None,
+            }
+        }
+        *held = waiting;
+        wait
+    }
+
+    async fn claim(&self, held: &[ClaimedEntry], most: usize) -> Result<ClaimAnswer, String> {
         let body = ClaimBody {
             namespace: Some(self.decider.namespace.clone()),
             labels: self.decider.labels.clone(),
             consumer: self.consumer.clone(),
             holding: held.iter().map(|e| e.id.clone()).collect(),
-            most: MOST_HELD.saturating_sub(held.len()) as u64,
+            most: most as u64,
         };
         let body = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
         match self.decider.endpoint().post(&self.uris[1], Bytes::from(body)).await {
@@ -226,9 +257,18 @@ impl Deferral {
         }
     }
 
+    /// Whether `entry` is still this consumer's, keeping it so (its idle time restarts).
+    async fn keep(&self, entry: &ClaimedEntry) -> bool {
+        self.claim(std::slice::from_ref(entry), 0).await.is_ok_and(|answer| answer.kept.contains(&entry.id))
+    }
+
     /// Checks one entry like a live request and, admitted, replays it and says how it went.
-    /// `Some(wait)`: limited, to be tried again after `wait` (it stays this consumer's).
-    async fn deliver(&self, entry: &ClaimedEntry) -> Option<Duration> {
+    /// Only while the entry is this consumer's: it is confirmed before the check and kept during
+    /// the send, so two consumers never deliver it at once.
+    async fn deliver(&self, entry: &ClaimedEntry) -> Delivery {
+        if !self.keep(entry).await {
+            return Delivery::Lost;
+        }
         let request = &entry.request;
         let headers: BTreeMap<String, String> = request.checked.iter().cloned().collect();
         let path = request.path.split('?').next().unwrap_or("/");
@@ -250,17 +290,22 @@ impl Deferral {
                 // Asked again when the limit says, but within a quarter of the shortest retry
                 // interval (1 s), so the entry stays this consumer's.
                 let wait = Duration::from_millis(retry_after_ms.unwrap_or(1000)).clamp(Duration::from_millis(1), POLL);
-                return Some(wait);
+                return Delivery::Limited(wait);
             }
             Decision::Refuse(refusal) => {
                 tracing::warn!(id = %entry.id, detail = %refusal.detail, "a deferred write cannot be checked as kept");
                 self.finish(entry, false, refusal.status.as_u16()).await;
             }
-            Decision::Allow { delay, .. } => {
+            Decision::Allow { delay, lease, .. } => {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                let (delivered, status) = match self.send(entry).await {
+                let sent = self.send_kept(entry).await;
+                if let Some(lease) = lease {
+                    // What the replay held under other rules (their concurrency slots) goes back.
+                    self.decider.settle(lease, crate::engine::SettleCost::AsReserved).await;
+                }
+                let (delivered, status) = match sent {
                     Ok(status) => {
                         (!(status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS), status.as_u16())
                     }
@@ -273,7 +318,25 @@ impl Deferral {
                 self.finish(entry, delivered, status).await;
             }
         }
-        None
+        Delivery::Done
+    }
+
+    /// [`Self::send`], keeping the entry this consumer's while it lasts, for at most
+    /// [`SEND_TIMEOUT`].
+    async fn send_kept(&self, entry: &ClaimedEntry) -> Result<StatusCode, String> {
+        let send = tokio::time::timeout(SEND_TIMEOUT, self.send(entry));
+        tokio::pin!(send);
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + POLL, POLL);
+        loop {
+            tokio::select! {
+                sent = &mut send => {
+                    return sent.unwrap_or_else(|_| Err(format!("no answer within {SEND_TIMEOUT:?}")));
+                }
+                _ = renew.tick() => {
+                    self.keep(entry).await;
+                }
+            }
+        }
     }
 
     async fn send(&self, entry: &ClaimedEntry) -> Result<StatusCode, String> {
@@ -303,8 +366,13 @@ impl Deferral {
     }
 
     async fn finish(&self, entry: &ClaimedEntry, delivered: bool, status: u16) {
-        let done =
-            DoneBody { namespace: Some(self.decider.namespace.clone()), id: entry.id.clone(), delivered, status };
+        let done = DoneBody {
+            namespace: Some(self.decider.namespace.clone()),
+            consumer: self.consumer.clone(),
+            id: entry.id.clone(),
+            delivered,
+            status,
+        };
         if !self.tell(&done).await {
             self.unfinished.lock().push(done);
         }
@@ -337,7 +405,7 @@ fn same_check(a: &crate::api::deferred::DeferredRequest, b: &crate::api::deferre
 
 /// The `202 Accepted` answer to a deferred write.
 pub fn accepted(answer: &DeferAnswer) -> (StatusCode, HeaderMap, Bytes) {
-    let location = format!("{STATUS_PREFIX}{}", answer.id);
+    let location = format!("{STATUS_PREFIX}{}", answer.status_id);
     let body = serde_json::json!({
         "id": answer.id,
         "status": location,

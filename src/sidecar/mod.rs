@@ -162,7 +162,11 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let _ = stop.send(true);
     let _ = proxy_server.await;
     egress_ports.abort();
-    replays.abort();
+    // A replay under way ends (and its queue hears of it) before the process does, so a
+    // rollout does not deliver it again; one that takes longer is left to its retry.
+    if tokio::time::timeout(std::time::Duration::from_secs(5), replays).await.is_err() {
+        tracing::warn!("a replay was still under way at shutdown: it will be delivered again");
+    }
     let _ = tokio::join!(poller, sweeper, pressure, lease_keeper);
     match admin_server.await {
         Ok(Err(error)) => Err(SidecarError::Admin(error)),

@@ -470,13 +470,6 @@ impl Proxy {
             Ok(host) => host.map(str::to_string),
             Err(problem) => return self.refuse(Refusal::new(StatusCode::BAD_REQUEST, problem.to_string())),
         };
-        if let Some(deferral) = &self.deferral
-            && let Some(id) = request.uri().path().strip_prefix(deferral::STATUS_PREFIX)
-            && request.method() == Method::GET
-            && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels)
-        {
-            return self.deferred_status(deferral, &request, id, host.as_deref(), client_ip).await;
-        }
         // Taken before the rate-limit check, so a request shed for overload consumes no quota;
         // given back when the application's response head arrives (or the request ends).
         let mut slot: Option<Slot> = None;
@@ -541,7 +534,8 @@ impl Proxy {
                     match deferral.offer(check, &target, &parts.headers, body, &terms).await {
                         Offered::Accepted(answer) => {
                             let (status, mut extra, body) = deferral::accepted(&answer);
-                            extra.extend(headers);
+                            // The rate-limit headers say the key is limited; no retry is asked for.
+                            extra.extend(headers.into_iter().filter(|(name, _)| name != header::RETRY_AFTER));
                             let mut response = Response::new(Either::Right(Full::new(body)));
                             *response.status_mut() = status;
                             *response.headers_mut() = extra;
@@ -592,6 +586,18 @@ impl Proxy {
                 (delay, headers)
             }
         };
+        // A deferred write's status URL, once the limits admitted the read: answered here, never
+        // forwarded (what it held is given back as the request ends).
+        if let Some(deferral) = &self.deferral
+            && let Some(id) = request.uri().path().strip_prefix(deferral::STATUS_PREFIX)
+            && request.method() == Method::GET
+            && self.decider.snapshots.delivers(&self.decider.namespace, &self.decider.labels)
+        {
+            let mut answer = self.deferred_status(deferral, &request, id, host.as_deref(), client_ip).await;
+            add_headers(answer.headers_mut(), rate_headers);
+            drop(held);
+            return answer;
+        }
         if !delay.is_zero() {
             // Shaping (leaky bucket with maxDelay): the endpoint has already admitted the request
             // for this moment, so hold it here rather than making the client retry.

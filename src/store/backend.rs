@@ -116,10 +116,11 @@ impl Store for Backend {
         namespace: &str,
         rule: crate::rule::RuleId,
         id: &str,
+        token: &str,
     ) -> Result<Option<crate::store::queue::EntryStatus>, StoreError> {
         match self {
-            Backend::Memory(store) => store.entry_status_for(namespace, rule, id).await,
-            Backend::Redis(store) => Store::entry_status_for(&**store, namespace, rule, id).await,
+            Backend::Memory(store) => store.entry_status_for(namespace, rule, id, token).await,
+            Backend::Redis(store) => Store::entry_status_for(&**store, namespace, rule, id, token).await,
         }
     }
 

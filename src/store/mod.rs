@@ -222,8 +222,9 @@ pub trait Store: Send + Sync + 'static {
         namespace: &str,
         rule: RuleId,
         id: &str,
+        token: &str,
     ) -> impl Future<Output = Result<Option<queue::EntryStatus>, StoreError>> + Send {
-        let _ = (namespace, rule, id);
+        let _ = (namespace, rule, id, token);
         std::future::ready(Err(no_queues()))
     }
 
@@ -413,8 +414,9 @@ impl<T: Store> Store for std::sync::Arc<T> {
         namespace: &str,
         rule: RuleId,
         id: &str,
+        token: &str,
     ) -> impl Future<Output = Result<Option<queue::EntryStatus>, StoreError>> + Send {
-        (**self).entry_status_for(namespace, rule, id)
+        (**self).entry_status_for(namespace, rule, id, token)
     }
 
     fn queue_stats_for(

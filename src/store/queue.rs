@@ -37,6 +37,8 @@ pub struct Deferral<'a> {
     pub max_queued: u64,
     pub max_queued_bytes: u64,
     pub request: &'a DeferredRequest,
+    /// What the status URL must carry besides the id (random, from the caller).
+    pub token: &'a str,
 }
 
 /// The most entries and bytes one namespace may have queued over all its rules: a tenant's
@@ -47,10 +49,10 @@ pub const NAMESPACE_MAX_BYTES: u64 = 256 << 20;
 /// What became of a write offered to a queue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Queued {
-    /// Accepted as entry `id`; the key now has `depth` entries queued.
-    Accepted { id: String, depth: u64 },
-    /// The idempotency value was seen: the entry it made.
-    Duplicate { id: String, depth: u64 },
+    /// Accepted as entry `id` with its status `token`; the key now has `depth` entries queued.
+    Accepted { id: String, depth: u64, token: String },
+    /// The idempotency value was seen: the entry it made, and its token.
+    Duplicate { id: String, depth: u64, token: String },
     /// The key's queue (`scope` "key") or the namespace's (`scope` "namespace") is full; the key
     /// has `depth` entries.
     Full { scope: &'static str, depth: u64 },
@@ -105,6 +107,8 @@ pub struct Finish<'a> {
     pub max_attempts: u32,
     pub retry_interval: u64,
     pub keep_status: u64,
+    /// Who delivered: only the entry's holder is heard.
+    pub consumer: &'a str,
 }
 
 /// What a finished delivery did to its entry.
@@ -172,6 +176,27 @@ pub fn entry_id(rule: RuleId, stream_id: &str) -> String {
     format!("{rule:016x}-{stream_id}")
 }
 
+/// The id a status URL names: the entry's id and its token, so holding the URL is needed
+/// besides being of the write's key.
+pub fn status_id(entry_id: &str, token: &str) -> String {
+    format!("{entry_id}.{token}")
+}
+
+/// [`status_id`] read back: the entry's rule, stream id and token.
+pub fn parse_status_id(text: &str) -> Option<(RuleId, &str, &str)> {
+    let (id, token) = text.split_once('.')?;
+    if token.is_empty() || token.len() > 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let (rule, stream) = parse_entry_id(id)?;
+    Some((rule, stream, token))
+}
+
+/// A new status token: 128 random bits in hex.
+pub fn new_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
 /// [`entry_id`] read back: `None` for anything else (a stream id is `<ms>-<seq>`).
 pub fn parse_entry_id(text: &str) -> Option<(RuleId, &str)> {
     let (rule, stream) = text.split_once('-')?;
@@ -208,5 +233,12 @@ mod tests {
         for bad in ["", "abc-1-2", "0000000000000abc-1", "0000000000000abc-1-x", "000000000000zabc-1-2"] {
             assert_eq!(parse_entry_id(bad), None, "{bad}");
         }
+        let status = status_id(&id, "00ff");
+        assert_eq!(parse_status_id(&status), Some((0xabc, "1700000000000-3", "00ff")));
+        for bad in [id.as_str(), "0000000000000abc-1-2.", "0000000000000abc-1-2.xyz", "x.00ff"] {
+            assert_eq!(parse_status_id(bad), None, "{bad}");
+        }
+        assert_eq!(new_token().len(), 32);
+        assert_ne!(new_token(), new_token());
     }
 }

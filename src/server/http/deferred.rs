@@ -89,8 +89,8 @@ async fn queue<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -
         body: body.body,
     };
     match state.engine.defer(&view, request, body.idempotency_key.as_deref()).await.map_err(refused)? {
-        DeferOutcome::Accepted { id, depth, duplicate } => {
-            Ok((StatusCode::ACCEPTED, axum::Json(DeferAnswer { id, depth, duplicate })).into_response())
+        DeferOutcome::Accepted { id, status_id, depth, duplicate } => {
+            Ok((StatusCode::ACCEPTED, axum::Json(DeferAnswer { id, status_id, depth, duplicate })).into_response())
         }
         DeferOutcome::Full { scope, retry_after_ms } => {
             let error = format!("the {scope}'s queue of deferred writes is full");
@@ -130,8 +130,11 @@ pub(super) async fn done<S: Store>(State(state): Shared<S>, headers: HeaderMap, 
 async fn finish<S: Store>(state: &ApiState<S>, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let (caller, body): (Caller, DoneBody) = caller_and_body(state, headers, body, MAX_BODY_BYTES).await?;
     let namespace = caller.namespace_of(body.namespace.as_deref()).map_err(ApiError::forbidden)?;
-    let finished =
-        state.engine.finish_deferred(namespace, &body.id, body.delivered, body.status).await.map_err(refused)?;
+    let finished = state
+        .engine
+        .finish_deferred(namespace, &body.consumer, &body.id, body.delivered, body.status)
+        .await
+        .map_err(refused)?;
     let result = match finished {
         Finished::Delivered => "delivered",
         Finished::Retrying => "retrying",

@@ -837,8 +837,9 @@ impl Store for RedisStore {
         namespace: &str,
         rule: crate::rule::RuleId,
         id: &str,
+        token: &str,
     ) -> Result<Option<super::queue::EntryStatus>, StoreError> {
-        self.entry_status_tagged(namespace, rule, id).await
+        self.entry_status_tagged(namespace, rule, id, token).await
     }
 
     async fn queue_stats_for(

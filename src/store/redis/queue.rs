@@ -84,14 +84,15 @@ impl RedisStore {
             encode_headers(&request.replayed),
             request.client_ip.as_deref().unwrap_or("").as_bytes().to_vec(),
             request.body.clone(),
+            deferral.token.as_bytes().to_vec(),
         ];
         let reply = self.deferred_call(tag, deferral.rule, &args).await?;
         let Value::Array(items) = &reply else { return Err(protocol("put", &reply)) };
         let parsed = (|| {
             let depth = int(items.get(2)?)?;
             match int(items.first()?)? {
-                1 => Some(Queued::Accepted { id: text(items.get(1)?)?, depth }),
-                2 => Some(Queued::Duplicate { id: text(items.get(1)?)?, depth }),
+                1 => Some(Queued::Accepted { id: text(items.get(1)?)?, depth, token: text(items.get(3)?)? }),
+                2 => Some(Queued::Duplicate { id: text(items.get(1)?)?, depth, token: text(items.get(3)?)? }),
                 0 => {
                     let scope = if text(items.get(1)?)? == "namespace" { "namespace" } else { "key" };
                     Some(Queued::Full { scope, depth })
@@ -146,6 +147,7 @@ impl RedisStore {
             finish.max_attempts.to_string().into_bytes(),
             ms(finish.retry_interval),
             ms(finish.keep_status),
+            finish.consumer.as_bytes().to_vec(),
         ];
         let reply = self.deferred_call(tag, finish.rule, &args).await?;
         match int(&reply) {
@@ -162,8 +164,9 @@ impl RedisStore {
         tag: &str,
         rule: RuleId,
         id: &str,
+        token: &str,
     ) -> Result<Option<EntryStatus>, StoreError> {
-        let args = vec![b"status".to_vec(), Vec::new(), id.as_bytes().to_vec()];
+        let args = vec![b"status".to_vec(), Vec::new(), id.as_bytes().to_vec(), token.as_bytes().to_vec()];
         let reply = self.deferred_call(tag, rule, &args).await?;
         let Value::Array(items) = &reply else { return Err(protocol("status", &reply)) };
         if items.is_empty() {
