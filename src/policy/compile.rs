@@ -15,8 +15,8 @@ use super::errors::ValidationErrors;
 use super::pattern::PolicyRegex as Regex;
 use super::snapshot::{
     CompiledPolicy, CompiledRule, DeclaredRefusal, DescriptorEntryMatcher, HeaderMatcher, HeaderTest, HostMatcher,
-    KeySource, NamespaceIndex, PathMatcher, RuleMatch, Selector, SelectorOp, Snapshot, header_names_of, rule_id,
-    version_of,
+    KeySource, NamespaceIndex, PathMatcher, RuleMatch, Selector, SelectorOp, Snapshot, WRITE_METHODS, header_names_of,
+    rule_id, version_of,
 };
 use super::validate::{
     RegexBudget, build_limit, check_descriptor_entry, check_descriptor_keys, check_header_match, check_host_pattern,
@@ -399,9 +399,6 @@ fn compile_rule(
         defer,
     })
 }
-
-/// The methods whose limited requests `deferIfLimited` may queue.
-pub const WRITE_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
 
 /// `deferIfLimited` checked: bounded bodies, queues and retries, header names that are tokens,
 /// and a rule whose refusals can be replayed: an HTTP rule matching writes, enforcing, neither

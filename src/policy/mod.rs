@@ -21,7 +21,7 @@ pub mod snapshot;
 pub mod validate;
 
 pub use compile::validate;
-pub use compile::{Compiled, Rejected, WRITE_METHODS, compile};
+pub use compile::{Compiled, Rejected, compile};
 pub use crd::{
     FailureMode, HeaderMatch, KeyPart, LastAccepted, LayeringMode, LimitSpec, Match, Missing, Mode, OverloadSpec,
     PathMatch, PolicyRule, PriorityEntry, RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus, RefusalSpec,
@@ -34,7 +34,9 @@ pub use load::{
     policy_files, why_empty,
 };
 pub use matching::{Descriptor, Matched, RequestView, encode_key};
-pub use snapshot::{CompiledPolicy, CompiledRule, DeclaredRefusal, Defer, Snapshot, SnapshotPart, rule_id};
+pub use snapshot::{
+    CompiledPolicy, CompiledRule, DeclaredRefusal, Defer, Snapshot, SnapshotPart, WRITE_METHODS, rule_id,
+};
 pub use validate::warnings;
 
 #[cfg(test)]

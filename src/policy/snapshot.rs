@@ -93,6 +93,9 @@ pub struct CompiledRule {
     pub(super) defer: Option<std::sync::Arc<Defer>>,
 }
 
+/// The methods whose limited requests `deferIfLimited` may queue.
+pub const WRITE_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+
 /// A rule's `deferIfLimited`, compiled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Defer {
@@ -486,7 +489,7 @@ impl Snapshot {
     /// matches that has it (policies by name, rules as written). `None` for a method that is
     /// not a write.
     pub fn defer_for(&self, req: &super::RequestView<'_>) -> Option<&CompiledRule> {
-        if !self.defers || !super::compile::WRITE_METHODS.iter().any(|m| req.method.eq_ignore_ascii_case(m)) {
+        if !self.defers || !WRITE_METHODS.iter().any(|m| req.method.eq_ignore_ascii_case(m)) {
             return None;
         }
         let mut matched = Vec::new();
