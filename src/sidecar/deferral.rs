@@ -220,17 +220,18 @@ impl Deferral {
     /// the limits asked for.
     async fn deliver_round(&self, held: &mut Vec<ClaimedEntry>) -> Option<Duration> {
         let mut wait: Option<Duration> = Some(POLL);
-        let mut refused: Vec<crate::api::deferred::DeferredRequest> = Vec::new();
-        let mut waiting = Vec::new();
+        // Where in `waiting` each refused entry is: no copy of what it carries.
+        let mut refused: Vec<usize> = Vec::new();
+        let mut waiting: Vec<ClaimedEntry> = Vec::new();
         for entry in std::mem::take(held) {
-            if refused.iter().any(|r| same_check(r, &entry.request)) {
+            if refused.iter().any(|&i| same_check(&waiting[i].request, &entry.request)) {
                 waiting.push(entry);
                 continue;
             }
             match self.deliver(&entry).await {
                 Delivery::Limited(after) => {
                     wait = wait.map(|w| w.min(after));
-                    refused.push(entry.request.clone());
+                    refused.push(waiting.len());
                     waiting.push(entry);
                 }
                 Delivery::Lost => {}
