@@ -7,6 +7,7 @@
 // The pure core: time is an argument, nothing is read from outside.
 pub mod algorithm;
 pub mod clock;
+pub mod decimal;
 pub mod duration;
 pub mod overload;
 pub mod rule;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 /// From the bottom up. Entry points are peers: they may use each other's wire items (the sidecar
 /// the endpoint's header names) but nothing under them uses any of them.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("the pure core", &["algorithm", "clock", "duration", "overload", "rule"]),
+    ("the pure core", &["algorithm", "clock", "decimal", "duration", "overload", "rule"]),
     ("state", &["store"]),
     ("policies", &["policy", "request", "response"]),
     ("the decision core", &["telemetry", "engine"]),

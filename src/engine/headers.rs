@@ -5,9 +5,9 @@
 //! Shadow rules are left out: they must not change what clients do.
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 
 use crate::algorithm::{Decision, Micros};
+use crate::decimal::{decimal_string, push_decimal};
 use crate::duration::MICROS_PER_SECOND;
 
 use super::ResponseHeaders;
@@ -38,6 +38,12 @@ fn sf_string(text: &str) -> String {
 /// Appends `text` to `out` as an sf-string.
 fn push_sf_string(out: &mut String, text: &str) {
     out.push('"');
+    // Policy and rule names (lowercase letters, digits, `-`, `/`) need no escaping: copied whole.
+    if text.bytes().all(|b| matches!(b, b' '..=b'~') && b != b'"' && b != b'\\') {
+        out.push_str(text);
+        out.push('"');
+        return;
+    }
     for c in text.chars() {
         match c {
             '"' | '\\' => {
@@ -86,20 +92,29 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
             policy.push_str(", ");
             state.push_str(", ");
         }
+        // Numbers through `decimal`, not `write!`: formatting machinery was a tenth of a
+        // three-rule check's instructions (docs/benchmarks.md).
         push_sf_string(&mut policy, r.name);
-        let _ = write!(policy, ";q={};w={}", r.requests, ceil_seconds(r.per).max(1));
+        policy.push_str(";q=");
+        push_decimal(&mut policy, r.requests);
+        policy.push_str(";w=");
+        push_decimal(&mut policy, ceil_seconds(r.per).max(1));
         push_sf_string(&mut state, r.name);
-        let _ = write!(state, ";r={};t={}", r.decision.remaining, ceil_seconds(r.decision.reset_after));
+        state.push_str(";r=");
+        push_decimal(&mut state, r.decision.remaining);
+        state.push_str(";t=");
+        push_decimal(&mut state, ceil_seconds(r.decision.reset_after));
     }
     headers.push((Cow::Borrowed("RateLimit-Policy"), policy));
     headers.push((Cow::Borrowed("RateLimit"), state));
     if let Some(top) = most_restrictive(enforcing(), allowed) {
-        headers.push((Cow::Borrowed("X-RateLimit-Limit"), top.requests.to_string()));
-        headers.push((Cow::Borrowed("X-RateLimit-Remaining"), top.decision.remaining.to_string()));
-        headers.push((Cow::Borrowed("X-RateLimit-Reset"), ceil_seconds(now + top.decision.reset_after).to_string()));
+        headers.push((Cow::Borrowed("X-RateLimit-Limit"), decimal_string(top.requests)));
+        headers.push((Cow::Borrowed("X-RateLimit-Remaining"), decimal_string(top.decision.remaining)));
+        headers
+            .push((Cow::Borrowed("X-RateLimit-Reset"), decimal_string(ceil_seconds(now + top.decision.reset_after))));
     }
     if !allowed && let Some(wait) = retry_after(rules) {
-        headers.push((Cow::Borrowed("Retry-After"), ceil_seconds(wait).max(1).to_string()));
+        headers.push((Cow::Borrowed("Retry-After"), decimal_string(ceil_seconds(wait).max(1))));
     }
     headers
 }

@@ -3,12 +3,14 @@
 //!
 //! `serde_json` escapes every string it writes, the object keys included, byte by byte through
 //! its escape table: for an answer of ~500 bytes that was a tenth of the check's instructions
-//! (callgrind, docs/benchmarks.md). Here the keys are written as the literals they are, and a
-//! string with nothing to escape (every key, name and number Sluice itself makes) is copied
-//! whole; one that needs escaping (the `RateLimit` headers' quoted names, anything a policy
-//! author wrote) goes through `serde_json` itself, so the escaping is exactly its own.
+//! (callgrind, docs/benchmarks.md). Here the keys are written as the literals they are, a string
+//! with nothing to escape (every key, name and number Sluice itself makes) is found so eight
+//! bytes at a time and copied whole, `"` and `\` (the `RateLimit` headers' quoted names) are
+//! escaped here as `serde_json` escapes them, and a string with a control character (only what
+//! a policy author or a client wrote) goes through `serde_json` itself.
 
 use super::{CheckResponse, RuleResult};
+use crate::decimal::push_decimal_bytes;
 
 impl CheckResponse {
     /// Appends the answer's JSON to `out`: exactly `serde_json::to_writer(out, self)`.
@@ -52,11 +54,11 @@ pub(crate) fn write_decision(out: &mut Vec<u8>, decision: &Decision<'_>) {
     out.extend_from_slice(b"{\"allowed\":");
     push_bool(out, decision.allowed);
     out.extend_from_slice(b",\"status\":");
-    push_u64(out, u64::from(decision.status));
+    push_decimal_bytes(out, u64::from(decision.status));
     out.extend_from_slice(b",\"retryAfterMs\":");
     push_option(out, decision.retry_after_ms);
     out.extend_from_slice(b",\"delayMs\":");
-    push_u64(out, decision.delay_ms);
+    push_decimal_bytes(out, decision.delay_ms);
     out.extend_from_slice(b",\"headers\":{");
     for (i, (name, value)) in decision.headers.iter().enumerate() {
         if i > 0 {
@@ -105,11 +107,11 @@ impl RuleResult {
         out.extend_from_slice(b",\"shadow\":");
         push_bool(out, self.shadow);
         out.extend_from_slice(b",\"limit\":");
-        push_u64(out, self.limit);
+        push_decimal_bytes(out, self.limit);
         out.extend_from_slice(b",\"remaining\":");
-        push_u64(out, self.remaining);
+        push_decimal_bytes(out, self.remaining);
         out.extend_from_slice(b",\"resetMs\":");
-        push_u64(out, self.reset_ms);
+        push_decimal_bytes(out, self.reset_ms);
         out.extend_from_slice(b",\"retryAfterMs\":");
         push_option(out, self.retry_after_ms);
         if let Some(failure) = self.store_failure {
@@ -129,37 +131,84 @@ fn push_bool(out: &mut Vec<u8>, value: bool) {
 
 fn push_option(out: &mut Vec<u8>, value: Option<u64>) {
     match value {
-        Some(n) => push_u64(out, n),
+        Some(n) => push_decimal_bytes(out, n),
         None => out.extend_from_slice(b"null"),
     }
 }
 
-fn push_u64(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        // n % 10 < 10: the cast keeps the digit.
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
+/// Whether any byte of `bytes` may need escaping (`"`, `\\` or a control character), eight
+/// bytes at a time: exact when it says no, which is what every string Sluice makes gets.
+fn may_need_escaping(bytes: &[u8]) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    // Some byte of `v` is below `n` (n <= 128): the classic word-at-a-time test, exact as a
+    // yes/no answer.
+    let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGHS != 0;
+    let flagged =
+        |v: u64| below(v, 0x20) || below(v ^ (ONES * u64::from(b'"')), 1) || below(v ^ (ONES * u64::from(b'\\')), 1);
+    let mut chunks = bytes.chunks_exact(8);
+    for chunk in &mut chunks {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        if flagged(u64::from_le_bytes(word)) {
+            return true;
         }
     }
-    out.extend_from_slice(&digits[at..]);
+    chunks.remainder().iter().any(|&b| ESCAPE[usize::from(b)] != 0)
 }
 
-/// A JSON string: copied whole when nothing in it needs escaping (what `serde_json` escapes: `"`,
-/// `\` and the control characters below 0x20), else written by `serde_json`.
-fn push_str(out: &mut Vec<u8>, text: &str) {
-    if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
-        out.push(b'"');
-        out.extend_from_slice(text.as_bytes());
-        out.push(b'"');
-    } else if serde_json::to_writer(&mut *out, text).is_err() {
-        // Writing a string into a Vec cannot fail; should it, the answer stays valid JSON.
-        out.extend_from_slice(b"\"\"");
+/// What `serde_json` does with each byte of a string: 0 copies it, 1 writes a backslash before
+/// it (`"` and `\`), 2 hands the whole string to `serde_json` (the control characters below
+/// 0x20, which it writes as `\n`, `\u001f`…).
+static ESCAPE: [u8; 256] = {
+    let mut table = [0u8; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        table[b] = 2;
+        b += 1;
     }
+    table[b'"' as usize] = 1;
+    table[b'\\' as usize] = 1;
+    table
+};
+
+/// A JSON string, byte for byte as `serde_json` writes it: copied whole when nothing in it needs
+/// escaping (every key, name and number Sluice itself makes), `"` and `\` escaped here (the
+/// `RateLimit` headers' quoted names), and a string with control characters (only what a policy
+/// author or a client wrote) written by `serde_json` itself.
+fn push_str(out: &mut Vec<u8>, text: &str) {
+    let bytes = text.as_bytes();
+    out.reserve(bytes.len() + 2);
+    out.push(b'"');
+    if !may_need_escaping(bytes) {
+        out.extend_from_slice(bytes);
+        out.push(b'"');
+        return;
+    }
+    let begin = out.len() - 1;
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        match ESCAPE[usize::from(b)] {
+            0 => {}
+            1 => {
+                out.extend_from_slice(&bytes[start..i]);
+                out.push(b'\\');
+                out.push(b);
+                start = i + 1;
+            }
+            _ => {
+                // A control character: the whole string again, by serde_json.
+                out.truncate(begin);
+                if serde_json::to_writer(&mut *out, text).is_err() {
+                    // Writing a string into a Vec cannot fail; should it, the answer stays valid JSON.
+                    out.extend_from_slice(b"\"\"");
+                }
+                return;
+            }
+        }
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
 }
 
 #[cfg(test)]

@@ -445,8 +445,8 @@ pub(super) fn build_key(
 }
 
 fn push_len(key: &mut String, len: usize) {
-    // Writing to a String cannot fail.
-    let _ = write!(key, "{len}:");
+    crate::decimal::push_decimal(key, len as u64);
+    key.push(':');
 }
 
 fn push_part(key: &mut String, value: &str) {
@@ -457,6 +457,21 @@ fn push_part(key: &mut String, value: &str) {
 /// The canonical text of an IP is at most 39 bytes; format it on the stack to learn its length
 /// before writing the prefix.
 fn push_ip(key: &mut String, ip: IpAddr) {
+    if let IpAddr::V4(v4) = ip {
+        // The common case without `fmt`: the text's length counted from the octets' digits.
+        let digits = |o: u8| {
+            if o >= 100 {
+                3
+            } else if o >= 10 {
+                2
+            } else {
+                1
+            }
+        };
+        push_len(key, 3 + v4.octets().into_iter().map(digits).sum::<usize>());
+        crate::decimal::push_ipv4(key, v4);
+        return;
+    }
     let mut buf = StackBuf { bytes: [0; 48], len: 0 };
     let _ = write!(buf, "{ip}");
     push_part(key, buf.as_str());
