@@ -12,14 +12,37 @@ use crate::duration::MICROS_PER_SECOND;
 
 use super::ResponseHeaders;
 
+/// What a rule's headers say whatever the decision, written once per snapshot: its quota's
+/// name as an sf-string, and its `RateLimit-Policy` item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleHeader {
+    /// `"policy/rule"`: the quota's name (`policy/rule`) as an sf-string.
+    label: String,
+    /// `"policy/rule";q=<requests>;w=<seconds>`.
+    policy: String,
+    requests: u64,
+}
+
+impl RuleHeader {
+    /// The header parts of the quota `name` (`policy/rule`) of `requests` per `per`.
+    pub fn new(name: &str, requests: u64, per: Micros) -> RuleHeader {
+        let mut label = String::with_capacity(name.len() + 2);
+        push_sf_string(&mut label, name);
+        let mut policy = String::with_capacity(label.len() + 32);
+        policy.push_str(&label);
+        policy.push_str(";q=");
+        push_decimal(&mut policy, requests);
+        policy.push_str(";w=");
+        push_decimal(&mut policy, ceil_seconds(per).max(1));
+        RuleHeader { label, policy, requests }
+    }
+}
+
 /// One matched rule's decision, as the headers need it.
 #[derive(Debug, Clone, Copy)]
 pub struct RuleHeaderInput<'a> {
-    /// The quota's name in `RateLimit-Policy` / `RateLimit` (`policy/rule`).
-    pub name: &'a str,
+    pub header: &'a RuleHeader,
     pub shadow: bool,
-    pub requests: u64,
-    pub per: Micros,
     pub decision: &'a Decision,
 }
 
@@ -84,7 +107,7 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
     if count == 0 {
         return headers;
     }
-    // Written straight into one string per header.
+    // Written straight into one string per header, from the parts each rule has ready.
     let mut policy = String::with_capacity(48 * count);
     let mut state = String::with_capacity(48 * count);
     for (i, r) in enforcing().enumerate() {
@@ -92,14 +115,8 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
             policy.push_str(", ");
             state.push_str(", ");
         }
-        // Numbers through `decimal`, not `write!`: formatting machinery was a tenth of a
-        // three-rule check's instructions (docs/benchmarks.md).
-        push_sf_string(&mut policy, r.name);
-        policy.push_str(";q=");
-        push_decimal(&mut policy, r.requests);
-        policy.push_str(";w=");
-        push_decimal(&mut policy, ceil_seconds(r.per).max(1));
-        push_sf_string(&mut state, r.name);
+        policy.push_str(&r.header.policy);
+        state.push_str(&r.header.label);
         state.push_str(";r=");
         push_decimal(&mut state, r.decision.remaining);
         state.push_str(";t=");
@@ -108,7 +125,7 @@ pub fn rate_limit_headers(rules: &[RuleHeaderInput<'_>], allowed: bool, now: Mic
     headers.push((Cow::Borrowed("RateLimit-Policy"), policy));
     headers.push((Cow::Borrowed("RateLimit"), state));
     if let Some(top) = most_restrictive(enforcing(), allowed) {
-        headers.push((Cow::Borrowed("X-RateLimit-Limit"), decimal_string(top.requests)));
+        headers.push((Cow::Borrowed("X-RateLimit-Limit"), decimal_string(top.header.requests)));
         headers.push((Cow::Borrowed("X-RateLimit-Remaining"), decimal_string(top.decision.remaining)));
         headers
             .push((Cow::Borrowed("X-RateLimit-Reset"), decimal_string(ceil_seconds(now + top.decision.reset_after))));
@@ -157,9 +174,13 @@ mod tests {
         let b = decision(true, 2, 60_000, None);
         let s = decision(false, 0, 1000, Some(1000));
         let rules = [
-            RuleHeaderInput { name: "orders/per-ip", shadow: false, requests: 10, per: 1_000_000, decision: &a },
-            RuleHeaderInput { name: "orders/per-tenant", shadow: false, requests: 100, per: 60_000_000, decision: &b },
-            RuleHeaderInput { name: "orders/trial", shadow: true, requests: 1, per: 1_000_000, decision: &s },
+            RuleHeaderInput { header: &RuleHeader::new("orders/per-ip", 10, 1_000_000), shadow: false, decision: &a },
+            RuleHeaderInput {
+                header: &RuleHeader::new("orders/per-tenant", 100, 60_000_000),
+                shadow: false,
+                decision: &b,
+            },
+            RuleHeaderInput { header: &RuleHeader::new("orders/trial", 1, 1_000_000), shadow: true, decision: &s },
         ];
         let h = rate_limit_headers(&rules, true, NOW);
         assert_eq!(
@@ -179,8 +200,8 @@ mod tests {
         let a = decision(false, 0, 900, Some(100));
         let b = decision(false, 0, 30_000, Some(2_500));
         let rules = [
-            RuleHeaderInput { name: "p/a", shadow: false, requests: 10, per: 1_000_000, decision: &a },
-            RuleHeaderInput { name: "p/b", shadow: false, requests: 5, per: 60_000_000, decision: &b },
+            RuleHeaderInput { header: &RuleHeader::new("p/a", 10, 1_000_000), shadow: false, decision: &a },
+            RuleHeaderInput { header: &RuleHeader::new("p/b", 5, 60_000_000), shadow: false, decision: &b },
         ];
         let h = rate_limit_headers(&rules, false, NOW);
         assert!(h.contains(&("Retry-After", "3".to_string())), "{h:?}");
@@ -191,7 +212,7 @@ mod tests {
     #[test]
     fn a_cost_that_never_fits_gets_no_retry_after() {
         let a = decision(false, 5, 0, None);
-        let rules = [RuleHeaderInput { name: "p/a", shadow: false, requests: 5, per: 1_000_000, decision: &a }];
+        let rules = [RuleHeaderInput { header: &RuleHeader::new("p/a", 5, 1_000_000), shadow: false, decision: &a }];
         let h = rate_limit_headers(&rules, false, NOW);
         assert!(!h.iter().any(|(n, _)| *n == "Retry-After"), "{h:?}");
         assert_eq!(retry_after(&rules), None);
@@ -200,7 +221,7 @@ mod tests {
     #[test]
     fn only_shadow_rules_means_no_headers() {
         let s = decision(false, 0, 1000, Some(1000));
-        let rules = [RuleHeaderInput { name: "p/s", shadow: true, requests: 1, per: 1_000_000, decision: &s }];
+        let rules = [RuleHeaderInput { header: &RuleHeader::new("p/s", 1, 1_000_000), shadow: true, decision: &s }];
         assert!(rate_limit_headers(&rules, true, NOW).is_empty());
     }
 

@@ -136,9 +136,10 @@ fn push_option(out: &mut Vec<u8>, value: Option<u64>) {
     }
 }
 
-/// Whether any byte of `bytes` may need escaping (`"`, `\\` or a control character), eight
-/// bytes at a time: exact when it says no, which is what every string Sluice makes gets.
-fn may_need_escaping(bytes: &[u8]) -> bool {
+/// The index of the first byte from `from` on that needs escaping (`"`, `\\` or a control
+/// character), or `bytes.len()`: eight bytes at a time, a byte at a time only in the eight that
+/// hold it. Every string Sluice makes but the `RateLimit` headers has none.
+fn next_to_escape(bytes: &[u8], from: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGHS: u64 = 0x8080_8080_8080_8080;
     // Some byte of `v` is below `n` (n <= 128): the classic word-at-a-time test, exact as a
@@ -146,15 +147,18 @@ fn may_need_escaping(bytes: &[u8]) -> bool {
     let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGHS != 0;
     let flagged =
         |v: u64| below(v, 0x20) || below(v ^ (ONES * u64::from(b'"')), 1) || below(v ^ (ONES * u64::from(b'\\')), 1);
-    let mut chunks = bytes.chunks_exact(8);
+    let rest = bytes.get(from..).unwrap_or_default();
+    let mut chunks = rest.chunks_exact(8);
+    let mut at = from;
     for chunk in &mut chunks {
         let mut word = [0u8; 8];
         word.copy_from_slice(chunk);
         if flagged(u64::from_le_bytes(word)) {
-            return true;
+            break;
         }
+        at += 8;
     }
-    chunks.remainder().iter().any(|&b| ESCAPE[usize::from(b)] != 0)
+    bytes[at..].iter().position(|&b| ESCAPE[usize::from(b)] != 0).map_or(bytes.len(), |i| at + i)
 }
 
 /// What `serde_json` does with each byte of a string: 0 copies it, 1 writes a backslash before
@@ -179,35 +183,26 @@ static ESCAPE: [u8; 256] = {
 fn push_str(out: &mut Vec<u8>, text: &str) {
     let bytes = text.as_bytes();
     out.reserve(bytes.len() + 2);
+    let begin = out.len();
     out.push(b'"');
-    if !may_need_escaping(bytes) {
-        out.extend_from_slice(bytes);
-        out.push(b'"');
-        return;
-    }
-    let begin = out.len() - 1;
     let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        match ESCAPE[usize::from(b)] {
-            0 => {}
-            1 => {
-                out.extend_from_slice(&bytes[start..i]);
-                out.push(b'\\');
-                out.push(b);
-                start = i + 1;
+    loop {
+        let i = next_to_escape(bytes, start);
+        out.extend_from_slice(&bytes[start..i]);
+        let Some(&b) = bytes.get(i) else { break };
+        if ESCAPE[usize::from(b)] != 1 {
+            // A control character: the whole string again, by serde_json.
+            out.truncate(begin);
+            if serde_json::to_writer(&mut *out, text).is_err() {
+                // Writing a string into a Vec cannot fail; should it, the answer stays valid JSON.
+                out.extend_from_slice(b"\"\"");
             }
-            _ => {
-                // A control character: the whole string again, by serde_json.
-                out.truncate(begin);
-                if serde_json::to_writer(&mut *out, text).is_err() {
-                    // Writing a string into a Vec cannot fail; should it, the answer stays valid JSON.
-                    out.extend_from_slice(b"\"\"");
-                }
-                return;
-            }
+            return;
         }
+        out.push(b'\\');
+        out.push(b);
+        start = i + 1;
     }
-    out.extend_from_slice(&bytes[start..]);
     out.push(b'"');
 }
 

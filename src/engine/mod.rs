@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use self::headers::{RuleHeaderInput, rate_limit_headers, retry_after};
+use self::headers::{RuleHeader, RuleHeaderInput, rate_limit_headers, retry_after};
 use self::leases::QuotaLeases;
 use crate::algorithm::{Decision, Limit, Micros};
 use crate::clock::Clock;
@@ -181,7 +181,8 @@ pub struct DescriptorsChecked {
 
 /// Per-rule things resolved once per snapshot rather than per request.
 struct RuleExtras {
-    header_name: String,
+    /// The rule's `RateLimit-Policy` and `RateLimit` parts that no decision changes.
+    header: RuleHeader,
     counters: RuleCounters,
     /// This replica's share of the limit, enforced locally while the shared store is away.
     fallback_limit: Limit,
@@ -374,7 +375,11 @@ impl<S: Store> Engine<S> {
             extras.insert(
                 rule.id(),
                 RuleExtras {
-                    header_name: header_name(rule.policy(), rule.name()),
+                    header: RuleHeader::new(
+                        &header_name(rule.policy(), rule.name()),
+                        rule.limit().capacity(),
+                        quota_window(rule.limit()),
+                    ),
                     counters: self.metrics.rule_counters(rule.policy(), rule.name(), rule.response_cost().is_some()),
                     fallback_limit: replica_share(rule.limit(), self.fallback.as_ref().map_or(1, |f| f.replicas)),
                     limit: rule.limit().clone(),
@@ -830,14 +835,8 @@ impl<S: Store> Engine<S> {
             if verdict.allowed && !shadow {
                 delay = delay.max(decision.delay);
             }
-            if !not_decided {
-                header_inputs.push(RuleHeaderInput {
-                    name: extras.map_or("", |e| e.header_name.as_str()),
-                    shadow,
-                    requests: m.rule.limit().capacity(),
-                    per: quota_window(m.rule.limit()),
-                    decision,
-                });
+            if let (Some(extras), false) = (extras, not_decided) {
+                header_inputs.push(RuleHeaderInput { header: &extras.header, shadow, decision });
             }
             let (policy, rule) = m.rule.shared_names();
             rules.push(RuleResult {
