@@ -1,6 +1,6 @@
 //! Integers written in decimal on the request path (JSON answers, rate-limit headers, state
 //! keys) by `itoa`, without `fmt`'s machinery: `write!` and `to_string` were about a tenth of a
-//! three-rule check's instructions (docs/benchmarks.md, "Instructions per request").
+//! three-rule check's instructions (docs/benchmarks.md, "The answer and the keys without `fmt`").
 
 use std::net::Ipv4Addr;
 
@@ -31,6 +31,16 @@ pub fn push_ipv4(out: &mut String, ip: Ipv4Addr) {
     }
 }
 
+/// The length of `ip`'s canonical text: what [`push_ipv4`] appends.
+pub fn ipv4_text_len(ip: Ipv4Addr) -> usize {
+    let digits = |octet: u8| match octet {
+        100.. => 3,
+        10.. => 2,
+        _ => 1,
+    };
+    3 + ip.octets().into_iter().map(digits).sum::<usize>()
+}
+
 #[cfg(test)]
 mod tests {
     use rand::{Rng, SeedableRng};
@@ -49,6 +59,7 @@ mod tests {
             let mut text = String::new();
             push_ipv4(&mut text, ip);
             assert_eq!(text, ip.to_string());
+            assert_eq!(ipv4_text_len(ip), text.len());
         }
     }
 }

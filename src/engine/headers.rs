@@ -61,12 +61,6 @@ fn sf_string(text: &str) -> String {
 /// Appends `text` to `out` as an sf-string.
 fn push_sf_string(out: &mut String, text: &str) {
     out.push('"');
-    // Policy and rule names (lowercase letters, digits, `-`, `/`) need no escaping: copied whole.
-    if text.bytes().all(|b| matches!(b, b' '..=b'~') && b != b'"' && b != b'\\') {
-        out.push_str(text);
-        out.push('"');
-        return;
-    }
     for c in text.chars() {
         match c {
             '"' | '\\' => {

@@ -454,21 +454,12 @@ fn push_part(key: &mut String, value: &str) {
     key.push_str(value);
 }
 
-/// The canonical text of an IP is at most 39 bytes; format it on the stack to learn its length
-/// before writing the prefix.
+/// An IP's canonical text, after its length: an IPv4's length counted from its octets, an IPv6's
+/// (at most 39 bytes) learnt by formatting it on the stack first.
 fn push_ip(key: &mut String, ip: IpAddr) {
     if let IpAddr::V4(v4) = ip {
-        // The common case without `fmt`: the text's length counted from the octets' digits.
-        let digits = |o: u8| {
-            if o >= 100 {
-                3
-            } else if o >= 10 {
-                2
-            } else {
-                1
-            }
-        };
-        push_len(key, 3 + v4.octets().into_iter().map(digits).sum::<usize>());
+        // The common case without `fmt`: the text's length first, then the text.
+        push_len(key, crate::decimal::ipv4_text_len(v4));
         crate::decimal::push_ipv4(key, v4);
         return;
     }
