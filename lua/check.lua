@@ -117,8 +117,7 @@ local scratch_rules, scratch_costs, scratch_ktypes, scratch_states = {}, {}, {},
 -- its cost ARGV[a0 + 2i + 1]; `hold` is the request's hold id ('' for none). Appends its reply
 -- (allowed, then five integers per rule) to `out`. Returns an error text instead when an
 -- argument is malformed (nothing written then).
-local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out)
-  local base = #out
+local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out, base)
   if n == 1 then
     -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
     -- rule admits the request either way), and it consumes only when it admitted.
@@ -213,6 +212,10 @@ end
 -- (`clock` caches it), else a non-negative integer (µs). nil for anything else.
 local function instant(text, clock)
   if text == '' then
+    if clock == nil then
+      local t = redis.call('TIME')
+      return tonumber(t[1]) * 1000000 + tonumber(t[2])
+    end
     if clock.now == nil then
       local t = redis.call('TIME')
       clock.now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -230,12 +233,18 @@ local function hold_id(text)
   return nil
 end
 
+-- `decide`'s reply table, reused by every call (Redis turns it into the reply as the call
+-- returns, before the next call can run): filling a table that already has its slots costs less
+-- than growing a new one. Entries past the reply's end are cleared, as Redis reads to the first
+-- nil.
+local reply, reply_len = {}, 0
+
 local function decide(KEYS, ARGV)
   local n = #KEYS
   if #ARGV ~= 2 + 2 * n then
     return redis.error_reply('sluice: expected ' .. (2 + 2 * n) .. ' arguments for ' .. n .. ' keys, got ' .. #ARGV)
   end
-  local now = instant(ARGV[1], {})
+  local now = instant(ARGV[1])
   if now == nil then
     return redis.error_reply('sluice: now must be a non-negative integer')
   end
@@ -243,12 +252,18 @@ local function decide(KEYS, ARGV)
   if hold == nil then
     return redis.error_reply('sluice: the hold id must be empty or decimal digits')
   end
-  local out = {}
-  local err = decide_request(KEYS, ARGV, 0, 1, n, now, hold, out)
+  local err = decide_request(KEYS, ARGV, 0, 1, n, now, hold, reply, 0)
+  local len = 5 * n + 2
   if err ~= nil then
+    -- Whatever it wrote is cleared by the next reply shorter than it.
+    reply_len = math.max(reply_len, len)
     return redis.error_reply(err)
   end
-  return out
+  for i = len + 1, reply_len do
+    reply[i] = nil
+  end
+  reply_len = len
+  return reply
 end
 
 -- Several requests in one call, decided one after the other exactly as that many `decide` calls
@@ -290,7 +305,7 @@ local function decide_many(KEYS, ARGV)
   a, k = 2, 0
   for _ = 1, m do
     local n = int(ARGV[a + 2])
-    decide_request(KEYS, ARGV, k, a + 1, n, instant(ARGV[a], clock), ARGV[a + 1], out)
+    decide_request(KEYS, ARGV, k, a + 1, n, instant(ARGV[a], clock), ARGV[a + 1], out, #out)
     a, k = a + 3 + 2 * n, k + n
   end
   return out

@@ -45,7 +45,10 @@ local MAX_COST = 4294967295
 -- MAX_EXACT: past 2^53 a double is not the integer meant, and past 2^63 '%d' wraps it negative
 -- (a count read back as nothing, a fresh window).
 local function fmt(x)
-  return string.format('%d', math.min(x, MAX_EXACT))
+  if x > MAX_EXACT then
+    x = MAX_EXACT
+  end
+  return string.format('%d', x)
 end
 
 -- A non-negative decimal integer stored by this script, or nil for anything else.
@@ -67,10 +70,10 @@ end
 -- taken as at most MAX_COST, as the algorithms take it in Rust (`clamp_cost`).
 local function amount(s)
   local n = int(s)
-  if n == nil then
-    return nil
+  if n ~= nil and n > MAX_COST then
+    return MAX_COST
   end
-  return math.min(n, MAX_COST)
+  return n
 end
 
 -- Milliseconds until `pristine_at`, rounded up so a key never expires before its state is

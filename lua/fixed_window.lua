@@ -13,7 +13,8 @@ sluice.fixed_window = {}
 
 function sluice.fixed_window.read(key)
   -- read_hash and int, inlined: this runs for every fixed-window rule of every decision, and
-  -- the calls cost more than the checks (scripts/bench/redis-profile.sh).
+  -- the calls cost more than the checks (scripts/bench/redis-profile.sh). The state is HMGET's
+  -- own reply, its fields turned into numbers in place: {'fw', start, count, e}.
   local v = redis.pcall('HMGET', key, 'a', 'start', 'count', 'e')
   if v.err then
     return nil, 'other'
@@ -23,7 +24,8 @@ function sluice.fixed_window.read(key)
     if start == nil or count == nil or start < 0 or count < 0 or start % 1 ~= 0 or count % 1 ~= 0 then
       return nil, 'hash'
     end
-    return { start = start, count = count, e = tonumber(v[4]) }, 'hash'
+    v[2], v[3], v[4] = start, count, tonumber(v[4])
+    return v, 'hash'
   end
   if v[1] or v[2] or v[3] or v[4] then
     return nil, 'hash'
@@ -33,15 +35,18 @@ end
 
 local function fw_current(l, w, now)
   local start = idiv(now, l.per) * l.per
-  if w ~= nil and w.start >= start then
-    return w.start, w.count
+  if w ~= nil and w[2] >= start then
+    return w[2], w[3]
   end
   return start, 0
 end
 
 function sluice.fixed_window.check(l, w, now, cost)
   local start, count = fw_current(l, w, now)
-  local reset_after = math.max(start + l.per - now, 0)
+  local reset_after = start + l.per - now
+  if reset_after < 0 then
+    reset_after = 0
+  end
   if count + cost <= l.requests then
     return true, l.requests - count - cost, reset_after, -1, 0
   end
@@ -55,9 +60,12 @@ end
 function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   local start, count = fw_current(l, w, now)
   -- The count saturates at MAX_EXACT (debt far past any limit), as in Rust.
-  local total = math.min(count + cost, MAX_EXACT)
+  local total = count + cost
+  if total > MAX_EXACT then
+    total = MAX_EXACT
+  end
   local pristine_at = start + l.per
-  if w ~= nil and w.start == start and w.e == pristine_at then
+  if w ~= nil and w[2] == start and w[4] == pristine_at then
     -- The common case first: the stored window goes on and its TTL is already its end.
     redis.call('HSET', key, 'count', fmt(total))
     return
@@ -68,7 +76,7 @@ function sluice.fixed_window.consume(key, ktype, w, l, now, cost)
   if w == nil and ktype ~= 'none' then
     redis.call('DEL', key)
   end
-  if w ~= nil and w.start == start then
+  if w ~= nil and w[2] == start then
     -- The stored window goes on, its TTL not yet set to its end.
     redis.call('HSET', key, 'count', fmt(total), 'e', fmt(pristine_at))
   else
