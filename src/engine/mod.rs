@@ -139,6 +139,10 @@ pub struct RuleResult {
     /// `remaining` is its limit, not its state).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub not_decided: bool,
+    /// `policy` and `rule` as the answer's JSON writes them (`{"policy":…,"rule":…`), made once
+    /// per snapshot by [`json::names_json`]; `None` writes them from the two fields.
+    #[serde(skip)]
+    pub names_json: Option<Arc<str>>,
 }
 
 pub(super) fn ordered_map<S: serde::Serializer>(
@@ -183,6 +187,8 @@ pub struct DescriptorsChecked {
 struct RuleExtras {
     /// The rule's `RateLimit-Policy` and `RateLimit` parts that no decision changes.
     header: RuleHeader,
+    /// Its names as its result's JSON begins ([`RuleResult::names_json`]).
+    names_json: Arc<str>,
     counters: RuleCounters,
     /// This replica's share of the limit, enforced locally while the shared store is away.
     fallback_limit: Limit,
@@ -380,6 +386,7 @@ impl<S: Store> Engine<S> {
                         rule.limit().capacity(),
                         quota_window(rule.limit()),
                     ),
+                    names_json: json::names_json(rule.policy(), rule.name()),
                     counters: self.metrics.rule_counters(rule.policy(), rule.name(), rule.response_cost().is_some()),
                     fallback_limit: replica_share(rule.limit(), self.fallback.as_ref().map_or(1, |f| f.replicas)),
                     limit: rule.limit().clone(),
@@ -851,6 +858,7 @@ impl<S: Store> Engine<S> {
                 quota_window_ms: ceil_ms(quota_window(m.rule.limit())),
                 store_failure: failed.then(|| m.rule.on_store_failure().name()),
                 not_decided,
+                names_json: extras.map(|e| e.names_json.clone()),
             });
         }
         let allowed = verdict.allowed;
