@@ -114,9 +114,9 @@ end
 local scratch_rules, scratch_costs, scratch_ktypes, scratch_states = {}, {}, {}, {}
 
 -- Decides one request's n rules: rule i's key is KEYS[k0 + i], its parameters ARGV[a0 + 2i] and
--- its cost ARGV[a0 + 2i + 1]; `hold` is the request's hold id ('' for none). Appends its reply
--- (allowed, then five integers per rule) to `out`. Returns an error text instead when an
--- argument is malformed (nothing written then).
+-- its cost ARGV[a0 + 2i + 1]; `hold` is the request's hold id ('' for none). Writes its reply
+-- (allowed, then five integers per rule, then now) to out[base + 1 .. base + 5n + 2]. Returns an
+-- error text instead when an argument is malformed (nothing written, in `out` or in Redis, then).
 local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out, base)
   if n == 1 then
     -- One rule, the common case: no per-rule arrays. Its own decision is the request's (a shadow
@@ -252,11 +252,14 @@ local function decide(KEYS, ARGV)
   if hold == nil then
     return redis.error_reply('sluice: the hold id must be empty or decimal digits')
   end
-  local err = decide_request(KEYS, ARGV, 0, 1, n, now, hold, reply, 0)
+  -- Counted before it is filled: a call stopped part-way (a Lua error in a write, FUNCTION KILL
+  -- during the read-only phase) leaves what it filled for the next shorter reply to clear.
   local len = 5 * n + 2
+  if len > reply_len then
+    reply_len = len
+  end
+  local err = decide_request(KEYS, ARGV, 0, 1, n, now, hold, reply, 0)
   if err ~= nil then
-    -- Whatever it wrote is cleared by the next reply shorter than it.
-    reply_len = math.max(reply_len, len)
     return redis.error_reply(err)
   end
   for i = len + 1, reply_len do

@@ -140,9 +140,10 @@ pub struct RuleResult {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub not_decided: bool,
     /// `policy` and `rule` as the answer's JSON writes them (`{"policy":…,"rule":…`), made once
-    /// per snapshot by [`json::names_json`]; `None` writes them from the two fields.
+    /// per snapshot from this rule's names by [`json::names_json`]; `None` writes them from the
+    /// two fields. Only the engine sets it, so it always says what `policy` and `rule` say.
     #[serde(skip)]
-    pub names_json: Option<Arc<str>>,
+    pub(crate) names_json: Option<Arc<str>>,
 }
 
 pub(super) fn ordered_map<S: serde::Serializer>(
