@@ -1255,3 +1255,16 @@ async fn lua_gives_back_slots_as_rust_does() {
         }
     }
 }
+
+/// Two servers on one port would be one server shared by two tests, where the first test's end
+/// resets the other's connections (a flake seen under load, when `free_port` gave one port
+/// twice): the second start refuses instead of sharing.
+#[test]
+fn a_second_server_on_a_taken_port_refuses_to_start() {
+    let first = RedisServer::start();
+    let port = first.port();
+    let second = std::panic::catch_unwind(|| RedisServer::start_with(port, &[]));
+    let message = second.err().and_then(|panic| panic.downcast::<String>().ok()).expect("the second start panics");
+    assert!(message.contains("served by another process"), "{message}");
+    assert_eq!(first.cli(&["ping"]).trim(), "PONG");
+}

@@ -48,14 +48,23 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// A fresh server on a free port, without persistence.
+    /// A fresh server on a free port, without persistence. A port another test's server took
+    /// between `free_port` and this server's bind is given up for another one.
     pub fn start() -> RedisServer {
-        RedisServer::start_with(free_port(false), &[])
+        let mut refused = Vec::new();
+        for _ in 0..5 {
+            let mut server = RedisServer { port: free_port(false), config: None, extra: Vec::new(), child: None };
+            match server.spawn() {
+                Ok(()) => return server,
+                Err(error) => refused.push(error),
+            }
+        }
+        panic!("no port for a redis-server: {refused:?}");
     }
 
     pub fn start_with(port: u16, extra: &[String]) -> RedisServer {
         let mut server = RedisServer { port, config: None, extra: extra.to_vec(), child: None };
-        server.spawn();
+        server.spawn().unwrap_or_else(|error| panic!("{error}"));
         server
     }
 
@@ -63,7 +72,7 @@ impl RedisServer {
     pub fn start_sentinel(port: u16, config: &Path) -> RedisServer {
         let mut server =
             RedisServer { port, config: Some(config.to_path_buf()), extra: vec!["--sentinel".into()], child: None };
-        server.spawn();
+        server.spawn().unwrap_or_else(|error| panic!("{error}"));
         server
     }
 
@@ -81,7 +90,10 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    fn spawn(&mut self) {
+    /// Starts the server and waits until it answers on its port. Fails when another process
+    /// serves the port: this server could not bind it (it exits), while the other answers PING
+    /// all the same — sharing it would have one test's end reset the other's connections.
+    fn spawn(&mut self) -> Result<(), String> {
         let binary = server_binary();
         assert!(
             binary.exists(),
@@ -110,8 +122,19 @@ impl RedisServer {
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut line).expect("read the server's pid");
         let pid = line.trim().parse().unwrap_or_else(|_| panic!("the watchdog printed no pid: {line:?}"));
-        self.child = Some((child, stdin, pid));
         wait_for_ping(self.port, Duration::from_secs(10));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !listens(pid, self.port) {
+            if !alive(pid) || Instant::now() >= deadline {
+                // The watchdog kills what is left of this server when its pipe closes.
+                drop(stdin);
+                let _ = child.wait();
+                return Err(format!("port {} is served by another process, not by redis-server pid {pid}", self.port));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.child = Some((child, stdin, pid));
+        Ok(())
     }
 
     /// Kills the server abruptly (SIGKILL) and waits until it is gone and its port refuses
@@ -139,14 +162,8 @@ impl RedisServer {
             let _ = child.kill();
         }
         let _ = child.wait();
-        // Gone once its /proc entry is (or is a zombie waiting for init to reap it), or names
-        // another program (the pid reused). Never signalled from here any more: the pid may
-        // belong to someone else by now.
-        let alive = || {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                stat.contains("(redis-") && stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
-            })
-        };
+        // Never signalled from here any more: the pid may belong to someone else by now.
+        let alive = || alive(pid);
         let deadline = Instant::now() + Duration::from_secs(5);
         while alive() || TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
             if Instant::now() >= deadline {
@@ -164,7 +181,7 @@ impl RedisServer {
     /// Starts the server again on the same port (its data is gone: no persistence).
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        self.spawn().unwrap_or_else(|error| panic!("{error}"));
     }
 
     /// Runs `redis-cli -p PORT args…` and returns its output.
@@ -202,6 +219,36 @@ fn ping(port: u16) -> bool {
     let mut reply = [0u8; 7];
     // A server started with --requirepass answers, refusing: it is up all the same.
     stream.read_exact(&mut reply).is_ok() && (&reply == b"+PONG\r\n" || &reply == b"-NOAUTH")
+}
+
+/// Whether `pid` is a redis-server still running: gone once its /proc entry is (or is a zombie
+/// waiting to be reaped), or names another program (the pid reused).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.contains("(redis-") && stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
+}
+
+/// Whether process `pid` holds the socket listening on 127.0.0.1:`port`: the listening socket's
+/// inode from /proc/net/tcp (state 0A), found among the process's descriptors.
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else { return false };
+    let local = format!("0100007F:{port:04X}");
+    let sockets: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"0A"))
+                .then(|| fields.get(9).map(|inode| format!("socket:[{inode}]")))
+                .flatten()
+        })
+        .collect();
+    let Ok(descriptors) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    descriptors.flatten().any(|descriptor| {
+        std::fs::read_link(descriptor.path())
+            .is_ok_and(|target| sockets.iter().any(|s| target.as_os_str() == s.as_str()))
+    })
 }
 
 fn wait_for_ping(port: u16, within: Duration) {
