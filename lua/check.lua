@@ -208,17 +208,22 @@ local function decide_request(KEYS, ARGV, k0, a0, n, now, hold, out, base)
   return nil
 end
 
+-- Redis's clock, in µs since the Unix epoch: the one clock every replica decides by.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
 -- The decision instant from a `now` argument: "" is the server's clock, read once per call
--- (`clock` caches it), else a non-negative integer (µs). nil for anything else.
+-- (`clock`, when given, caches it for a call deciding several requests), else a non-negative
+-- integer (µs). nil for anything else.
 local function instant(text, clock)
   if text == '' then
     if clock == nil then
-      local t = redis.call('TIME')
-      return tonumber(t[1]) * 1000000 + tonumber(t[2])
+      return server_now()
     end
     if clock.now == nil then
-      local t = redis.call('TIME')
-      clock.now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      clock.now = server_now()
     end
     return clock.now
   end

@@ -163,11 +163,10 @@ impl RedisServer {
         }
         let _ = child.wait();
         // Never signalled from here any more: the pid may belong to someone else by now.
-        let alive = || alive(pid);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while alive() || TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+        while alive(pid) || TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
             if Instant::now() >= deadline {
-                return Err(if alive() {
+                return Err(if alive(pid) {
                     format!("redis-server on {} (pid {pid}) did not stop after SIGKILL", self.port)
                 } else {
                     format!("redis-server on {} (pid {pid}) stopped, but its port still answers", self.port)
